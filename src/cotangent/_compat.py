@@ -1,0 +1,70 @@
+"""The one place where Cotangent touches private PyTorch APIs.
+
+Every private name used by the library is imported here, so that a torch upgrade that moves or
+changes one breaks a single, small module (and its test) instead of the whole library.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+# Groups tensors by (device, dtype) exactly as `torch.nn.utils.clip_grad_norm_` and the
+# foreach/fused optimizers do. The order of the returned groups decides the order in which
+# native clipping stacks per-tensor norms, and so the bits of the total norm
+# (../shared/notes/native-numerics.md, item 2). We reuse the helper instead of re-deriving it.
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
+from torch.utils._foreach_utils import _has_foreach_support as _torch_has_foreach_support
+from torch.utils._foreach_utils import _device_has_foreach_support
+
+
+def group_by_device_and_dtype(tensors: list[Tensor]) -> list[tuple[torch.device, torch.dtype, list[int]]]:
+    """Native (device, dtype) grouping of `tensors`, in native group order.
+
+    Returns a list of `(device, dtype, indices)` where `indices` are positions in `tensors`, in the
+    order native code visits them (`torch.utils._foreach_utils._group_tensors_by_device_and_dtype`
+    with `with_indices=True`).
+    """
+    grouped = _group_tensors_by_device_and_dtype([list(tensors)], with_indices=True)
+    return [(device, dtype, list(indices)) for (device, dtype), (_, indices) in grouped.items()]
+
+
+def foreach_norm_is_used(tensors: list[Tensor], device: torch.device, foreach: bool | None) -> bool:
+    """Whether `clip_grad_norm_(..., foreach=foreach)` takes `torch._foreach_norm` for this group.
+
+    Mirrors the branch in `torch.nn.utils.clip_grad._get_total_norm` (torch 2.4-2.13); raises
+    RuntimeError like native code when `foreach=True` is impossible on `device`.
+    """
+    if foreach is None:
+        return _torch_has_foreach_support(tensors, device)
+    if foreach and not _device_has_foreach_support(device):
+        raise RuntimeError(
+            f"foreach=True was passed, but can't use the foreach API on {device.type} tensors"
+        )
+    return bool(foreach)
+
+
+def foreach_norm(tensors: list[Tensor], ord: float) -> list[Tensor]:
+    """`torch._foreach_norm`: one norm per tensor, as native clipping computes them."""
+    return list(torch._foreach_norm(tensors, ord))
+
+
+def check_fused_support(p: Tensor) -> None:
+    """Native check run when fused AdamW initialises a parameter's state (raises RuntimeError)."""
+    from torch.optim.optimizer import _device_dtype_check_for_fused
+
+    _device_dtype_check_for_fused(p)
+
+
+def new_step_tensor(p: Tensor, *, fused: bool, capturable: bool) -> Tensor:
+    """A zero `step` counter placed and typed as `torch.optim.Adam._init_group` places it.
+
+    Fused or capturable: 0-dim on the parameter's device in `_get_scalar_dtype(is_fused=True)`;
+    otherwise a 0-dim CPU tensor in `_get_scalar_dtype()` (float32, or float64 when that is the
+    default dtype).
+    """
+    from torch.optim.optimizer import _get_scalar_dtype
+
+    if fused or capturable:
+        return torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device)
+    return torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")

@@ -1,0 +1,241 @@
+"""Gradient norms and the clip coefficient, bitwise equal to `torch.nn.utils.clip_grad_norm_`.
+
+Native clipping (torch/nn/utils/clip_grad.py, torch 2.4-2.13) computes one norm per gradient,
+grouped by (device, dtype) with `_group_tensors_by_device_and_dtype`, stacks them in that group
+order, takes the norm of the stack, then multiplies every gradient by
+`clamp(max_norm / (total + 1e-6), max=1.0)`. This module reproduces each stage with the same
+torch ops and replaces only the per-tensor norms of equal-length gradients by one 2-D
+`torch.linalg.vector_norm(..., dim=1)` over a bucket of the flat gradient buffer, and only where a
+calibration probe has shown that call to give the same bits as the native per-tensor call on this
+device, dtype, length, bucket size, thread count and torch version. Everywhere else the native
+per-tensor call runs on views of the flat buffer.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from cotangent import _compat
+from cotangent.packing import Bucket, FlatLayout, align_elements
+
+# (device type, dtype, numel, rows, row_stride, norm_type, native path, threads, torch) -> bool
+_BUCKET_CALIBRATION: dict[tuple, bool] = {}
+# (device type, dtype, coefficient dtype, threads, torch) -> bool
+_SCALE_CALIBRATION: dict[tuple, bool] = {}
+
+_PROBE_TRIALS = 3
+
+
+def native_tensor_norms(
+    tensors: list[Tensor], norm_type: float, foreach: bool | None
+) -> list[Tensor]:
+    """Per-tensor norms of one (device, dtype) group, exactly as native clipping computes them.
+
+    Args:
+        tensors: gradients sharing one device and dtype, any shapes.
+        norm_type: p of the p-norm (`float('inf')` for the max norm).
+        foreach: as in `clip_grad_norm_`: None picks `torch._foreach_norm` where supported.
+    Returns:
+        One 0-dim tensor per input, dtype of the inputs.
+    Raises:
+        RuntimeError: `foreach=True` on a device without foreach kernels (native message).
+    """
+    if not tensors:
+        return []
+    if _compat.foreach_norm_is_used(tensors, tensors[0].device, foreach):
+        return _compat.foreach_norm(tensors, norm_type)
+    return [torch.linalg.vector_norm(g, norm_type) for g in tensors]
+
+
+def _probe_values(count: int, dtype: torch.dtype, trial: int) -> Tensor:
+    """Deterministic probe data (float32 on CPU, cast to `dtype`): three magnitude profiles."""
+    gen = torch.Generator().manual_seed(1234 + trial)
+    x = torch.randn(count, generator=gen)
+    if trial == 1:  # small values with exact zeros, like sparse-ish gradients
+        x = x * 1e-4 * (torch.rand(count, generator=gen) > 0.1)
+    elif trial == 2:  # wide exponent spread, within the dtype's range
+        span = 6 if dtype == torch.float16 else 20
+        x = x * torch.exp2(torch.randint(-span, span + 1, (count,), generator=gen).float())
+    return x.to(dtype)
+
+
+def _bytes_equal(a: Tensor, b: Tensor) -> bool:
+    """Bitwise equality (never `torch.equal`, which calls -0.0 == +0.0 and NaN != NaN)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+
+
+def calibrate_bucket(
+    device: torch.device,
+    dtype: torch.dtype,
+    numel: int,
+    rows: int,
+    row_stride: int,
+    norm_type: float,
+    foreach: bool | None,
+) -> bool:
+    """Whether one 2-D row-norm call equals native per-tensor norms for this bucket shape.
+
+    The probe lays out `rows` tensors of `numel` elements `row_stride` apart in a fresh buffer on
+    `device` (64-byte aligned, like the flat buffers) and compares, byte for byte, the rows of
+    `torch.linalg.vector_norm(matrix, norm_type, dim=1)` with native per-tensor norms of separately
+    allocated copies, on three probe distributions. It also checks that native norms of the views
+    equal those of the copies (the per-tensor fallback relies on it). The verdict is cached per
+    (device type, dtype, numel, rows, row_stride, norm_type, native path, thread count, torch).
+
+    Raises:
+        RuntimeError: native per-tensor norms of views differ from those of copies, i.e. the packed
+            layout itself cannot be bitwise equal on this device.
+    """
+    native_path = _compat.foreach_norm_is_used(
+        [torch.empty(0, dtype=dtype, device=device)], device, foreach
+    )
+    key = (device.type, dtype, numel, rows, row_stride, float(norm_type), native_path,
+           torch.get_num_threads(), torch.__version__)
+    if key in _BUCKET_CALIBRATION:
+        return _BUCKET_CALIBRATION[key]
+    verdict = rows > 1 and numel > 0
+    for trial in range(_PROBE_TRIALS):
+        flat = _probe_values(rows * row_stride, dtype, trial).to(device)
+        matrix = flat.as_strided((rows, numel), (row_stride, 1), 0)
+        views = list(matrix.unbind(0))
+        copies = [v.clone() for v in views]
+        native = torch.stack(native_tensor_norms(copies, norm_type, foreach))
+        on_views = torch.stack(native_tensor_norms(views, norm_type, foreach))
+        if not _bytes_equal(native, on_views):
+            raise RuntimeError(
+                f"native norms of views into a flat buffer differ from norms of separate tensors on "
+                f"{device.type} {dtype} (numel {numel}); packing cannot be bitwise equal here"
+            )
+        if verdict:
+            batched = torch.linalg.vector_norm(matrix, norm_type, dim=1)
+            verdict = _bytes_equal(batched, native)
+    _BUCKET_CALIBRATION[key] = verdict
+    return verdict
+
+
+def calibrate_scale(device: torch.device, dtype: torch.dtype, coef_dtype: torch.dtype) -> bool:
+    """Whether one in-place multiply over a flat buffer equals per-tensor multiplies.
+
+    Native clipping runs `g.mul_(coef)` per gradient (`torch._foreach_mul_` falls back to that on
+    CPU). Multiplication is elementwise, so the only way position can matter is a vectorised body
+    and a scalar tail computing it differently; the probe multiplies segments of 1-40, 63-65,
+    127-129 and 1000 elements, laid out as in a flat buffer, by 16 coefficients and compares the
+    bytes with per-segment multiplies of copies. Cached per (device type, dtype, coefficient dtype,
+    thread count, torch).
+    """
+    key = (device.type, dtype, coef_dtype, torch.get_num_threads(), torch.__version__)
+    if key in _SCALE_CALIBRATION:
+        return _SCALE_CALIBRATION[key]
+    align = align_elements(dtype)
+    lengths = list(range(1, 41)) + [63, 64, 65, 127, 128, 129, 1000]
+    offsets, total = [], 0
+    for n in lengths:
+        offsets.append(total)
+        total += -(-n // align) * align
+    gen = torch.Generator().manual_seed(99)
+    coefs = torch.cat([torch.rand(13, generator=gen), torch.tensor([1.0, 0.5, 1e-6])])
+    verdict = True
+    for trial, c in enumerate(coefs.tolist()):
+        flat = _probe_values(total, dtype, trial % _PROBE_TRIALS).to(device)
+        coef = torch.tensor(c, dtype=coef_dtype, device=device)
+        copies = [flat[o:o + n].clone() for o, n in zip(offsets, lengths)]
+        for t in copies:
+            t.mul_(coef)
+        flat.mul_(coef)
+        if not all(_bytes_equal(flat[o:o + n], t) for o, n, t in zip(offsets, lengths, copies)):
+            verdict = False
+            break
+    _SCALE_CALIBRATION[key] = verdict
+    return verdict
+
+
+def calibration_table() -> list[dict]:
+    """All calibration verdicts of this process, for inspection (`cotangent calibrate`)."""
+    rows = []
+    for (dev, dtype, numel, nrows, stride, ord_, native_path, threads, version), ok in sorted(
+        _BUCKET_CALIBRATION.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2], kv[0][3])
+    ):
+        rows.append(dict(kind="bucket_norm", device=dev, dtype=str(dtype).removeprefix("torch."),
+                         numel=numel, rows=nrows, row_stride=stride, norm_type=ord_,
+                         native="_foreach_norm" if native_path else "vector_norm",
+                         threads=threads, torch=version, batched=ok))
+    for (dev, dtype, coef_dtype, threads, version), ok in _SCALE_CALIBRATION.items():
+        rows.append(dict(kind="flat_clip_multiply", device=dev,
+                         dtype=str(dtype).removeprefix("torch."),
+                         coef_dtype=str(coef_dtype).removeprefix("torch."),
+                         threads=threads, torch=version, batched=ok))
+    return rows
+
+
+def calibrate_layout(layout: FlatLayout, norm_type: float, foreach: bool | None) -> None:
+    """Set `bucket.batched` for every bucket of `layout` from `calibrate_bucket`."""
+    for bucket in layout.buckets:
+        bucket.batched = calibrate_bucket(
+            layout.device, layout.dtype, bucket.numel, bucket.rows, bucket.row_stride,
+            norm_type, foreach,
+        )
+
+
+def layout_norms(
+    layout: FlatLayout, flat_grads: Tensor, norm_type: float, foreach: bool | None
+) -> Tensor:
+    """Norms of every segment's gradient, in buffer order.
+
+    Args:
+        layout: a calibrated layout (see `calibrate_layout`).
+        flat_grads: 1-D gradient buffer of `layout.size` elements, `layout.dtype`.
+    Returns:
+        1-D tensor of `len(layout.segments)` norms, dtype `layout.dtype`: one 2-D row-norm call per
+        calibrated bucket, native per-tensor norms of views for the rest.
+    """
+    parts: list[Tensor] = []
+    pending: list[Tensor] = []  # consecutive per-tensor views, normed in one native call
+
+    def flush() -> None:
+        if pending:
+            parts.append(torch.stack(native_tensor_norms(pending, norm_type, foreach)))
+            pending.clear()
+
+    for bucket in layout.buckets:
+        if bucket.batched:
+            flush()
+            parts.append(torch.linalg.vector_norm(bucket.matrix(flat_grads), norm_type, dim=1))
+        else:
+            pending.extend(layout.view(flat_grads, seg) for seg in bucket.segments)
+    flush()
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def total_norm(norms_in_native_order: list[Tensor] | Tensor, norm_type: float) -> Tensor:
+    """`vector_norm(stack(per-tensor norms), norm_type)`: the native total gradient norm.
+
+    `torch.cat` of per-group 1-D norm tensors promotes dtypes exactly as native `torch.stack`
+    of the 0-dim norms does. An empty input gives native's `torch.tensor(0.0)`.
+    """
+    if isinstance(norms_in_native_order, Tensor):
+        stacked = norms_in_native_order
+    elif not norms_in_native_order:
+        return torch.tensor(0.0)
+    else:
+        stacked = torch.cat(norms_in_native_order)
+    return torch.linalg.vector_norm(stacked, norm_type)
+
+
+def clip_coefficient(total: Tensor, max_norm: float) -> Tensor:
+    """`clamp(max_norm / (total + 1e-6), max=1.0)` with native's op sequence.
+
+    `float / Tensor` is `Tensor.__rtruediv__`, i.e. `reciprocal()` then a multiply, which differs
+    from a true division in the last bit for about a quarter of inputs
+    (../shared/notes/native-numerics.md, item 3); so this keeps the exact expression of
+    `torch.nn.utils.clip_grad._clip_grads_with_norm_`.
+    """
+    clip_coef = float(max_norm) / (total + 1e-6)
+    return torch.clamp(clip_coef, max=1.0)
+
+
+def bucket_summary(buckets: list[Bucket]) -> list[tuple[int, int, bool]]:
+    """(numel, rows, batched) per bucket, for records and reports."""
+    return [(b.numel, b.rows, b.batched) for b in buckets]

@@ -1,0 +1,424 @@
+"""`cotangent.AdamW`: gradient clipping plus AdamW over packed parameters, bitwise equal to native.
+
+The optimizer is a thin stateful shell (parameter groups, state, hooks, `state_dict`) around the
+pure functions of `cotangent.norms` and torch's own functional AdamW (`torch.optim.adam.adam`
+with `decoupled_weight_decay=True`, the function `torch.optim.AdamW.step` calls).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+from torch.optim.adam import adam as _functional_adam
+
+from cotangent import _compat
+from cotangent.norms import (
+    calibrate_layout,
+    calibrate_scale,
+    clip_coefficient,
+    layout_norms,
+    native_tensor_norms,
+    total_norm,
+)
+from cotangent.packing import FlatLayout, Segment, plan_layouts
+
+_STATE_BUFFERS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+@dataclass(slots=True)
+class _GroupPlan:
+    """Argument lists of one param group for the functional AdamW, for one set of present grads."""
+
+    index: int
+    params: list[Tensor]
+    grads: list[Tensor]
+    exp_avgs: list[Tensor]
+    exp_avg_sqs: list[Tensor]
+    max_exp_avg_sqs: list[Tensor]
+    state_steps: list[Tensor]
+
+
+@dataclass(slots=True)
+class _StepPlan:
+    """Everything `step()` needs for one pattern of present gradients, built once and cached."""
+
+    groups: list[_GroupPlan]
+    # native (device, dtype) group order: (layout index, positions in that layout's norm vector
+    # or None when the order is the layout order, slots of the grads in native order)
+    clip_groups: list[tuple[int, Tensor | None, list[int]]]
+    absent: list[int]  # slots without a gradient this step
+    first_device: torch.device | None  # device of the first present gradient (native stacks there)
+
+
+class AdamW(torch.optim.AdamW):
+    r"""AdamW with built-in gradient clipping over packed flat buffers.
+
+    Drop-in for ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)`` followed by
+    ``torch.optim.AdamW(params, ...).step()``: same constructor arguments and defaults as
+    `torch.optim.AdamW` (Loshchilov & Hutter, "Decoupled Weight Decay Regularization", 2019, as
+    implemented by PyTorch), plus the clipping arguments. Every `step()` first clips exactly as
+    ``clip_grad_norm_([p for group in param_groups for p in group["params"] if p.grad is not None],
+    max_norm, norm_type, error_if_nonfinite, foreach=None)`` would, then runs the AdamW
+    implementation torch itself picks for these arguments (for-loop, foreach or fused) on
+    per-parameter views; parameters, gradients and the moments `exp_avg` / `exp_avg_sq` come out
+    bit for bit as with native code on the same device, dtype and torch version.
+
+    Packing: at construction every parameter's storage moves into one flat buffer per
+    (device, dtype), ordered by length, keeping its shape and strides (`p.data` is re-pointed; the
+    `Parameter` objects and modules are unchanged). Gradients live in a matching flat buffer and
+    autograd accumulates straight into it. Moments are views of flat buffers too.
+
+    Gradients and `zero_grad`: `zero_grad(set_to_none=True)` fills the gradient buffer with -0.0,
+    the identity of floating-point addition, so the next backward's in-place accumulation
+    reproduces native's freshly assigned gradient byte for byte (including -0.0). Until that
+    backward, ``p.grad`` is that -0.0 view rather than ``None``; a parameter that receives no
+    gradient (tracked by a post-accumulate-grad hook) is skipped exactly as native skips
+    ``p.grad is None``, and after `step()` its ``.grad`` is ``None`` as with native code. Gradients
+    that land outside the buffer (``model.zero_grad()`` then backward, or assigning ``p.grad``) are
+    copied in at `step()`: correct, one copy slower.
+
+    Args:
+        params: iterable of parameters or of param-group dicts, as for `torch.optim.AdamW`.
+            Parameters must be dense (contiguous, channels_last or another dense permutation),
+            real floating point, and appear once.
+        lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused: as `torch.optim.AdamW`.
+        capturable, differentiable: accepted for signature compatibility; only ``False`` is
+            supported.
+        max_norm: clip the global gradient norm to this value before each update (``None``: no
+            clipping, plain AdamW).
+        norm_type: p of the global p-norm (``float('inf')`` for the max norm), as `clip_grad_norm_`.
+        error_if_nonfinite: raise before any tensor is modified when the total norm is inf or NaN,
+            as `clip_grad_norm_`.
+
+    Attributes:
+        last_total_norm: the total gradient norm of the last clipping `step()` (0-dim tensor on
+            the first gradient's device, dtype of the promoted gradient dtypes), as returned by
+            `clip_grad_norm_`; ``None`` before the first step or without ``max_norm``.
+
+    Raises:
+        ValueError / RuntimeError: everything `torch.optim.AdamW` raises for bad arguments; a
+            parameter that appears twice, is sparse, complex, or not dense; non-float `max_norm`.
+        NotImplementedError: ``capturable=True`` or ``differentiable=True``.
+    """
+
+    def __init__(
+        self,
+        params,
+        lr: float | Tensor = 1e-3,
+        betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 1e-2,
+        amsgrad: bool = False,
+        *,
+        maximize: bool = False,
+        foreach: bool | None = None,
+        capturable: bool = False,
+        differentiable: bool = False,
+        fused: bool | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        error_if_nonfinite: bool = False,
+    ) -> None:
+        self._layouts: list[FlatLayout] | None = None  # None until the first pack
+        if max_norm is not None:
+            max_norm = float(max_norm)
+        norm_type = float(norm_type)
+        super().__init__(
+            params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
+            capturable=capturable, differentiable=differentiable, fused=fused,
+        )
+        if capturable or differentiable:
+            raise NotImplementedError(
+                "cotangent.AdamW supports capturable=False and differentiable=False only"
+            )
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.error_if_nonfinite = bool(error_if_nonfinite)
+        self.last_total_norm: Tensor | None = None
+        self._pack()
+
+    # ------------------------------------------------------------------ packing
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As `torch.optim.Optimizer.add_param_group`; afterwards all buffers are re-packed."""
+        super().add_param_group(param_group)
+        if self._layouts is not None:
+            self._pack()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As `torch.optim.Optimizer.load_state_dict` (native AdamW format); moments are then
+        moved into the flat state buffers."""
+        super().load_state_dict(state_dict)
+        self._pack()
+
+    def _all_params(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    def _validate(self, params: list[Tensor]) -> list[FlatLayout]:
+        seen: dict[int, int] = {}
+        for slot, p in enumerate(params):
+            if id(p) in seen:
+                raise ValueError(
+                    f"parameter {slot} is the same tensor as parameter {seen[id(p)]}; native AdamW "
+                    "would update it twice per step, cotangent.AdamW refuses duplicates"
+                )
+            seen[id(p)] = slot
+            if p.layout is not torch.strided:
+                raise ValueError(f"parameter {slot} has layout {p.layout}; only dense (strided) "
+                                 "parameters can be packed")
+            if p.is_complex():
+                raise ValueError(f"parameter {slot} is complex ({p.dtype}); not supported")
+        return plan_layouts(params)
+
+    @torch.no_grad()
+    def _pack(self) -> None:
+        """(Re)build the flat buffers from the current parameters, gradients and state."""
+        params = self._all_params()
+        layouts = self._validate(params)  # every check before anything is modified
+        for handle in getattr(self, "_hook_handles", []):
+            handle.remove()
+        self._params = params
+        self._layouts = layouts
+        self._flat_params: list[Tensor] = []
+        self._flat_grads: list[Tensor] = []
+        self._state_flat: list[dict[str, Tensor]] = [{} for _ in layouts]
+        self._grad_views: list[Tensor] = [None] * len(params)  # type: ignore[list-item]
+        self._param_ptrs: list[int] = [0] * len(params)
+        self._where: list[tuple[int, Segment]] = [None] * len(params)  # type: ignore[list-item]
+        self._has_grad: list[bool] = [False] * len(params)
+        for li, layout in enumerate(layouts):
+            flat_p = layout.new_buffer(0.0)
+            flat_g = layout.new_buffer(-0.0)
+            for seg in layout.segments:
+                p = params[seg.slot]
+                view = layout.view(flat_p, seg)
+                view.copy_(p)
+                p.data = view
+                gview = layout.view(flat_g, seg)
+                if p.grad is not None:
+                    gview.copy_(p.grad)
+                    self._has_grad[seg.slot] = True
+                p.grad = gview
+                self._grad_views[seg.slot] = gview
+                self._param_ptrs[seg.slot] = p.data_ptr()
+                self._where[seg.slot] = (li, seg)
+                state = self.state.get(p)
+                if state:
+                    for key in _STATE_BUFFERS:
+                        if key in state:
+                            target = self._state_view(li, seg, key)
+                            target.copy_(state[key])
+                            state[key] = target
+            self._flat_params.append(flat_p)
+            self._flat_grads.append(flat_g)
+            if self.max_norm is not None:
+                calibrate_layout(layout, self.norm_type, None)
+        flags = self._has_grad
+
+        def make_hook(slot: int):
+            def hook(_: Tensor) -> None:
+                flags[slot] = True  # this parameter received a gradient since the last zero_grad
+
+            return hook
+
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(make_hook(slot)) for slot, p in enumerate(params)
+        ]
+        self._plans: dict[tuple[int, ...], _StepPlan] = {}
+
+    def _state_view(self, li: int, seg: Segment, key: str) -> Tensor:
+        bufs = self._state_flat[li]
+        if key not in bufs:
+            bufs[key] = self._layouts[li].new_buffer(0.0)  # type: ignore[index]
+        return self._layouts[li].view(bufs[key], seg)  # type: ignore[index]
+
+    # ------------------------------------------------------------------ gradients
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Reset gradients, as `torch.optim.Optimizer.zero_grad`, keeping them in the flat buffer.
+
+        ``set_to_none=True`` (default): every parameter counts as having no gradient until the next
+        backward; the buffer holds -0.0 so that backward's accumulation reproduces a fresh
+        gradient bit for bit. ``set_to_none=False``: gradients that exist become +0.0 in place, as
+        native; those that are ``None`` stay absent.
+        """
+        keep = [] if set_to_none else [i for i, p in enumerate(self._params) if p.grad is not None]
+        for flat_g in self._flat_grads:
+            flat_g.fill_(-0.0)
+        for slot, p in enumerate(self._params):
+            if p.grad is not self._grad_views[slot]:
+                p.grad = self._grad_views[slot]
+            self._has_grad[slot] = False
+        for slot in keep:
+            self._grad_views[slot].zero_()
+            self._has_grad[slot] = True
+
+    def _present_slots(self) -> tuple[int, ...]:
+        """Slots with a gradient this step; gradients outside the flat buffer are copied in."""
+        outside = []
+        present = []
+        for slot, p in enumerate(self._params):
+            if p.data_ptr() != self._param_ptrs[slot]:
+                raise RuntimeError(
+                    f"parameter {slot} (shape {tuple(p.shape)}) no longer lives in cotangent.AdamW's "
+                    "flat buffer: its storage was replaced after the optimizer was built (e.g. "
+                    "`p.data = ...` or `module.to(...)`); build the optimizer after moving the model"
+                )
+            g = p.grad
+            if g is None:
+                continue
+            if g is self._grad_views[slot]:
+                if self._has_grad[slot]:
+                    present.append(slot)
+                continue
+            if g.is_sparse:
+                raise RuntimeError(
+                    f"parameter {slot} has a sparse gradient; Adam does not support sparse "
+                    "gradients, please consider SparseAdam instead"
+                )
+            if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+                raise RuntimeError(
+                    f"parameter {slot}: gradient {tuple(g.shape)} {g.dtype} {g.device} does not "
+                    f"match the parameter {tuple(p.shape)} {p.dtype} {p.device}"
+                )
+            outside.append(slot)
+            present.append(slot)
+        for slot in outside:  # validated above; now copy in
+            p = self._params[slot]
+            self._grad_views[slot].copy_(p.grad)
+            p.grad = self._grad_views[slot]
+            self._has_grad[slot] = True
+        return tuple(present)
+
+    # ------------------------------------------------------------------ step
+
+    def _plan(self, present: tuple[int, ...]) -> _StepPlan:
+        plan = self._plans.get(present)
+        if plan is not None:
+            return plan
+        present_set = set(present)
+        groups = []
+        slot = 0
+        for gi, group in enumerate(self.param_groups):
+            gp = _GroupPlan(gi, [], [], [], [], [], [])
+            for p in group["params"]:
+                if slot in present_set:
+                    state = self.state[p]
+                    if len(state) == 0:
+                        self._init_state(group, p, slot, state)
+                    gp.params.append(p)
+                    gp.grads.append(self._grad_views[slot])
+                    gp.exp_avgs.append(state["exp_avg"])
+                    gp.exp_avg_sqs.append(state["exp_avg_sq"])
+                    if group["amsgrad"]:
+                        gp.max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+                    gp.state_steps.append(state["step"])
+                slot += 1
+            if gp.params:
+                groups.append(gp)
+        clip_groups = []
+        grads = [self._grad_views[s] for s in present]
+        for _, _, indices in _compat.group_by_device_and_dtype(grads):
+            slots = [present[i] for i in indices]
+            li = self._where[slots[0]][0]
+            position = {seg.slot: pos for pos, seg in enumerate(self._layouts[li].segments)}
+            order = [position[s] for s in slots]
+            index = None if order == list(range(len(position))) else torch.tensor(
+                order, device=self._layouts[li].device)
+            clip_groups.append((li, index, slots))
+        absent = [s for s in range(len(self._params)) if s not in present_set]
+        first_device = self._grad_views[present[0]].device if present else None
+        plan = _StepPlan(groups, clip_groups, absent, first_device)
+        self._plans[present] = plan
+        return plan
+
+    def _init_state(self, group: dict, p: Tensor, slot: int, state: dict) -> None:
+        """Lazy state initialisation as `torch.optim.Adam._init_group`, moments in flat buffers."""
+        if group["fused"]:
+            _compat.check_fused_support(p)
+        if group["foreach"] and torch.is_tensor(group["lr"]) and not group["capturable"]:
+            raise RuntimeError(
+                "lr as a Tensor is not supported for capturable=False and foreach=True"
+            )
+        li, seg = self._where[slot]
+        state["step"] = _compat.new_step_tensor(p, fused=bool(group["fused"]),
+                                                capturable=bool(group["capturable"]))
+        keys = _STATE_BUFFERS if group["amsgrad"] else _STATE_BUFFERS[:2]
+        for key in keys:
+            state[key] = self._state_view(li, seg, key)
+            state[key].zero_()
+
+    def _clip(self, plan: _StepPlan) -> Tensor:
+        """Clip the present gradients in place as `clip_grad_norm_`; returns the total norm."""
+        if not plan.clip_groups:
+            return torch.tensor(0.0)
+        norms = {}
+        parts = []
+        for li, index, _ in plan.clip_groups:
+            if li not in norms:
+                norms[li] = layout_norms(self._layouts[li], self._flat_grads[li], self.norm_type,
+                                         None)
+            parts.append(norms[li] if index is None else norms[li].index_select(0, index))
+        total = total_norm([part.to(plan.first_device) for part in parts], self.norm_type)
+        if self.error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
+            raise RuntimeError(
+                f"The total norm of order {self.norm_type} for gradients from `parameters` is "
+                "non-finite, so it cannot be clipped. To disable this error and scale the "
+                "gradients by the non-finite norm anyway, set `error_if_nonfinite=False`"
+            )
+        coef = clip_coefficient(total, self.max_norm)  # type: ignore[arg-type]
+        for li, _, slots in plan.clip_groups:
+            layout = self._layouts[li]
+            coef_dev = coef.to(layout.device)
+            # On CPU reading the coefficient costs no device sync, and x * 1.0 == x bit for bit.
+            if layout.device.type == "cpu" and coef_dev.item() == 1.0:
+                continue
+            if calibrate_scale(layout.device, layout.dtype, coef_dev.dtype):
+                self._flat_grads[li].mul_(coef_dev)
+            else:
+                torch._foreach_mul_([self._grad_views[s] for s in slots], coef_dev)
+        return total
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Clip (if ``max_norm`` is set) and apply one AdamW update; returns the closure's loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        present = self._present_slots()
+        plan = self._plan(present)
+        if self.max_norm is not None:
+            self.last_total_norm = self._clip(plan)
+        for gp in plan.groups:
+            group = self.param_groups[gp.index]
+            beta1, beta2 = group["betas"]
+            _functional_adam(
+                gp.params, gp.grads, gp.exp_avgs, gp.exp_avg_sqs, gp.max_exp_avg_sqs,
+                gp.state_steps,
+                amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2,
+                lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
+                maximize=group["maximize"], foreach=group["foreach"],
+                capturable=group["capturable"], differentiable=group["differentiable"],
+                fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
+                found_inf=getattr(self, "found_inf", None), decoupled_weight_decay=True,
+            )
+        for slot in plan.absent:  # native leaves these None; so do we after the step
+            p = self._params[slot]
+            if p.grad is self._grad_views[slot]:
+                p.grad = None
+        return loss
+
+    # ------------------------------------------------------------------ introspection
+
+    def layout_summary(self) -> list[dict]:
+        """Per flat buffer: device, dtype, elements (with padding), tensors, buckets and how many
+        buckets use the batched norm."""
+        return [
+            dict(device=str(l.device), dtype=str(l.dtype).removeprefix("torch."), elements=l.size,
+                 tensors=len(l.segments), buckets=len(l.buckets),
+                 batched_buckets=sum(b.batched for b in l.buckets))
+            for l in self._layouts or []
+        ]

@@ -1,0 +1,154 @@
+"""Flat-buffer layout: parameters, gradients and AdamW moments as views into one buffer.
+
+For each (device, dtype) the parameters are laid out in one flat 1-D buffer, ordered by length so
+that equal-length tensors sit side by side (a *bucket*). Each parameter keeps its own shape and
+strides (a channels_last weight stays channels_last); only its storage moves. Every segment
+starts on a 64-byte boundary, the alignment of PyTorch's CPU allocator, so that kernels whose
+code path depends on pointer alignment (CUDA `_foreach_norm`, vectorised CPU loops) see the same
+alignment class as for a separately allocated tensor. Inside a bucket the rows are therefore
+`row_stride >= numel` elements apart, and a bucket of `k` tensors of `n` elements is the strided
+2-D view `buffer.as_strided((k, n), (row_stride, 1), offset)`.
+
+The gradient buffer and the optimizer-state buffers (`exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`)
+use the same layout, so the same offsets address all of them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+ALIGN_BYTES = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """One tensor's place in a flat buffer."""
+
+    slot: int  # position of the parameter in the optimizer's flat parameter list
+    offset: int  # element offset of the segment in the flat buffer
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    numel: int
+    contiguous: bool  # row-major contiguous (only those are batched with their bucket)
+
+
+@dataclass(slots=True)
+class Bucket:
+    """Equal-length, contiguous segments stored `row_stride` elements apart, or one lone segment."""
+
+    numel: int  # n, elements per tensor
+    row_stride: int  # elements between consecutive rows
+    offset: int  # element offset of the first row
+    segments: list[Segment]
+    batched: bool = False  # set by calibration: one 2-D reduction is bitwise equal to native
+
+    @property
+    def rows(self) -> int:
+        return len(self.segments)
+
+    def matrix(self, flat: Tensor) -> Tensor:
+        """The (rows, numel) strided view of this bucket in `flat`."""
+        return flat.as_strided((self.rows, self.numel), (self.row_stride, 1), self.offset)
+
+
+@dataclass(slots=True)
+class FlatLayout:
+    """Layout of all parameters of one (device, dtype) in one flat buffer of `size` elements."""
+
+    device: torch.device
+    dtype: torch.dtype
+    size: int
+    buckets: list[Bucket]
+    segments: list[Segment] = field(default_factory=list)  # in buffer (bucket) order
+
+    def view(self, flat: Tensor, seg: Segment) -> Tensor:
+        """The tensor of segment `seg` inside `flat` (same shape and strides as the parameter)."""
+        return flat.as_strided(seg.shape, seg.stride, seg.offset)
+
+    def new_buffer(self, fill: float) -> Tensor:
+        return torch.full((self.size,), fill, dtype=self.dtype, device=self.device)
+
+
+def align_elements(dtype: torch.dtype) -> int:
+    """Number of `dtype` elements in `ALIGN_BYTES` bytes."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return max(1, ALIGN_BYTES // itemsize)
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def is_dense_non_overlapping(t: Tensor) -> bool:
+    """True when `t`'s elements fill exactly `t.numel()` consecutive storage slots.
+
+    Contiguous, channels_last and any permuted-dense tensor qualify; slices with gaps (`x[::2]`)
+    and expanded tensors (stride 0) do not.
+    """
+    if t.numel() == 0:
+        return True
+    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+def plan_layouts(params: list[Tensor]) -> list[FlatLayout]:
+    """Plan one `FlatLayout` per (device, dtype), in order of first appearance.
+
+    Within a layout, contiguous tensors are sorted by length (stable, so equal lengths keep the
+    parameter order) and grouped in buckets; a non-contiguous dense tensor (e.g. channels_last)
+    gets a bucket of its own. `slot` in each segment indexes `params`.
+
+    Raises:
+        ValueError: a parameter that is not dense and non-overlapping (it cannot be re-homed into
+            a flat buffer without changing its strides).
+    """
+    by_key: dict[tuple[torch.device, torch.dtype], list[int]] = {}
+    for slot, p in enumerate(params):
+        if not is_dense_non_overlapping(p):
+            raise ValueError(
+                f"parameter {slot} (shape {tuple(p.shape)}, stride {p.stride()}) is not dense and "
+                "non-overlapping, so it cannot live in a flat buffer with its own strides"
+            )
+        by_key.setdefault((p.device, p.dtype), []).append(slot)
+
+    layouts = []
+    for (device, dtype), slots in by_key.items():
+        align = align_elements(dtype)
+        ordered = sorted(slots, key=lambda s: params[s].numel())
+        buckets: list[Bucket] = []
+        offset = 0
+        for slot in ordered:
+            p = params[slot]
+            n = p.numel()
+            contiguous = p.is_contiguous()
+            row_stride = _round_up(n, align)
+            seg = Segment(slot, 0, tuple(p.shape), tuple(p.stride()), n, contiguous)
+            last = buckets[-1] if buckets else None
+            if (
+                last is not None
+                and contiguous
+                and last.segments[0].contiguous
+                and last.numel == n
+            ):
+                seg = Segment(slot, last.offset + last.rows * row_stride, *_rest(seg))
+                last.segments.append(seg)
+                offset = seg.offset + row_stride
+            else:
+                seg = Segment(slot, offset, *_rest(seg))
+                buckets.append(Bucket(n, row_stride, offset, [seg]))
+                offset += row_stride
+        segments = [s for b in buckets for s in b.segments]
+        layouts.append(FlatLayout(device, dtype, offset, buckets, segments))
+    return layouts
+
+
+def _rest(seg: Segment) -> tuple:
+    return (seg.shape, seg.stride, seg.numel, seg.contiguous)
