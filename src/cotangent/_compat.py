@@ -68,3 +68,8 @@ def new_step_tensor(p: Tensor, *, fused: bool, capturable: bool) -> Tensor:
     if fused or capturable:
         return torch.zeros((), dtype=_get_scalar_dtype(is_fused=fused), device=p.device)
     return torch.tensor(0.0, dtype=_get_scalar_dtype(), device="cpu")
+
+
+def foreach_mul_(tensors: list[Tensor], scalar: Tensor) -> None:
+    """`torch._foreach_mul_`: native clipping's per-gradient multiply."""
+    torch._foreach_mul_(tensors, scalar)

@@ -119,7 +119,7 @@ def calibrate_bucket(
 def calibrate_scale(device: torch.device, dtype: torch.dtype, coef_dtype: torch.dtype) -> bool:
     """Whether one in-place multiply over a flat buffer equals per-tensor multiplies.
 
-    Native clipping runs `g.mul_(coef)` per gradient (`torch._foreach_mul_` falls back to that on
+    Native clipping runs `g.mul_(coef)` per gradient (`_foreach_mul_` falls back to that on
     CPU). Multiplication is elementwise, so the only way position can matter is a vectorised body
     and a scalar tail computing it differently; the probe multiplies segments of 1-40, 63-65,
     127-129 and 1000 elements, laid out as in a flat buffer, by 16 coefficients and compares the

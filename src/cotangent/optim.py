@@ -50,6 +50,7 @@ class _StepPlan:
     clip_groups: list[tuple[int, Tensor | None, list[int]]]
     absent: list[int]  # slots without a gradient this step
     first_device: torch.device | None  # device of the first present gradient (native stacks there)
+    state_ready: bool  # the groups' state lists are filled (after the first clip of this plan)
 
 
 class AdamW(torch.optim.AdamW):
@@ -305,16 +306,8 @@ class AdamW(torch.optim.AdamW):
             gp = _GroupPlan(gi, [], [], [], [], [], [])
             for p in group["params"]:
                 if slot in present_set:
-                    state = self.state[p]
-                    if len(state) == 0:
-                        self._init_state(group, p, slot, state)
                     gp.params.append(p)
                     gp.grads.append(self._grad_views[slot])
-                    gp.exp_avgs.append(state["exp_avg"])
-                    gp.exp_avg_sqs.append(state["exp_avg_sq"])
-                    if group["amsgrad"]:
-                        gp.max_exp_avg_sqs.append(state["max_exp_avg_sq"])
-                    gp.state_steps.append(state["step"])
                 slot += 1
             if gp.params:
                 groups.append(gp)
@@ -330,9 +323,26 @@ class AdamW(torch.optim.AdamW):
             clip_groups.append((li, index, slots))
         absent = [s for s in range(len(self._params)) if s not in present_set]
         first_device = self._grad_views[present[0]].device if present else None
-        plan = _StepPlan(groups, clip_groups, absent, first_device)
+        plan = _StepPlan(groups, clip_groups, absent, first_device, False)
         self._plans[present] = plan
         return plan
+
+    def _fill_state_lists(self, plan: _StepPlan) -> None:
+        """Initialise missing state (lazily, as native does at the first update of a parameter)
+        and collect the state tensors of the plan's parameters, once per plan."""
+        slot_of = {id(p): slot for slot, p in enumerate(self._params)}
+        for gp in plan.groups:
+            group = self.param_groups[gp.index]
+            for p in gp.params:
+                state = self.state[p]
+                if len(state) == 0:
+                    self._init_state(group, p, slot_of[id(p)], state)
+                gp.exp_avgs.append(state["exp_avg"])
+                gp.exp_avg_sqs.append(state["exp_avg_sq"])
+                if group["amsgrad"]:
+                    gp.max_exp_avg_sqs.append(state["max_exp_avg_sq"])
+                gp.state_steps.append(state["step"])
+        plan.state_ready = True
 
     def _init_state(self, group: dict, p: Tensor, slot: int, state: dict) -> None:
         """Lazy state initialisation as `torch.optim.Adam._init_group`, moments in flat buffers."""
@@ -378,7 +388,7 @@ class AdamW(torch.optim.AdamW):
             if calibrate_scale(layout.device, layout.dtype, coef_dev.dtype):
                 self._flat_grads[li].mul_(coef_dev)
             else:
-                torch._foreach_mul_([self._grad_views[s] for s in slots], coef_dev)
+                _compat.foreach_mul_([self._grad_views[s] for s in slots], coef_dev)
         return total
 
     @torch.no_grad()
@@ -391,7 +401,9 @@ class AdamW(torch.optim.AdamW):
         present = self._present_slots()
         plan = self._plan(present)
         if self.max_norm is not None:
-            self.last_total_norm = self._clip(plan)
+            self.last_total_norm = self._clip(plan)  # may raise: nothing is modified before it
+        if not plan.state_ready:
+            self._fill_state_lists(plan)
         for gp in plan.groups:
             group = self.param_groups[gp.index]
             beta1, beta2 = group["betas"]

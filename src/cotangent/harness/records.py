@@ -1,0 +1,77 @@
+"""Run records: every file is written atomically (temporary file in the same directory, fsync,
+`os.replace`), so a reader sees either the previous complete file or the new complete file."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+import cotangent
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write `text` (UTF-8) to `path` atomically."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_json(path: Path, obj) -> None:
+    write_atomic(path, json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> None:
+    write_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+
+
+def code_fingerprint() -> str:
+    """SHA-256 over the installed `cotangent` package's .py files (relative path + bytes)."""
+    root = Path(cotangent.__file__).parent
+    h = hashlib.sha256()
+    for path in sorted(root.rglob("*.py")):
+        h.update(path.relative_to(root).as_posix().encode() + b"\0")
+        h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def environment() -> dict:
+    """Versions and machine facts recorded with every run."""
+    return {
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "torch": torch.__version__,
+        "torch_git": torch.version.git_version,
+        "torch_cuda": torch.version.cuda,
+        "threads": torch.get_num_threads(),
+        "cotangent": cotangent.__version__,
+        "code_sha256": code_fingerprint(),
+    }
+
+
+def model_sha256(model: torch.nn.Module) -> str:
+    """SHA-256 over every parameter and buffer in `state_dict` order: name, dtype, shape and the
+    bytes of its values in logical (row-major) order, so the hash does not depend on where or
+    with which strides a tensor is stored."""
+    h = hashlib.sha256()
+    for name, t in model.state_dict().items():
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

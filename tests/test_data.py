@@ -1,0 +1,121 @@
+"""Data loading, hash checking and window reproducibility."""
+
+from __future__ import annotations
+
+import lzma
+import os
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cotangent.harness import data as D
+
+SHARED = Path(os.environ.get("COTANGENT_DATA_DIR", Path(__file__).parents[2] / "shared/data/wikitext-2"))
+
+
+def _write_splits(root: Path, names: dict[str, str], payload: dict[str, bytes], xz=False) -> None:
+    root.mkdir(parents=True, exist_ok=True)
+    for split, name in names.items():
+        if xz:
+            (root / (name + ".xz")).write_bytes(lzma.compress(payload[split]))
+        else:
+            (root / name).write_bytes(payload[split])
+
+
+PAYLOAD = {s: f"= {s} =\n some text for the {s} split .\n".encode() * 20 for s in D.SPLITS}
+
+
+@pytest.mark.parametrize("xz", [False, True])
+@pytest.mark.parametrize("naming", ["tokenized", "raw"])
+def test_unknown_files_load_with_a_warning_naming_them(tmp_path, xz, naming):
+    names = {s: (f"{s}.txt" if naming == "tokenized" else f"wiki.{s}.raw") for s in D.SPLITS}
+    _write_splits(tmp_path, names, PAYLOAD, xz=xz)
+    with pytest.warns(UserWarning) as record:
+        corpus = D.load_wikitext2(tmp_path)
+    messages = [str(w.message) for w in record]
+    assert len(messages) == 3
+    for split in D.SPLITS:
+        assert corpus.splits[split] == PAYLOAD[split]
+        assert any(names[split] in m and "not a known" in m for m in messages)
+        assert corpus.sources[split].sha256 == D.sha256_bytes(PAYLOAD[split])
+        assert not corpus.sources[split].known
+    assert corpus.name == ("wikitext-2-raw" if naming == "raw" else "wikitext-2")
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="WikiText-2 not available")
+def test_real_wikitext2_matches_known_hashes():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a known file must not warn
+        corpus = D.load_wikitext2(SHARED)
+    assert all(src.known for src in corpus.sources.values())
+    assert len(corpus.splits["train"]) == 10_797_148
+    assert len(corpus.splits["valid"]) == 1_121_681
+    assert len(corpus.splits["test"]) == 1_256_449
+
+
+def test_known_hash_is_accepted_only_for_its_own_split(tmp_path, monkeypatch):
+    monkeypatch.setattr(D, "KNOWN_SHA256", {
+        D.sha256_bytes(PAYLOAD["train"]): ("wikitext-2", "train"),
+        D.sha256_bytes(PAYLOAD["valid"]): ("wikitext-2", "test"),  # known, but as another split
+    })
+    _write_splits(tmp_path, {s: f"{s}.txt" for s in D.SPLITS}, PAYLOAD)
+    with pytest.warns(UserWarning) as record:
+        corpus = D.load_wikitext2(tmp_path)
+    messages = " | ".join(str(w.message) for w in record)
+    assert "train.txt" not in messages
+    assert "valid.txt" in messages and "test.txt" in messages
+    assert [corpus.sources[s].known for s in D.SPLITS] == [True, False, False]
+
+
+def test_missing_split_and_corrupt_xz_give_clear_errors(tmp_path):
+    _write_splits(tmp_path, {"train": "train.txt", "valid": "valid.txt"}, PAYLOAD)
+    with pytest.raises(FileNotFoundError, match="no test split"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            D.load_wikitext2(tmp_path)
+    (tmp_path / "test.txt.xz").write_bytes(b"not xz at all")
+    with pytest.raises(ValueError, match="test.txt.xz: not a valid .xz"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            D.load_wikitext2(tmp_path)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        D.load_wikitext2(tmp_path / "nope")
+
+
+def test_windows_are_reproducible_and_stay_in_the_first_95_percent():
+    train = bytes(range(256)) * 40  # 10,240 bytes
+    a = D.WindowSampler(train, seed=7, batch_size=8, context=256)
+    b = D.WindowSampler(train, seed=7, batch_size=8, context=256)
+    c = D.WindowSampler(train, seed=8, batch_size=8, context=256)
+    expected_rng = np.random.default_rng(7 + 100000)
+    limit = int(len(train) * 0.95)
+    differs = False
+    for _ in range(50):
+        xa, xb, xc = a.next_batch(), b.next_batch(), c.next_batch()
+        assert xa.shape == (8, 257) and xa.dtype.is_floating_point is False
+        assert np.array_equal(xa.numpy(), xb.numpy())
+        differs |= not np.array_equal(xa.numpy(), xc.numpy())
+        starts = expected_rng.integers(0, limit - 256, size=8)
+        for row, s in zip(xa.numpy(), starts):
+            assert bytes(row.astype(np.uint8)) == train[s:s + 257]
+            assert s + 257 <= limit
+    assert differs
+
+
+def test_eval_windows_cover_each_target_once():
+    data = bytes(range(200)) * 3  # 600 bytes
+    w = D.eval_windows(data, context=64)
+    assert w.shape == ((600 - 1) // 64, 65)
+    targets = w[:, 1:].reshape(-1).tolist()
+    assert targets == list(data[1:1 + len(targets)])
+    assert D.eval_windows(data, context=64, max_bytes=130).shape == (2, 65)
+
+
+def test_embedded_corpus_is_real_python_source():
+    corpus = D.embedded_corpus()
+    assert len(corpus.splits["train"]) > 1_000_000
+    assert b"def " in corpus.splits["train"][:100_000]
+    assert "SHA-256" in corpus.note and corpus.sources["train"].sha256 == D.sha256_bytes(
+        corpus.splits["train"])

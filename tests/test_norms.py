@@ -1,0 +1,73 @@
+"""Calibrated batched norms and the clip coefficient against native, byte for byte (CPU)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bitwise import assert_same_bits
+from cotangent import norms
+from cotangent.packing import plan_layouts
+
+LENGTHS = [1, 2, 3, 5, 8, 31, 33, 64, 130, 1026, 4098, 65536]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_layout_norms_and_total_equal_native(dtype, rows):
+    gen = torch.Generator().manual_seed(rows)
+    grads = [torch.randn(n, generator=gen).to(dtype) for n in LENGTHS for _ in range(rows)]
+    perm = torch.randperm(len(grads), generator=gen).tolist()  # parameter order != length order
+    grads = [grads[i] for i in perm]
+    (layout,) = plan_layouts(grads)
+    norms.calibrate_layout(layout, 2.0, None)
+    flat = layout.new_buffer(-0.0)
+    for seg in layout.segments:
+        layout.view(flat, seg).copy_(grads[seg.slot])
+    ours = norms.layout_norms(layout, flat, 2.0, None)
+    native = torch._foreach_norm(grads, 2.0)
+    for pos, seg in enumerate(layout.segments):
+        assert_same_bits(ours[pos], native[seg.slot], f"norm of length {seg.numel}")
+    position = {seg.slot: pos for pos, seg in enumerate(layout.segments)}
+    ordered = ours.index_select(0, torch.tensor([position[i] for i in range(len(grads))]))
+    assert_same_bits(norms.total_norm(ordered, 2.0),
+                     torch.nn.utils.get_total_norm(grads, 2.0), "total norm")
+
+
+def test_clip_coefficient_is_native_arithmetic():
+    gen = torch.Generator().manual_seed(0)
+    totals = torch.rand(2000, generator=gen) * 10
+    totals = totals[totals > 0.7]  # where the coefficient is not clamped to 1
+    ours = torch.stack([norms.clip_coefficient(t, 0.7) for t in totals])
+    native = []
+    for t in totals:  # torch's own clipping applied to a gradient of ones yields its coefficient
+        p = torch.nn.Parameter(torch.zeros(1))
+        p.grad = torch.ones(1)
+        torch.nn.utils.clip_grads_with_norm_([p], 0.7, t)
+        native.append(p.grad[0])
+    native = torch.stack(native)
+    division = torch.clamp(torch.tensor(0.7) / (totals + 1e-6), max=1.0)
+    assert_same_bits(ours, native, "clip coefficient")
+    # The reciprocal-then-multiply form really is different from a true division somewhere,
+    # so this test would catch a "simplification" to a division.
+    assert not torch.equal(ours.view(torch.int32), division.view(torch.int32))
+
+
+def test_calibration_is_inspectable_and_cached():
+    assert norms.calibrate_bucket(torch.device("cpu"), torch.float32, 64, 4, 64, 2.0, None)
+    table = norms.calibration_table()
+    assert any(r["kind"] == "bucket_norm" and r["numel"] == 64 and r["rows"] == 4 for r in table)
+    # A one-row bucket is never "batched": the native per-tensor call is used as is.
+    assert not norms.calibrate_bucket(torch.device("cpu"), torch.float32, 64, 1, 64, 2.0, None)
+
+
+def test_calibration_rejects_a_batched_call_that_differs(monkeypatch):
+    """If the 2-D reduction were different, the probe must say so (and the fallback is used)."""
+    real = torch.linalg.vector_norm
+
+    def perturbed(x, ord=2, dim=None, **kw):
+        out = real(x, ord, dim=dim, **kw)
+        return out if dim is None else torch.nextafter(out, torch.full_like(out, float("inf")))
+
+    monkeypatch.setattr(norms.torch.linalg, "vector_norm", perturbed)
+    assert not norms.calibrate_bucket(torch.device("cpu"), torch.float32, 96, 5, 96, 2.0, False)

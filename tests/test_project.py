@@ -1,0 +1,72 @@
+"""Project invariants: library layering, and the README and CI running the same test command."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).parents[1]
+CORE = ROOT / "src" / "cotangent"
+README_TEST_MARK = "<!-- test-command -->"
+
+
+def _imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_library_core_imports_only_torch_and_the_standard_library():
+    core_files = [p for p in CORE.glob("*.py")]
+    assert core_files
+    for path in core_files:
+        for name in _imports(path):
+            top = name.split(".")[0]
+            assert top in ("torch", "cotangent") or top in sys.stdlib_module_names, (path, name)
+            assert not name.startswith("cotangent.harness"), (path, name)
+
+
+def _private_torch_uses(path: Path) -> list[str]:
+    """`torch._x` / `torch.a._b` attribute chains and imports from private torch modules."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute):
+            chain, cur = [node.attr], node.value
+            while isinstance(cur, ast.Attribute):
+                chain.append(cur.attr)
+                cur = cur.value
+            if isinstance(cur, ast.Name) and cur.id == "torch":
+                if any(part.startswith("_") and not part.startswith("__") for part in chain):
+                    found.append(".".join(["torch", *reversed(chain)]))
+        elif isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("torch"):
+            if any(part.startswith("_") for part in node.module.split(".")) or any(
+                    a.name.startswith("_") for a in node.names):
+                found.append(node.module)
+    return found
+
+
+def test_private_torch_apis_only_in_compat():
+    assert _private_torch_uses(CORE / "_compat.py"), "the detector must see _compat's uses"
+    for path in CORE.glob("*.py"):
+        if path.name != "_compat.py":
+            assert _private_torch_uses(path) == [], path.name
+
+
+def _readme_test_command() -> str:
+    lines = (ROOT / "README.md").read_text().splitlines()
+    i = lines.index(README_TEST_MARK)
+    block = lines[i + 1:]
+    assert block[0].startswith("```")
+    return block[1].strip()
+
+
+def test_ci_runs_the_readme_test_command():
+    command = _readme_test_command()
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert command in ci.splitlines(), "the README test command must appear verbatim in .ci/run"
+    assert "torch==2.13.0" in ci and "COTANGENT_DATA_DIR=../shared/data/wikitext-2" in ci
