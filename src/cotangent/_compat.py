@@ -73,3 +73,15 @@ def new_step_tensor(p: Tensor, *, fused: bool, capturable: bool) -> Tensor:
 def foreach_mul_(tensors: list[Tensor], scalar: Tensor) -> None:
     """`torch._foreach_mul_`: native clipping's per-gradient multiply."""
     torch._foreach_mul_(tensors, scalar)
+
+
+def default_foreach(params: list[Tensor], differentiable: bool) -> bool:
+    """Whether native optimizers default to foreach for `params` (foreach=None, fused unset)."""
+    from torch.optim.optimizer import _default_to_fused_or_foreach
+
+    return _default_to_fused_or_foreach(params, differentiable, use_fused=False)[1]
+
+
+def foreach_copy_(targets: list[Tensor], sources: list[Tensor]) -> None:
+    """`torch._foreach_copy_`: copy each source into its target."""
+    torch._foreach_copy_(targets, sources)

@@ -11,9 +11,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-from torch.optim.adam import adam as _functional_adam
-
-from cotangent import _compat
+from cotangent import _compat, coalesce
 from cotangent.norms import (
     calibrate_layout,
     calibrate_scale,
@@ -22,35 +20,38 @@ from cotangent.norms import (
     native_tensor_norms,
     total_norm,
 )
-from cotangent.packing import FlatLayout, Segment, plan_layouts
+from cotangent.packing import FlatLayout, Segment, align_elements, plan_layouts
 
 _STATE_BUFFERS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
 @dataclass(slots=True)
-class _GroupPlan:
-    """Argument lists of one param group for the functional AdamW, for one set of present grads."""
+class _AdamCall:
+    """One native functional AdamW call: per-parameter tensors and merged ranges of one group."""
 
-    index: int
+    group_index: int
+    kind: str  # "fused" | "foreach" | "for-loop"
     params: list[Tensor]
     grads: list[Tensor]
     exp_avgs: list[Tensor]
     exp_avg_sqs: list[Tensor]
     max_exp_avg_sqs: list[Tensor]
-    state_steps: list[Tensor]
+    state_steps: list[Tensor]  # one per list element: a range uses its first parameter's step
+    step_targets: list[Tensor]  # steps of the other parameters of each range ...
+    step_sources: list[Tensor]  # ... and the step each copies after the call
 
 
 @dataclass(slots=True)
 class _StepPlan:
     """Everything `step()` needs for one pattern of present gradients, built once and cached."""
 
-    groups: list[_GroupPlan]
+    group_slots: list[tuple[int, list[int]]]  # (group index, present slots of the group)
     # native (device, dtype) group order: (layout index, positions in that layout's norm vector
     # or None when the order is the layout order, slots of the grads in native order)
     clip_groups: list[tuple[int, Tensor | None, list[int]]]
     absent: list[int]  # slots without a gradient this step
     first_device: torch.device | None  # device of the first present gradient (native stacks there)
-    state_ready: bool  # the groups' state lists are filled (after the first clip of this plan)
+    calls: list[_AdamCall] | None = None  # built after the first clip of this plan
 
 
 class AdamW(torch.optim.AdamW):
@@ -123,9 +124,12 @@ class AdamW(torch.optim.AdamW):
         error_if_nonfinite: bool = False,
     ) -> None:
         self._layouts: list[FlatLayout] | None = None  # None until the first pack
-        if max_norm is not None:
-            max_norm = float(max_norm)
-        norm_type = float(norm_type)
+        try:
+            max_norm = None if max_norm is None else float(max_norm)
+            norm_type = float(norm_type)
+        except (TypeError, ValueError):
+            raise ValueError(f"max_norm must be a number or None and norm_type a number, got "
+                             f"max_norm={max_norm!r}, norm_type={norm_type!r}") from None
         super().__init__(
             params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
             capturable=capturable, differentiable=differentiable, fused=fused,
@@ -171,6 +175,9 @@ class AdamW(torch.optim.AdamW):
                                  "parameters can be packed")
             if p.is_complex():
                 raise ValueError(f"parameter {slot} is complex ({p.dtype}); not supported")
+            if not p.is_floating_point():
+                raise ValueError(f"parameter {slot} has dtype {p.dtype}; AdamW needs floating "
+                                 "point parameters")
         return plan_layouts(params)
 
     @torch.no_grad()
@@ -201,7 +208,9 @@ class AdamW(torch.optim.AdamW):
                 if p.grad is not None:
                     gview.copy_(p.grad)
                     self._has_grad[seg.slot] = True
-                p.grad = gview
+                    p.grad = gview
+                elif p.requires_grad:
+                    p.grad = gview  # frozen parameters keep grad None (autograd never writes it)
                 self._grad_views[seg.slot] = gview
                 self._param_ptrs[seg.slot] = p.data_ptr()
                 self._where[seg.slot] = (li, seg)
@@ -217,17 +226,31 @@ class AdamW(torch.optim.AdamW):
             if self.max_norm is not None:
                 calibrate_layout(layout, self.norm_type, None)
         flags = self._has_grad
+        sparse = self._sparse_grad = [False] * len(params)
 
         def make_hook(slot: int):
-            def hook(_: Tensor) -> None:
+            # A tensor hook on the leaf sees each incoming gradient before autograd accumulates
+            # it into `.grad` (here: adds it to the flat-buffer view).
+            def hook(grad: Tensor) -> None:
                 flags[slot] = True  # this parameter received a gradient since the last zero_grad
+                if grad.layout is not torch.strided:
+                    sparse[slot] = True
 
             return hook
 
+        # A parameter frozen at construction gets no hook and no gradient view; if it is unfrozen
+        # later, its gradients arrive outside the buffer and are copied in at step().
+        self._tracked = [p.requires_grad for p in params]
         self._hook_handles = [
-            p.register_post_accumulate_grad_hook(make_hook(slot)) for slot, p in enumerate(params)
+            p.register_hook(make_hook(slot)) for slot, p in enumerate(params) if p.requires_grad
         ]
         self._plans: dict[tuple[int, ...], _StepPlan] = {}
+        self._last_present: tuple[int, ...] | None = None
+        self._group_slots: list[list[int]] = []
+        slot = 0
+        for group in self.param_groups:
+            self._group_slots.append(list(range(slot, slot + len(group["params"]))))
+            slot += len(group["params"])
 
     def _state_view(self, li: int, seg: Segment, key: str) -> Tensor:
         bufs = self._state_flat[li]
@@ -249,9 +272,14 @@ class AdamW(torch.optim.AdamW):
         for flat_g in self._flat_grads:
             flat_g.fill_(-0.0)
         for slot, p in enumerate(self._params):
+            if not self._tracked[slot]:
+                if p.grad is not None:  # a frozen parameter's stray gradient, reset as native
+                    p.grad = None if set_to_none else p.grad.zero_()
+                continue
             if p.grad is not self._grad_views[slot]:
                 p.grad = self._grad_views[slot]
             self._has_grad[slot] = False
+            self._sparse_grad[slot] = False
         for slot in keep:
             self._grad_views[slot].zero_()
             self._has_grad[slot] = True
@@ -272,12 +300,18 @@ class AdamW(torch.optim.AdamW):
                 continue
             if g is self._grad_views[slot]:
                 if self._has_grad[slot]:
+                    if self._sparse_grad[slot]:
+                        raise RuntimeError(
+                            f"parameter {slot} (shape {tuple(p.shape)}) received a sparse "
+                            "gradient; Adam does not support sparse gradients, please consider "
+                            "SparseAdam instead"
+                        )
                     present.append(slot)
                 continue
             if g.is_sparse:
                 raise RuntimeError(
-                    f"parameter {slot} has a sparse gradient; Adam does not support sparse "
-                    "gradients, please consider SparseAdam instead"
+                        f"parameter {slot} (shape {tuple(p.shape)}) received a sparse gradient; Adam "
+                    "does not support sparse gradients, please consider SparseAdam instead"
                 )
             if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
                 raise RuntimeError(
@@ -300,17 +334,11 @@ class AdamW(torch.optim.AdamW):
         if plan is not None:
             return plan
         present_set = set(present)
-        groups = []
-        slot = 0
-        for gi, group in enumerate(self.param_groups):
-            gp = _GroupPlan(gi, [], [], [], [], [], [])
-            for p in group["params"]:
-                if slot in present_set:
-                    gp.params.append(p)
-                    gp.grads.append(self._grad_views[slot])
-                slot += 1
-            if gp.params:
-                groups.append(gp)
+        group_slots = []
+        for gi, slots in enumerate(self._group_slots):
+            mine = [s for s in slots if s in present_set]
+            if mine:
+                group_slots.append((gi, mine))
         clip_groups = []
         grads = [self._grad_views[s] for s in present]
         for _, _, indices in _compat.group_by_device_and_dtype(grads):
@@ -323,26 +351,79 @@ class AdamW(torch.optim.AdamW):
             clip_groups.append((li, index, slots))
         absent = [s for s in range(len(self._params)) if s not in present_set]
         first_device = self._grad_views[present[0]].device if present else None
-        plan = _StepPlan(groups, clip_groups, absent, first_device, False)
+        plan = _StepPlan(group_slots, clip_groups, absent, first_device)
         self._plans[present] = plan
         return plan
 
-    def _fill_state_lists(self, plan: _StepPlan) -> None:
-        """Initialise missing state (lazily, as native does at the first update of a parameter)
-        and collect the state tensors of the plan's parameters, once per plan."""
-        slot_of = {id(p): slot for slot, p in enumerate(self._params)}
-        for gp in plan.groups:
-            group = self.param_groups[gp.index]
-            for p in gp.params:
-                state = self.state[p]
+    def _build_calls(self, plan: _StepPlan) -> list[_AdamCall]:
+        """Initialise missing state (lazily, as native does at a parameter's first update) and
+        group the present parameters into native AdamW calls, merging adjacent segments into
+        ranges wherever `cotangent.coalesce.calibrate_merge` allows and their steps are equal."""
+        calls = []
+        for gi, slots in plan.group_slots:
+            group = self.param_groups[gi]
+            for slot in slots:
+                state = self.state[self._params[slot]]
                 if len(state) == 0:
-                    self._init_state(group, p, slot_of[id(p)], state)
-                gp.exp_avgs.append(state["exp_avg"])
-                gp.exp_avg_sqs.append(state["exp_avg_sq"])
-                if group["amsgrad"]:
-                    gp.max_exp_avg_sqs.append(state["max_exp_avg_sq"])
-                gp.state_steps.append(state["step"])
-        plan.state_ready = True
+                    self._init_state(group, self._params[slot], slot, state)
+            kind = coalesce.implementation(group, [self._params[s] for s in slots])
+            limit = coalesce.max_range_elements(kind)
+            call = _AdamCall(gi, kind, [], [], [], [], [], [], [], [])
+            in_group = set(slots)
+            for li, layout in enumerate(self._layouts):
+                segs = [seg for seg in layout.segments if seg.slot in in_group]
+                for run in self._ranges(li, layout, segs, kind, limit, group):
+                    self._add_to_call(call, li, run, group)
+            calls.append(call)
+        return calls
+
+    def _ranges(self, li, layout, segs, kind, limit, group) -> list[list[Segment]]:
+        """Split `segs` (buffer order) into runs that may share one call."""
+        align = align_elements(layout.dtype)
+        runs: list[list[Segment]] = []
+        run_end = -1
+        run_start = 0
+        for seg in segs:
+            end = seg.offset + -(-seg.numel // align) * align
+            ok = seg.contiguous and coalesce.calibrate_merge(
+                kind, layout.device, layout.dtype, seg.numel, group)
+            if (ok and runs and run_end == seg.offset
+                    and (limit is None or end - run_start <= limit)
+                    and self._same_step(runs[-1][0], seg)):
+                runs[-1].append(seg)
+                run_end = end
+            else:
+                runs.append([seg])
+                run_start, run_end = seg.offset, (end if ok else -1)
+        return runs
+
+    def _same_step(self, a: Segment, b: Segment) -> bool:
+        sa = self.state[self._params[a.slot]]["step"]
+        sb = self.state[self._params[b.slot]]["step"]
+        return bool(sa == sb)  # once per plan build (a host read on accelerators)
+
+    def _add_to_call(self, call: _AdamCall, li: int, run: list[Segment], group: dict) -> None:
+        first = self.state[self._params[run[0].slot]]
+        if len(run) == 1:
+            p = self._params[run[0].slot]
+            call.params.append(p)
+            call.grads.append(self._grad_views[run[0].slot])
+            tensors = first
+        else:
+            align = align_elements(self._layouts[li].dtype)
+            start = run[0].offset
+            length = run[-1].offset + -(-run[-1].numel // align) * align - start
+            call.params.append(self._flat_params[li].narrow(0, start, length))
+            call.grads.append(self._flat_grads[li].narrow(0, start, length))
+            tensors = {k: v.narrow(0, start, length) for k, v in self._state_flat[li].items()}
+            for seg in run[1:]:
+                call.step_targets.append(self.state[self._params[seg.slot]]["step"])
+                call.step_sources.append(first["step"])
+        call.exp_avgs.append(tensors["exp_avg"])
+        call.exp_avg_sqs.append(tensors["exp_avg_sq"])
+        if group["amsgrad"]:
+            call.max_exp_avg_sqs.append(tensors["max_exp_avg_sq"])
+        call.state_steps.append(first["step"])
 
     def _init_state(self, group: dict, p: Tensor, slot: int, state: dict) -> None:
         """Lazy state initialisation as `torch.optim.Adam._init_group`, moments in flat buffers."""
@@ -400,23 +481,24 @@ class AdamW(torch.optim.AdamW):
                 loss = closure()
         present = self._present_slots()
         plan = self._plan(present)
+        if present != self._last_present:
+            # Steps may have diverged while another set of parameters had gradients: re-check
+            # the step equality that merged ranges rely on.
+            plan.calls = None
+            self._last_present = present
         if self.max_norm is not None:
             self.last_total_norm = self._clip(plan)  # may raise: nothing is modified before it
-        if not plan.state_ready:
-            self._fill_state_lists(plan)
-        for gp in plan.groups:
-            group = self.param_groups[gp.index]
-            beta1, beta2 = group["betas"]
-            _functional_adam(
-                gp.params, gp.grads, gp.exp_avgs, gp.exp_avg_sqs, gp.max_exp_avg_sqs,
-                gp.state_steps,
-                amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2,
-                lr=group["lr"], weight_decay=group["weight_decay"], eps=group["eps"],
-                maximize=group["maximize"], foreach=group["foreach"],
-                capturable=group["capturable"], differentiable=group["differentiable"],
-                fused=group["fused"], grad_scale=getattr(self, "grad_scale", None),
-                found_inf=getattr(self, "found_inf", None), decoupled_weight_decay=True,
-            )
+        if plan.calls is None:
+            plan.calls = self._build_calls(plan)
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        for call in plan.calls:
+            coalesce.run_native_adamw(
+                call.kind, call.params, call.grads, call.exp_avgs, call.exp_avg_sqs,
+                call.max_exp_avg_sqs, call.state_steps, group=self.param_groups[call.group_index],
+                grad_scale=grad_scale, found_inf=found_inf)
+            if call.step_targets:
+                _compat.foreach_copy_(call.step_targets, call.step_sources)
         for slot in plan.absent:  # native leaves these None; so do we after the step
             p = self._params[slot]
             if p.grad is self._grad_views[slot]:

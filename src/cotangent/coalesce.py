@@ -1,0 +1,146 @@
+"""Which AdamW calls over several packed parameters at once keep native bits.
+
+Native AdamW updates each parameter separately (one kernel call per tensor for the for-loop and
+fused implementations, one list element per tensor for foreach). AdamW is elementwise, so running
+it once over a *range* of adjacent segments of the flat buffers (padding included) gives the same
+numbers per element - except where the element's position changes the code path: CPU kernels run
+a vectorised body and a scalar tail that may round differently (the fused kernel uses a fused
+multiply-add only in its body; ../shared/notes/native-numerics.md, item 6), and TensorIterator
+kernels split work between threads at positions that depend on the call's length.
+
+So a segment joins a range only where a calibration probe has shown it safe: for its
+implementation, device type, dtype, length and hyperparameter branches, the probe runs the native
+functional AdamW (`torch.optim.adam.adam`, the function `torch.optim.AdamW.step` calls) for several
+steps once per tensor and once over merged ranges laid out like the flat buffers (each length at
+both 64-byte offset parities), and compares every byte of the parameters and moments. For the
+TensorIterator-based implementations (for-loop, foreach) ranges also stay below ATen's parallel
+grain size, so they run single-threaded, like the per-tensor calls of tensors that small.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.optim.adam import adam as functional_adam
+
+from cotangent import _compat
+from cotangent.packing import align_elements
+
+GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: TensorIterator ops below this run on one thread
+
+_MERGE_CALIBRATION: dict[tuple, bool] = {}
+
+
+def implementation(group: dict, params: list[Tensor]) -> str:
+    """The AdamW implementation native code runs for `group` over `params`.
+
+    Returns "fused", "foreach" or "for-loop", following `torch.optim.adam.adam`: `fused=True`
+    wins; `foreach=None` (with `fused` unset) defaults by device as
+    `torch.optim.optimizer._default_to_fused_or_foreach` does.
+    """
+    if group["fused"]:
+        return "fused"
+    foreach = group["foreach"]
+    if foreach is None:
+        foreach = _compat.default_foreach(params, bool(group["differentiable"]))
+    return "foreach" if foreach else "for-loop"
+
+
+def max_range_elements(kind: str) -> int | None:
+    """Largest merged call, in elements; None when unlimited (the fused CPU kernel splits work at
+    64-byte boundaries only, so a merged call never moves a body/tail boundary)."""
+    return None if kind == "fused" else GRAIN_SIZE - 1
+
+
+def _flags(kind: str) -> dict:
+    return {"fused": dict(fused=True, foreach=False),
+            "foreach": dict(fused=None, foreach=True),
+            "for-loop": dict(fused=None, foreach=False)}[kind]
+
+
+def run_native_adamw(kind: str, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
+                     group: dict, grad_scale=None, found_inf=None) -> None:
+    """One native functional AdamW update (`torch.optim.adam.adam`, decoupled weight decay) over
+    the given lists, with `group`'s hyperparameters and the implementation `kind`."""
+    beta1, beta2 = group["betas"]
+    functional_adam(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
+        amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+        weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
+        capturable=group["capturable"], differentiable=group["differentiable"],
+        grad_scale=grad_scale, found_inf=found_inf, decoupled_weight_decay=True,
+        **_flags(kind),
+    )
+
+
+def merge_key(kind: str, device: torch.device, dtype: torch.dtype, numel: int,
+              group: dict) -> tuple:
+    return (kind, device.type, dtype, numel, bool(group["amsgrad"]), bool(group["maximize"]),
+            group["weight_decay"] != 0, torch.is_tensor(group["lr"]), torch.get_num_threads(),
+            torch.__version__)
+
+
+def calibrate_merge(kind: str, device: torch.device, dtype: torch.dtype, numel: int,
+                    group: dict) -> bool:
+    """Whether segments of `numel` elements may join a merged AdamW call (see module docstring).
+
+    The probe uses `group`'s betas, eps, weight decay, amsgrad and maximize, lr 1e-2 (a tensor if
+    the group's lr is one), a random gradient, and 6 steps; the verdict is cached per
+    `merge_key`. Lengths too large for a merged call of this implementation are never merged.
+    """
+    key = merge_key(kind, device, dtype, numel, group)
+    if key in _MERGE_CALIBRATION:
+        return _MERGE_CALIBRATION[key]
+    limit = max_range_elements(kind)
+    align = align_elements(dtype)
+    row = -(-numel // align) * align
+    rows = max(2 if numel > 65536 else 3, min(64, 4096 // max(1, numel)))
+    if limit is not None:
+        rows = min(rows, (limit - align) // (row + align))
+    if numel == 0 or rows < 2:
+        _MERGE_CALIBRATION[key] = False
+        return False
+    # rows at alternating offsets: odd rows get one extra alignment unit before them
+    offsets, size = [], 0
+    for i in range(rows):
+        size += align if i % 2 else 0
+        offsets.append(size)
+        size += row
+    gen = torch.Generator().manual_seed(numel)
+    start = torch.randn(size, generator=gen).to(dtype).to(device)
+    grad = (torch.randn(size, generator=gen) * 0.1).to(dtype).to(device)
+    probe_group = dict(group)
+    probe_group["lr"] = (torch.tensor(1e-2, device=group["lr"].device)
+                         if torch.is_tensor(group["lr"]) else 1e-2)
+    results = []
+    for merged in (False, True):
+        p = start.clone()
+        m, v, vmax = (torch.zeros_like(p) for _ in range(3))
+        step_dtype = _compat.new_step_tensor(p, fused=kind == "fused", capturable=False)
+        if merged:
+            views = lambda t: [t]  # noqa: E731
+            steps = [step_dtype]
+        else:
+            views = lambda t: [t[o:o + numel] for o in offsets]  # noqa: E731
+            steps = [step_dtype.clone() for _ in offsets]
+        for _ in range(6):
+            g = grad.clone()
+            run_native_adamw(kind, views(p), views(g), views(m), views(v),
+                             views(vmax) if group["amsgrad"] else [], steps, group=probe_group)
+        results.append([torch.cat([t[o:o + numel] for o in offsets]) for t in (p, m, v, vmax)])
+    verdict = all(
+        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+        for a, b in zip(*results)
+    )
+    _MERGE_CALIBRATION[key] = verdict
+    return verdict
+
+
+def merge_table() -> list[dict]:
+    """All merge verdicts of this process, for inspection (`cotangent calibrate`)."""
+    return [
+        dict(kind="adamw_merge", impl=k[0], device=k[1], dtype=str(k[2]).removeprefix("torch."),
+             numel=k[3], amsgrad=k[4], maximize=k[5], weight_decay=k[6], tensor_lr=k[7],
+             threads=k[8], torch=k[9], merged=ok)
+        for k, ok in _MERGE_CALIBRATION.items()
+    ]

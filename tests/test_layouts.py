@@ -1,0 +1,387 @@
+"""Everything real models have, each compared byte for byte with native clip + AdamW (CPU).
+
+Each case builds two identical models, one driven by `clip_grad_norm_` + `torch.optim.AdamW`,
+one by `cotangent.AdamW`, runs several steps and compares loss, every gradient, the total norm,
+every parameter and every optimizer-state tensor after each step.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+import torch.nn as nn
+
+import cotangent
+from bitwise import assert_same_bits, same_bits
+
+HP = dict(lr=5e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+IMPLS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}
+
+
+class Native:
+    """The reference: clip_grad_norm_ over every parameter with a grad, then torch.optim.AdamW."""
+
+    def __init__(self, params_or_groups, max_norm, norm_type=2.0, error_if_nonfinite=False,
+                 **kw):
+        self.opt = torch.optim.AdamW(params_or_groups, **kw)
+        self.max_norm, self.norm_type, self.error = max_norm, norm_type, error_if_nonfinite
+
+    def step(self):
+        params = [p for g in self.opt.param_groups for p in g["params"] if p.grad is not None]
+        total = None
+        if self.max_norm is not None:
+            total = torch.nn.utils.clip_grad_norm_(params, self.max_norm, self.norm_type,
+                                                   self.error)
+        self.opt.step()
+        return total
+
+
+def compare(m1, o1, m2, o2, what, after_backward=False):
+    for (name, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
+        assert_same_bits(p1, p2, f"{what}: param {name}")
+        if after_backward and p1.grad is None and p2.grad is not None:
+            # Documented difference: between zero_grad() and step(), a parameter that got no
+            # gradient shows its -0.0 buffer view instead of None (None again after step()).
+            assert torch.signbit(p2.grad).all() and not p2.grad.any(), name
+            continue
+        assert_same_bits(p1.grad, p2.grad, f"{what}: grad {name}")
+        s1, s2 = o1.state.get(p1, {}), o2.state.get(p2, {})
+        assert s1.keys() == s2.keys(), f"{what}: state keys of {name}"
+        for key in s1:
+            assert_same_bits(s1[key], s2[key], f"{what}: {key} of {name}")
+
+
+def drive(make_model, *, steps=5, max_norm=0.05, groups=None, loss_fn=None, impl="fused",
+          opt_kw=None, between=None):
+    """Run native and cotangent side by side; returns (models, optimizers) after `steps`."""
+    m1 = make_model()
+    m2 = copy.deepcopy(m1)
+    kw = dict(HP, **IMPLS[impl], **(opt_kw or {}))
+    g1 = groups(m1) if groups else m1.parameters()
+    g2 = groups(m2) if groups else m2.parameters()
+    native = Native(g1, max_norm, **kw)
+    ours = cotangent.AdamW(g2, max_norm=max_norm, **kw)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        x = torch.randn(4, 8, generator=gen)
+        native.opt.zero_grad()
+        ours.zero_grad()
+        for m in (m1, m2):
+            loss = loss_fn(m, x, step) if loss_fn else m(x).square().mean()
+            loss.backward()
+        compare(m1, native.opt, m2, ours, f"step {step} grads", after_backward=True)
+        total = native.step()
+        ours.step()
+        assert_same_bits(total, ours.last_total_norm if max_norm is not None else None,
+                         f"step {step} total norm")
+        compare(m1, native.opt, m2, ours, f"step {step}")
+        if between:
+            between(step, native.opt, ours)
+    return (m1, m2), (native.opt, ours)
+
+
+def mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 8))
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_several_param_groups_no_decay_on_biases_and_norms(impl):
+    def groups(m):
+        decay = [p for p in m.parameters() if p.dim() >= 2]
+        no_decay = [p for p in m.parameters() if p.dim() < 2]
+        return [{"params": decay}, {"params": no_decay, "weight_decay": 0.0, "lr": 1e-2}]
+
+    drive(mlp, groups=groups, impl=impl)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("extra", [dict(amsgrad=True), dict(maximize=True),
+                                   dict(amsgrad=True, maximize=True, weight_decay=0.0)])
+def test_amsgrad_and_maximize(impl, extra):
+    drive(mlp, impl=impl, opt_kw=extra)
+
+
+@pytest.mark.parametrize("impl", ["fused", "for-loop"])
+def test_tensor_lr_with_a_scheduler(impl):
+    def between(step, o1, o2):
+        for o in (o1, o2):
+            for g in o.param_groups:
+                g["lr"].mul_(0.5) if torch.is_tensor(g["lr"]) else None
+
+    drive(mlp, impl=impl, opt_kw=dict(lr=torch.tensor(5e-3)), between=between)
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of")
+def test_lr_scheduler_object():
+    scheds = []
+
+    def between(step, o1, o2):
+        if not scheds:
+            scheds.extend(torch.optim.lr_scheduler.StepLR(o, 1, gamma=0.7) for o in (o1, o2))
+        for s in scheds:
+            s.step()
+
+    drive(mlp, between=between, steps=6)
+
+
+def test_clipping_inactive_and_no_clipping():
+    drive(mlp, max_norm=1e6)
+    drive(mlp, max_norm=None)
+
+
+def test_negative_max_norm_flips_gradients_like_native():
+    drive(mlp, max_norm=-0.5)
+
+
+@pytest.mark.parametrize("norm_type", [1.0, 3.0, float("inf")])
+def test_other_norm_types(norm_type):
+    m1 = mlp()
+    m2 = copy.deepcopy(m1)
+    n = Native(m1.parameters(), 0.05, norm_type, fused=True, **HP)
+    o = cotangent.AdamW(m2.parameters(), max_norm=0.05, norm_type=norm_type, fused=True, **HP)
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        for m, opt in ((m1, n.opt), (m2, o)):
+            opt.zero_grad()
+            m(x).square().mean().backward()
+        total = n.step()
+        o.step()
+        assert_same_bits(total, o.last_total_norm, "total")
+        compare(m1, n.opt, m2, o, f"norm_type {norm_type}")
+
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = nn.Conv2d(2, 8, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+        self.conv2 = nn.Conv2d(8, 4, 3, padding=1)
+        self.head = nn.Linear(4, 8)
+
+    def forward(self, x):  # x: (B, 8) -> image (B, 2, 2, 2)
+        img = x.view(-1, 2, 2, 2)  # (B, C=2, H=2, W=2)
+        y = self.conv2(torch.relu(self.bn(self.conv1(img))))  # (B, 4, 2, 2)
+        return self.head(y.mean(dim=(2, 3)))  # (B, 8)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_channels_last_conv_net(impl):
+    def make():
+        torch.manual_seed(1)
+        return ConvNet().to(memory_format=torch.channels_last)
+
+    (_, m2), _ = drive(make, impl=impl)
+    assert m2.conv1.weight.is_contiguous(memory_format=torch.channels_last)
+
+
+class Tied(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(8, 8)
+        self.mid = nn.Linear(8, 8, bias=False)
+        self.zero = nn.Parameter(torch.zeros(0))  # zero-size parameter
+        self.frozen = nn.Parameter(torch.ones(8), requires_grad=False)
+
+    def forward(self, x):
+        h = self.emb(x.abs().argmax(dim=1))  # (B, 8)
+        h = torch.tanh(self.mid(h)) * self.frozen + self.zero.sum()
+        return h @ self.emb.weight.t()  # tied output projection (B, 8)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_tied_frozen_and_zero_size_parameters(impl):
+    def make():
+        torch.manual_seed(2)
+        return Tied()
+
+    drive(make, impl=impl)
+
+
+def test_mixed_dtypes():
+    def make():
+        torch.manual_seed(3)
+        m = mlp()
+        m[1].to(torch.bfloat16)
+        return m
+
+    def loss_fn(m, x, step):
+        h = m[0](x)
+        h = m[1](h.bfloat16()).float()
+        return m[3](m[2](h)).square().mean()
+
+    drive(make, loss_fn=loss_fn, impl="for-loop")
+    drive(make, loss_fn=loss_fn, impl="fused")
+
+
+def test_parameters_without_grad_in_some_steps():
+    def loss_fn(m, x, step):
+        h = m[0](x)
+        if step % 2 == 0:  # the LayerNorm is skipped every other step
+            h = m[1](h)
+        return m[3](m[2](h)).square().mean()
+
+    (_, m2), (_, o2) = drive(mlp, loss_fn=loss_fn, steps=6)
+    assert int(o2.state[m2[1].weight]["step"]) == 3
+    assert int(o2.state[m2[0].weight]["step"]) == 6
+
+
+def test_zero_grad_keep_and_model_zero_grad():
+    m1 = mlp()
+    m2 = copy.deepcopy(m1)
+    n = Native(m1.parameters(), 0.05, fused=True, **HP)
+    o = cotangent.AdamW(m2.parameters(), max_norm=0.05, fused=True, **HP)
+    for step, how in enumerate(["opt-keep", "model-none", "model-keep", "opt-none"]):
+        x = torch.randn(4, 8)
+        if how == "opt-keep":
+            n.opt.zero_grad(set_to_none=False)
+            o.zero_grad(set_to_none=False)
+        elif how == "model-none":
+            m1.zero_grad()
+            m2.zero_grad()
+        elif how == "model-keep":
+            m1.zero_grad(set_to_none=False)
+            m2.zero_grad(set_to_none=False)
+        else:
+            n.opt.zero_grad()
+            o.zero_grad()
+        for m in (m1, m2):
+            m(x).square().mean().backward()
+        n.step()
+        o.step()
+        compare(m1, n.opt, m2, o, how)
+
+
+def test_add_param_group_after_construction():
+    m1, m2 = mlp(), None
+    m2 = copy.deepcopy(m1)
+    n = Native(m1[0].parameters(), 0.05, fused=True, **HP)
+    o = cotangent.AdamW(m2[0].parameters(), max_norm=0.05, fused=True, **HP)
+    for step in range(4):
+        if step == 2:
+            n.opt.add_param_group({"params": list(m1[3].parameters()), "lr": 1e-2})
+            o.add_param_group({"params": list(m2[3].parameters()), "lr": 1e-2})
+        x = torch.randn(4, 8)
+        n.opt.zero_grad()
+        o.zero_grad()
+        for m in (m1, m2):
+            m(x).square().mean().backward()
+        n.step()
+        o.step()
+        for (name, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
+            assert_same_bits(p1, p2, f"step {step} {name}")
+
+
+def test_gradients_with_inf_and_nan_give_native_bits():
+    def loss_fn(m, x, step):
+        y = m(x)
+        if step == 1:
+            y = y * float("inf")
+        if step == 3:
+            y = y * float("nan")
+        return y.square().mean()
+
+    drive(mlp, loss_fn=loss_fn, steps=4)
+
+
+def test_fp16_norm_overflow_zeroes_gradients_like_native():
+    def make():
+        torch.manual_seed(4)
+        return nn.Sequential(nn.Linear(8, 8).half())
+
+    def loss_fn(m, x, step):
+        return (m(x.half()).float() * 3e4).sum()
+
+    drive(make, loss_fn=loss_fn, steps=2, impl="for-loop")
+
+
+def test_grad_scaler_with_fused_adamw():
+    scaler1, scaler2 = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8), torch.amp.GradScaler(
+        "cpu", init_scale=2.0 ** 8)
+    m1 = mlp()
+    m2 = copy.deepcopy(m1)
+    o1 = torch.optim.AdamW(m1.parameters(), fused=True, **HP)
+    o2 = cotangent.AdamW(m2.parameters(), fused=True, max_norm=None, **HP)
+    for step in range(4):
+        x = torch.randn(4, 8)
+        if step == 2:
+            x[0, 0] = float("inf")  # overflow step: nothing may change
+        for m, o, s in ((m1, o1, scaler1), (m2, o2, scaler2)):
+            o.zero_grad()
+            s.scale(m(x).square().mean()).backward()
+            s.step(o)
+            s.update()
+        compare(m1, o1, m2, o2, f"scaler step {step}")
+    assert int(o2.state[m2[0].weight]["step"]) == 3  # the overflow step did not count
+    assert scaler1.get_scale() == scaler2.get_scale()
+
+
+@pytest.mark.parametrize("direction", ["native->cotangent", "cotangent->native"])
+def test_state_dict_round_trip_then_identical_training(direction):
+    m1 = mlp()
+    m2 = copy.deepcopy(m1)
+    a = torch.optim.AdamW(m1.parameters(), fused=True, **HP)
+    b = cotangent.AdamW(m2.parameters(), fused=True, **HP)
+    for _ in range(3):  # both train 3 steps (identically)
+        x = torch.randn(4, 8)
+        for m, o in ((m1, a), (m2, b)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+    src = a if direction == "native->cotangent" else b
+    buf = io.BytesIO()
+    torch.save({"model": (m1 if src is a else m2).state_dict(), "opt": src.state_dict()}, buf)
+    data = buf.getvalue()
+    ckpt = torch.load(io.BytesIO(data), map_location="cpu")
+    ckpt_copy = torch.load(io.BytesIO(data), map_location="cpu")  # loading shares tensors
+    m3, m4 = mlp(), mlp()
+    m3.load_state_dict(ckpt["model"])
+    m4.load_state_dict(ckpt["model"])
+    reference = torch.optim.AdamW(m3.parameters(), fused=True, **HP)
+    resumed = (cotangent.AdamW(m4.parameters(), fused=True, **HP)
+               if direction == "native->cotangent" else torch.optim.AdamW(m4.parameters(),
+                                                                           fused=True, **HP))
+    reference.load_state_dict(ckpt["opt"])
+    resumed.load_state_dict(ckpt_copy["opt"])
+    for step in range(3):
+        x = torch.randn(4, 8)
+        for m, o in ((m3, reference), (m4, resumed)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+        compare(m3, reference, m4, resumed, f"after resume, step {step}")
+
+
+def test_bad_input_raises_and_changes_nothing():
+    lin = nn.Linear(3, 3)
+    before = [p.detach().clone() for p in lin.parameters()]
+    ptrs = [p.data_ptr() for p in lin.parameters()]
+    bad = [
+        (dict(lr=-1.0), ValueError),
+        (dict(betas=(1.0, 0.9)), ValueError),
+        (dict(eps=-1.0), ValueError),
+        (dict(weight_decay=-0.1), ValueError),
+    ]
+    for kw, exc in bad:
+        with pytest.raises(exc):
+            cotangent.AdamW(lin.parameters(), **kw)
+    with pytest.raises(ValueError, match="empty"):
+        cotangent.AdamW([])
+    with pytest.raises(ValueError, match="floating point"):
+        cotangent.AdamW([nn.Parameter(torch.ones(2)), torch.ones(2, dtype=torch.long)],
+                        fused=True)
+    with pytest.raises(ValueError, match="max_norm"):
+        cotangent.AdamW(lin.parameters(), max_norm="big")
+    for p, b, ptr in zip(lin.parameters(), before, ptrs):
+        assert same_bits(p, b) and p.data_ptr() == ptr and p.grad is None
+
+
+def test_sparse_gradient_is_a_clear_error_naming_the_parameter():
+    emb = nn.Embedding(10, 4, sparse=True)
+    opt = cotangent.AdamW(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(RuntimeError, match="parameter 0 .* received a sparse gradient"):
+        opt.step()
