@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from bitwise import assert_same_bits
-from cotangent import norms
+from cotangent import calibration, norms
 from cotangent.packing import plan_layouts
 
 LENGTHS = [1, 2, 3, 5, 8, 31, 33, 64, 130, 1026, 4098, 65536]
@@ -53,16 +55,37 @@ def test_clip_coefficient_is_native_arithmetic():
     assert not torch.equal(ours.view(torch.int32), division.view(torch.int32))
 
 
-def test_calibration_is_inspectable_and_cached():
-    assert norms.calibrate_bucket(torch.device("cpu"), torch.float32, 64, 4, 64, 2.0, None)
-    table = norms.calibration_table()
-    assert any(r["kind"] == "bucket_norm" and r["numel"] == 64 and r["rows"] == 4 for r in table)
+def test_calibration_is_inspectable_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("COTANGENT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "_MEMORY", {})
+    monkeypatch.setattr(calibration, "_LOADED", set())
+    cpu = torch.device("cpu")
+    assert norms.calibrate_bucket(cpu, torch.float32, 64, 4, 64, 2.0, None)
+    rows = calibration.table()
+    assert any(r["kind"] == "bucket_norm" and r["args"][:3] == ["float32", "64", "4"] and
+               r["verdict"] for r in rows)
+    saved = json.loads((tmp_path / calibration.FILE_NAME).read_text())["verdicts"]
+    assert len(saved) == 1 and list(saved.values()) == [True]
+    # A fresh process (simulated) reads the verdict from the file instead of probing again.
+    monkeypatch.setattr(calibration, "_MEMORY", {})
+    monkeypatch.setattr(calibration, "_LOADED", set())
+    monkeypatch.setattr(norms, "_probe_values", None)  # probing now would crash
+    assert norms.calibrate_bucket(cpu, torch.float32, 64, 4, 64, 2.0, None)
     # A one-row bucket is never "batched": the native per-tensor call is used as is.
-    assert not norms.calibrate_bucket(torch.device("cpu"), torch.float32, 64, 1, 64, 2.0, None)
+    assert not norms.calibrate_bucket(cpu, torch.float32, 64, 1, 64, 2.0, None)
+
+
+def test_corrupt_cache_file_is_ignored(tmp_path, monkeypatch):
+    monkeypatch.setenv("COTANGENT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "_MEMORY", {})
+    monkeypatch.setattr(calibration, "_LOADED", set())
+    (tmp_path / calibration.FILE_NAME).write_text("{not json")
+    assert norms.calibrate_bucket(torch.device("cpu"), torch.float32, 32, 3, 32, 2.0, None)
 
 
 def test_calibration_rejects_a_batched_call_that_differs(monkeypatch):
     """If the 2-D reduction were different, the probe must say so (and the fallback is used)."""
+    monkeypatch.setattr(calibration, "_MEMORY", {})
     real = torch.linalg.vector_norm
 
     def perturbed(x, ord=2, dim=None, **kw):

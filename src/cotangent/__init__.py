@@ -2,12 +2,16 @@
 
 Public API:
     AdamW: drop-in for ``clip_grad_norm_`` + ``torch.optim.AdamW`` over packed flat buffers.
+    clip_grad_norm_, get_total_norm, clip_grads_with_norm_: drop-ins for the torch.nn.utils
+        functions, with calibrated batched norms where gradients sit in a flat buffer.
     ReferenceUpdate: the readable native path (clip_grad_norm_ + torch.optim.AdamW) it is tested
         against.
 """
 
+from cotangent.clip import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
 from cotangent.optim import AdamW
 from cotangent.reference import ReferenceUpdate
 
-__all__ = ["AdamW", "ReferenceUpdate", "__version__"]
+__all__ = ["AdamW", "ReferenceUpdate", "clip_grad_norm_", "clip_grads_with_norm_",
+           "get_total_norm", "__version__"]
 __version__ = "0.1.0"

@@ -23,12 +23,10 @@ import torch
 from torch import Tensor
 from torch.optim.adam import adam as functional_adam
 
-from cotangent import _compat
+from cotangent import _compat, calibration
 from cotangent.packing import align_elements
 
 GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: TensorIterator ops below this run on one thread
-
-_MERGE_CALIBRATION: dict[tuple, bool] = {}
 
 
 def implementation(group: dict, params: list[Tensor]) -> str:
@@ -74,10 +72,11 @@ def run_native_adamw(kind: str, params, grads, exp_avgs, exp_avg_sqs, max_exp_av
 
 
 def merge_key(kind: str, device: torch.device, dtype: torch.dtype, numel: int,
-              group: dict) -> tuple:
-    return (kind, device.type, dtype, numel, bool(group["amsgrad"]), bool(group["maximize"]),
-            group["weight_decay"] != 0, torch.is_tensor(group["lr"]), torch.get_num_threads(),
-            torch.__version__)
+              group: dict) -> str:
+    return calibration.full_key("adamw_merge", device.type, (
+        kind, dtype, numel, "amsgrad" if group["amsgrad"] else "-",
+        "maximize" if group["maximize"] else "-", "decay" if group["weight_decay"] != 0 else "-",
+        "tensor_lr" if torch.is_tensor(group["lr"]) else "float_lr"))
 
 
 def calibrate_merge(kind: str, device: torch.device, dtype: torch.dtype, numel: int,
@@ -89,8 +88,9 @@ def calibrate_merge(kind: str, device: torch.device, dtype: torch.dtype, numel: 
     `merge_key`. Lengths too large for a merged call of this implementation are never merged.
     """
     key = merge_key(kind, device, dtype, numel, group)
-    if key in _MERGE_CALIBRATION:
-        return _MERGE_CALIBRATION[key]
+    cached = calibration.lookup(key)
+    if cached is not None:
+        return cached
     limit = max_range_elements(kind)
     align = align_elements(dtype)
     row = -(-numel // align) * align
@@ -98,7 +98,7 @@ def calibrate_merge(kind: str, device: torch.device, dtype: torch.dtype, numel: 
     if limit is not None:
         rows = min(rows, (limit - align) // (row + align))
     if numel == 0 or rows < 2:
-        _MERGE_CALIBRATION[key] = False
+        calibration.record(key, False)
         return False
     # rows at alternating offsets: odd rows get one extra alignment unit before them
     offsets, size = [], 0
@@ -132,15 +132,5 @@ def calibrate_merge(kind: str, device: torch.device, dtype: torch.dtype, numel: 
         torch.equal(a.view(torch.uint8), b.view(torch.uint8))
         for a, b in zip(*results)
     )
-    _MERGE_CALIBRATION[key] = verdict
+    calibration.record(key, verdict)
     return verdict
-
-
-def merge_table() -> list[dict]:
-    """All merge verdicts of this process, for inspection (`cotangent calibrate`)."""
-    return [
-        dict(kind="adamw_merge", impl=k[0], device=k[1], dtype=str(k[2]).removeprefix("torch."),
-             numel=k[3], amsgrad=k[4], maximize=k[5], weight_decay=k[6], tensor_lr=k[7],
-             threads=k[8], torch=k[9], merged=ok)
-        for k, ok in _MERGE_CALIBRATION.items()
-    ]

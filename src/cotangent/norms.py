@@ -16,13 +16,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cotangent import _compat
+from cotangent import _compat, calibration
 from cotangent.packing import Bucket, FlatLayout, align_elements
-
-# (device type, dtype, numel, rows, row_stride, norm_type, native path, threads, torch) -> bool
-_BUCKET_CALIBRATION: dict[tuple, bool] = {}
-# (device type, dtype, coefficient dtype, threads, torch) -> bool
-_SCALE_CALIBRATION: dict[tuple, bool] = {}
 
 _PROBE_TRIALS = 3
 
@@ -83,7 +78,8 @@ def calibrate_bucket(
     `torch.linalg.vector_norm(matrix, norm_type, dim=1)` with native per-tensor norms of separately
     allocated copies, on three probe distributions. It also checks that native norms of the views
     equal those of the copies (the per-tensor fallback relies on it). The verdict is cached per
-    (device type, dtype, numel, rows, row_stride, norm_type, native path, thread count, torch).
+    (device type, dtype, numel, rows, row_stride, norm_type, native path) and the environment
+    (`cotangent.calibration.full_key`).
 
     Raises:
         RuntimeError: native per-tensor norms of views differ from those of copies, i.e. the packed
@@ -92,11 +88,15 @@ def calibrate_bucket(
     native_path = _compat.foreach_norm_is_used(
         [torch.empty(0, dtype=dtype, device=device)], device, foreach
     )
-    key = (device.type, dtype, numel, rows, row_stride, float(norm_type), native_path,
-           torch.get_num_threads(), torch.__version__)
-    if key in _BUCKET_CALIBRATION:
-        return _BUCKET_CALIBRATION[key]
-    verdict = rows > 1 and numel > 0
+    if rows < 2 or numel == 0:
+        return False  # nothing to batch: the native per-tensor call is used as is
+    key = calibration.full_key("bucket_norm", device.type, (
+        dtype, numel, rows, row_stride, float(norm_type),
+        "_foreach_norm" if native_path else "vector_norm"))
+    cached = calibration.lookup(key)
+    if cached is not None:
+        return cached
+    verdict = True
     for trial in range(_PROBE_TRIALS):
         flat = _probe_values(rows * row_stride, dtype, trial).to(device)
         matrix = flat.as_strided((rows, numel), (row_stride, 1), 0)
@@ -112,7 +112,7 @@ def calibrate_bucket(
         if verdict:
             batched = torch.linalg.vector_norm(matrix, norm_type, dim=1)
             verdict = _bytes_equal(batched, native)
-    _BUCKET_CALIBRATION[key] = verdict
+    calibration.record(key, verdict)
     return verdict
 
 
@@ -123,12 +123,13 @@ def calibrate_scale(device: torch.device, dtype: torch.dtype, coef_dtype: torch.
     CPU). Multiplication is elementwise, so the only way position can matter is a vectorised body
     and a scalar tail computing it differently; the probe multiplies segments of 1-40, 63-65,
     127-129 and 1000 elements, laid out as in a flat buffer, by 16 coefficients and compares the
-    bytes with per-segment multiplies of copies. Cached per (device type, dtype, coefficient dtype,
-    thread count, torch).
+    bytes with per-segment multiplies of copies. Cached per (device type, dtype, coefficient dtype)
+    and the environment (`cotangent.calibration.full_key`).
     """
-    key = (device.type, dtype, coef_dtype, torch.get_num_threads(), torch.__version__)
-    if key in _SCALE_CALIBRATION:
-        return _SCALE_CALIBRATION[key]
+    key = calibration.full_key("flat_clip_multiply", device.type, (dtype, coef_dtype))
+    cached = calibration.lookup(key)
+    if cached is not None:
+        return cached
     align = align_elements(dtype)
     lengths = list(range(1, 41)) + [63, 64, 65, 127, 128, 129, 1000]
     offsets, total = [], 0
@@ -148,26 +149,8 @@ def calibrate_scale(device: torch.device, dtype: torch.dtype, coef_dtype: torch.
         if not all(_bytes_equal(flat[o:o + n], t) for o, n, t in zip(offsets, lengths, copies)):
             verdict = False
             break
-    _SCALE_CALIBRATION[key] = verdict
+    calibration.record(key, verdict)
     return verdict
-
-
-def calibration_table() -> list[dict]:
-    """All calibration verdicts of this process, for inspection (`cotangent calibrate`)."""
-    rows = []
-    for (dev, dtype, numel, nrows, stride, ord_, native_path, threads, version), ok in sorted(
-        _BUCKET_CALIBRATION.items(), key=lambda kv: (kv[0][0], str(kv[0][1]), kv[0][2], kv[0][3])
-    ):
-        rows.append(dict(kind="bucket_norm", device=dev, dtype=str(dtype).removeprefix("torch."),
-                         numel=numel, rows=nrows, row_stride=stride, norm_type=ord_,
-                         native="_foreach_norm" if native_path else "vector_norm",
-                         threads=threads, torch=version, batched=ok))
-    for (dev, dtype, coef_dtype, threads, version), ok in _SCALE_CALIBRATION.items():
-        rows.append(dict(kind="flat_clip_multiply", device=dev,
-                         dtype=str(dtype).removeprefix("torch."),
-                         coef_dtype=str(coef_dtype).removeprefix("torch."),
-                         threads=threads, torch=version, batched=ok))
-    return rows
 
 
 def calibrate_layout(layout: FlatLayout, norm_type: float, foreach: bool | None) -> None:

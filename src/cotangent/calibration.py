@@ -1,0 +1,108 @@
+"""Calibration verdicts: cached in memory and in a user cache file.
+
+Every probe verdict (`cotangent.norms`, `cotangent.coalesce`) is keyed by everything its bits
+depend on: the probe kind and its own arguments (device type, dtype, lengths, ...), plus the
+torch version, the ATen thread count and the machine's kernel class (CPU vector ISA, or the CUDA
+device name and compute capability). A verdict proven once is reused from
+`$COTANGENT_CACHE_DIR/calibration-v1.json` (default `~/.cache/cotangent/`), written atomically;
+`COTANGENT_CACHE_DIR=off` keeps verdicts in memory only. A missing, unreadable or corrupt file
+is ignored (the probes simply run again).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from functools import cache
+from pathlib import Path
+
+import torch
+
+FILE_NAME = "calibration-v1.json"
+_MEMORY: dict[str, bool] = {}
+_LOADED: set[str] = set()
+
+
+def cache_path() -> Path | None:
+    """The cache file, or None when the file cache is off."""
+    root = os.environ.get("COTANGENT_CACHE_DIR")
+    if root == "off":
+        return None
+    if not root:
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        root = os.path.join(base, "cotangent")
+    return Path(root) / FILE_NAME
+
+
+@cache
+def _machine(device_type: str) -> str:
+    if device_type == "cuda":
+        major, minor = torch.cuda.get_device_capability()
+        return f"cuda:{torch.cuda.get_device_name()}:sm{major}{minor}"
+    if device_type == "cpu":
+        return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
+    return device_type
+
+
+def full_key(kind: str, device_type: str, parts: tuple) -> str:
+    """The string key of a verdict: probe kind, its arguments, and the environment."""
+    fields = [kind, _machine(device_type), torch.__version__, str(torch.get_num_threads())]
+    fields += [str(p).removeprefix("torch.") for p in parts]
+    return "|".join(fields)
+
+
+def _load(path: Path) -> None:
+    if str(path) in _LOADED:
+        return
+    _LOADED.add(str(path))
+    try:
+        data = json.loads(path.read_text())
+        verdicts = data["verdicts"]
+        _MEMORY.update({k: bool(v) for k, v in verdicts.items()
+                        if isinstance(k, str) and isinstance(v, bool)})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+
+
+def lookup(key: str) -> bool | None:
+    """A cached verdict, or None if this key was never probed here."""
+    path = cache_path()
+    if path is not None:
+        _load(path)
+    return _MEMORY.get(key)
+
+
+def record(key: str, verdict: bool) -> None:
+    """Remember a verdict in memory and (if enabled) in the cache file, atomically."""
+    _MEMORY[key] = bool(verdict)
+    path = cache_path()
+    if path is None:
+        return
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        current: dict[str, bool] = {}
+        try:
+            current = json.loads(path.read_text())["verdicts"]
+        except (OSError, ValueError, KeyError, TypeError):
+            pass
+        current[key] = bool(verdict)
+        fd, tmp = tempfile.mkstemp(prefix=f".{FILE_NAME}.", dir=path.parent)
+        with os.fdopen(fd, "w") as f:
+            json.dump({"format": 1, "verdicts": current}, f, indent=0, sort_keys=True)
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only home directory: verdicts stay in memory
+
+
+def table() -> list[dict]:
+    """Every verdict known to this process (probed here or read from the cache file)."""
+    path = cache_path()
+    if path is not None:
+        _load(path)
+    rows = []
+    for key, verdict in sorted(_MEMORY.items()):
+        kind, machine, version, threads, *parts = key.split("|")
+        rows.append(dict(kind=kind, machine=machine, torch=version, threads=int(threads),
+                         args=parts, verdict=verdict))
+    return rows
