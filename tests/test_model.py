@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from bitwise import assert_same_bits
@@ -5,26 +6,34 @@ from bitwise import assert_same_bits
 from cotangent.harness.model import build_model
 
 
-def test_transformer_small_has_the_specified_parameters():
-    model = build_model("transformer-small", 0)
+@pytest.mark.parametrize("name,count,tensors", [
+    ("transformer-small", 3_346_944, 37),
+    ("transformer-medium", 19_280_896, 53),
+    ("gated-gqa", 9_737_088, 52),
+    ("causal-conv", 3_746_816, 53),
+])
+def test_research_models_have_the_specified_parameters(name, count, tensors):
+    model = build_model(name, 0)
     params = list(model.parameters())
-    assert sum(p.numel() for p in params) == 3_346_944
-    assert len(params) == 37
+    assert sum(p.numel() for p in params) == count
+    assert len(params) == tensors
     assert all(m.bias is None for m in model.modules() if isinstance(m, torch.nn.Linear))
+    assert all(m.bias is None for m in model.modules() if isinstance(m, torch.nn.Conv1d))
 
 
 def test_init_is_seeded_and_residual_projections_are_scaled():
     a, b = build_model("transformer-small", 1), build_model("transformer-small", 1)
     for pa, pb in zip(a.parameters(), b.parameters()):
         assert_same_bits(pa, pb, "seeded init")
-    std_out = a.blocks[0].attn.out.weight.std().item()
-    std_qkv = a.blocks[0].attn.qkv.weight.std().item()
+    std_out = a.blocks[0].mixer.out.weight.std().item()
+    std_qkv = a.blocks[0].mixer.qkv.weight.std().item()
     assert abs(std_qkv - 0.02) < 0.001
     assert abs(std_out - 0.02 / (2 * 4) ** 0.5) < 0.0005
 
 
-def test_forward_shape_and_causality():
-    model = build_model("tiny", 0)
+@pytest.mark.parametrize("name", ["tiny-transformer", "tiny-gated-gqa", "tiny-causal-conv"])
+def test_forward_shape_and_causality(name):
+    model = build_model(name, 0)
     x = torch.randint(0, 256, (2, 32))
     y = model(x)
     assert y.shape == (2, 32, 256)

@@ -1,13 +1,21 @@
-"""Byte-level GPT-style transformer used by the training harness.
+"""Byte-level language models used by the training harness: three families in one file.
 
-One readable file in the spirit of nanoGPT: a `ModelConfig` dataclass, pre-norm blocks
-(LayerNorm -> causal self-attention -> residual, LayerNorm -> GELU MLP -> residual), learned
-token and position embeddings, a final LayerNorm and an untied head. Every linear layer is
-bias-free; the norms keep their weight and bias. Initialisation follows GPT-2 (Radford et al.,
-2019) as written in nanoGPT: normal(0, 0.02) for every linear and embedding weight, with the
-residual output projections (`attn.out`, `mlp.down`) scaled by 1/sqrt(2 * n_layer).
+In the spirit of nanoGPT: a `ModelConfig` dataclass and plain modules. All models take byte ids
+(vocabulary 256), have learned token and position embeddings, pre-norm residual blocks, a final
+norm and an untied head; every linear layer is bias-free (norms keep their affine parameters).
+Initialisation follows GPT-2 (Radford et al., 2019) as written in nanoGPT: normal(0, 0.02) for
+every linear and embedding weight, with the residual output projections scaled by
+1/sqrt(2 * n_layer); norms start at weight 1 (bias 0); convolutions keep PyTorch's default init.
 
-Shapes use B (batch), T (time, <= context), C (width), H (heads), D (head size = C / H).
+Families:
+    transformer  LayerNorm -> causal self-attention (qkv, out) and LayerNorm -> GELU MLP (up, down).
+    gated-gqa    RMSNorm -> grouped-query attention (q, kv; K/V heads repeated to the query heads;
+                 out) and RMSNorm -> SiLU-gated FFN (gate, up, down) (Ainslie et al., 2023;
+                 Shazeer, 2020).
+    causal-conv  LayerNorm -> depthwise causal Conv1d (kernel 3, dilation 2**i, left padding
+                 2 * dilation) -> GELU -> mix, and LayerNorm -> GELU MLP (up, down).
+
+Shapes use B (batch), T (time, <= context), C (width), H (query heads), G (K/V heads), D (head size).
 """
 
 from __future__ import annotations
@@ -22,26 +30,53 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ModelConfig:
-    """Architecture of the byte-level transformer."""
+    """Architecture of one byte-level model."""
 
+    family: str = "transformer"  # transformer | gated-gqa | causal-conv
     vocab_size: int = 256  # bytes
     context: int = 256  # maximum sequence length T, in bytes
     width: int = 256  # embedding width C
     n_layer: int = 4
-    n_head: int = 4
-    mlp_ratio: int = 4  # hidden width of the MLP = mlp_ratio * width
+    n_head: int = 4  # attention (query) heads; unused by causal-conv
+    n_kv_head: int = 0  # gated-gqa: K/V heads (0: same as n_head)
+    ffn_hidden: int = 0  # hidden width of the MLP / gated FFN (0: 4 * width)
 
     def __post_init__(self) -> None:
+        if self.family not in ("transformer", "gated-gqa", "causal-conv"):
+            raise ValueError(f"unknown model family {self.family!r}")
         if self.width % self.n_head:
             raise ValueError(f"width {self.width} is not divisible by n_head {self.n_head}")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"n_head {self.n_head} is not a multiple of n_kv_head {self.kv_heads}")
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_head or self.n_head
+
+    @property
+    def hidden(self) -> int:
+        return self.ffn_hidden or 4 * self.width
 
 
 MODELS: dict[str, ModelConfig] = {
     # 3,346,944 parameters in 37 tensors (the walking skeleton's model).
     "transformer-small": ModelConfig(),
-    # For tests: 4 tensor lengths shared by several tensors, fast even in BF16 on this CPU.
-    "tiny": ModelConfig(context=32, width=32, n_layer=2, n_head=2),
+    # 19,280,896 parameters in 53 tensors.
+    "transformer-medium": ModelConfig(width=512, n_layer=6, n_head=8),
+    # 9,737,088 parameters in 52 tensors.
+    "gated-gqa": ModelConfig(family="gated-gqa", width=384, n_layer=6, n_head=6, n_kv_head=2,
+                             ffn_hidden=1024),
+    # 3,746,816 parameters in 53 tensors.
+    "causal-conv": ModelConfig(family="causal-conv", width=256, n_layer=6),
+    # About 50M parameters, for the update-phase benchmark.
+    "transformer-50m": ModelConfig(width=768, n_layer=7, n_head=12),
+    # Tiny variants for tests (fast even in BF16 autocast on a CPU).
+    "tiny-transformer": ModelConfig(context=32, width=32, n_layer=2, n_head=2),
+    "tiny-gated-gqa": ModelConfig(family="gated-gqa", context=32, width=48, n_layer=2, n_head=6,
+                                  n_kv_head=2, ffn_hidden=96),
+    "tiny-causal-conv": ModelConfig(family="causal-conv", context=32, width=32, n_layer=3),
 }
+MODELS["tiny"] = MODELS["tiny-transformer"]
 
 
 def model_config(name: str, **overrides) -> ModelConfig:
@@ -72,30 +107,90 @@ class CausalSelfAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.up = nn.Linear(cfg.width, cfg.mlp_ratio * cfg.width, bias=False)
-        self.down = nn.Linear(cfg.mlp_ratio * cfg.width, cfg.width, bias=False)
+        self.up = nn.Linear(cfg.width, cfg.hidden, bias=False)
+        self.down = nn.Linear(cfg.hidden, cfg.width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.gelu(self.up(x)))
 
 
-class Block(nn.Module):
+class GroupedQueryAttention(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.ln1 = nn.LayerNorm(cfg.width)
-        self.attn = CausalSelfAttention(cfg)
-        self.ln2 = nn.LayerNorm(cfg.width)
-        self.mlp = MLP(cfg)
+        self.n_head, self.n_kv = cfg.n_head, cfg.kv_heads
+        self.head_dim = cfg.width // cfg.n_head
+        self.q = nn.Linear(cfg.width, cfg.width, bias=False)
+        self.kv = nn.Linear(cfg.width, 2 * self.n_kv * self.head_dim, bias=False)
+        self.out = nn.Linear(cfg.width, cfg.width, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.ln1(x))
-        return x + self.mlp(self.ln2(x))
+        B, T, C = x.shape
+        D, G = self.head_dim, self.n_kv
+        q = self.q(x).view(B, T, self.n_head, D).transpose(1, 2)  # (B, H, T, D)
+        k, v = self.kv(x).split(G * D, dim=2)  # 2 x (B, T, G*D)
+        k = k.view(B, T, G, D).transpose(1, 2)  # (B, G, T, D)
+        v = v.view(B, T, G, D).transpose(1, 2)  # (B, G, T, D)
+        k = k.repeat_interleave(self.n_head // G, dim=1)  # (B, H, T, D)
+        v = v.repeat_interleave(self.n_head // G, dim=1)  # (B, H, T, D)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, H, T, D)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C)
+        return self.out(y)
+
+
+class GatedFFN(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate = nn.Linear(cfg.width, cfg.hidden, bias=False)
+        self.up = nn.Linear(cfg.width, cfg.hidden, bias=False)
+        self.down = nn.Linear(cfg.hidden, cfg.width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+class CausalConvMixer(nn.Module):
+    """Depthwise causal Conv1d over time, GELU, then a bias-free `mix` projection."""
+
+    def __init__(self, cfg: ModelConfig, dilation: int) -> None:
+        super().__init__()
+        self.pad = 2 * dilation  # (kernel - 1) * dilation, all on the left: causal
+        self.conv = nn.Conv1d(cfg.width, cfg.width, 3, dilation=dilation, groups=cfg.width,
+                              bias=False)
+        self.mix = nn.Linear(cfg.width, cfg.width, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = F.pad(x.transpose(1, 2), (self.pad, 0))  # (B, C, pad + T)
+        h = self.conv(h).transpose(1, 2)  # (B, T, C)
+        return self.mix(F.gelu(h))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, index: int) -> None:
+        super().__init__()
+        if cfg.family == "gated-gqa":
+            self.norm1, self.norm2 = nn.RMSNorm(cfg.width), nn.RMSNorm(cfg.width)
+            self.mixer: nn.Module = GroupedQueryAttention(cfg)
+            self.ffn: nn.Module = GatedFFN(cfg)
+        else:
+            self.norm1, self.norm2 = nn.LayerNorm(cfg.width), nn.LayerNorm(cfg.width)
+            self.mixer = (CausalSelfAttention(cfg) if cfg.family == "transformer"
+                          else CausalConvMixer(cfg, dilation=2 ** index))
+            self.ffn = MLP(cfg)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.mixer(self.norm1(x))
+        return x + self.ffn(self.norm2(x))
+
+    def residual_projections(self) -> list[nn.Parameter]:
+        """The weights whose init is scaled by 1/sqrt(2 * n_layer)."""
+        out = self.mixer.mix if isinstance(self.mixer, CausalConvMixer) else self.mixer.out
+        return [out.weight, self.ffn.down.weight]
 
 
 class Transformer(nn.Module):
-    """Byte-level decoder-only transformer.
+    """Byte-level decoder of any family.
 
-    Input: int64 byte ids of shape (B, T), T <= `cfg.context`. Output: float logits of shape
+    Input: int64 byte ids of shape (B, T), T <= `cfg.context`. Output: logits of shape
     (B, T, vocab_size) (float32 weights; bfloat16 activations under BF16 autocast).
     """
 
@@ -104,20 +199,20 @@ class Transformer(nn.Module):
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.width)
         self.pos_emb = nn.Embedding(cfg.context, cfg.width)
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.width)
+        self.blocks = nn.ModuleList(Block(cfg, i) for i in range(cfg.n_layer))
+        self.ln_f = nn.RMSNorm(cfg.width) if cfg.family == "gated-gqa" else nn.LayerNorm(cfg.width)
         self.head = nn.Linear(cfg.width, cfg.vocab_size, bias=False)
         self.apply(self._init_weights)
         residual_std = 0.02 / math.sqrt(2 * cfg.n_layer)
         for block in self.blocks:
-            nn.init.normal_(block.attn.out.weight, mean=0.0, std=residual_std)
-            nn.init.normal_(block.mlp.down.weight, mean=0.0, std=residual_std)
+            for weight in block.residual_projections():
+                nn.init.normal_(weight, mean=0.0, std=residual_std)
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
-        # nn.LayerNorm keeps its default init: weight 1, bias 0.
+        # Norms keep weight 1 / bias 0; Conv1d keeps PyTorch's default init.
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         B, T = idx.shape
