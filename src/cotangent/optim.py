@@ -516,3 +516,12 @@ class AdamW(torch.optim.AdamW):
                  batched_buckets=sum(b.batched for b in l.buckets))
             for l in self._layouts or []
         ]
+
+    def call_summary(self) -> dict:
+        """How the last step ran AdamW: native list elements (per-parameter tensors plus merged
+        ranges) against parameters, over the calls of the current plan."""
+        plan = self._plans.get(self._last_present) if self._last_present is not None else None
+        calls = plan.calls if plan is not None and plan.calls is not None else []
+        return dict(calls=sum(len(c.params) for c in calls),
+                    parameters=sum(len(c.params) + len(c.step_targets) for c in calls),
+                    implementations=sorted({c.kind for c in calls}))

@@ -56,13 +56,100 @@ def cmd_train(args) -> int:
     return 0 if result["identical_final_hash"] else 1
 
 
+def _bench_parser(sub) -> None:
+    from cotangent.harness.bench import IMPLS, SHAPES
+
+    p = sub.add_parser(
+        "bench", help="update-phase benchmark: native vs Cotangent, with a bandwidth floor",
+        description="Time the update phase (clip_grad_norm_ + AdamW step vs cotangent.AdamW "
+                    "step) per shape and native AdamW implementation, interleaved in one "
+                    "process; medians, bitwise check per row, memory, and a 10-pass floor.")
+    p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shapes")
+    p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated: default,foreach,fused")
+    p.add_argument("--repeats", type=int, default=20, help="timed repeats per arm (default 20)")
+    p.add_argument("--warmup", type=int, default=3, help="discarded repeats per arm (default 3)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def cmd_bench(args) -> int:
+    from cotangent.harness import bench
+
+    shapes = [s for s in args.shapes.split(",") if s]
+    impls = [i for i in args.impls.split(",") if i]
+    unknown = [s for s in shapes if s not in bench.SHAPES] + [i for i in impls
+                                                             if i not in bench.IMPLS]
+    if unknown:
+        raise ValueError(f"unknown shape or implementation: {', '.join(unknown)}")
+    if args.repeats < 1 or args.warmup < 0:
+        raise ValueError("--repeats must be >= 1 and --warmup >= 0")
+    print(f"update-phase benchmark on {args.device}: {len(shapes)} shapes x {len(impls)} native "
+          f"implementations, {args.repeats} repeats (+{args.warmup} warm-up), interleaved")
+    result = bench.run_bench(shapes, impls, repeats=args.repeats, warmup=args.warmup,
+                             device=args.device)
+    print(result["table"])
+    missed = [t for t in result["targets"] if not t["met"]]
+    print(f"targets met: {len(result['targets']) - len(missed)}/{len(result['targets'])}")
+    for t in missed:
+        print(f"  missed: {t['target']} ({t['shape']}, {t['native_impl']}): {t['field']} = "
+              f"{t['value']:.3f} > {t['bound']}" if isinstance(t["value"], float) else
+              f"  missed: {t['target']} ({t['shape']}, {t['native_impl']}): {t['value']}")
+    if args.json:
+        print(bench.result_json(result))
+    return 0 if all(r["bitwise"] for r in result["rows"]) else 1
+
+
+def _calibrate_parser(sub) -> None:
+    p = sub.add_parser(
+        "calibrate", help="run and show the bitwise calibration probes for a model",
+        description="Build the model, pack it with cotangent.AdamW for each native AdamW "
+                    "implementation, run the calibration probes, and list every verdict "
+                    "(cached in memory and in the user cache file).")
+    p.add_argument("--model", default="transformer-small", choices=sorted(MODELS))
+    p.add_argument("--json", action="store_true")
+
+
+def cmd_calibrate(args) -> int:
+    import json
+
+    import torch
+
+    import cotangent
+    from cotangent import calibration
+    from cotangent.harness.model import build_model
+
+    for flags in ({"fused": True}, {"foreach": True}, {"foreach": False}):
+        model = build_model(args.model, 0)
+        params = list(model.parameters())
+        opt = cotangent.AdamW(params, max_norm=1.0, **flags)
+        torch.autograd.backward(params, [torch.zeros_like(p) for p in params])
+        opt.step()  # builds the merged AdamW calls (their probes run here)
+        summary = opt.layout_summary()
+        calls = opt.call_summary()
+        print(f"{args.model} {flags}: {summary[0]['tensors']} tensors in "
+              f"{summary[0]['buckets']} length buckets, {summary[0]['batched_buckets']} with "
+              f"batched norms; AdamW in {calls['calls']} list elements for "
+              f"{calls['parameters']} parameters")
+    rows = calibration.table()
+    print(f"cache: {calibration.cache_path() or 'off (memory only)'}")
+    for r in rows:
+        print(f"  {'yes' if r['verdict'] else 'no ':<4}{r['kind']:<20}{' '.join(r['args'])}  "
+              f"[{r['machine']}, torch {r['torch']}, {r['threads']} threads]")
+    if args.json:
+        print(json.dumps(rows))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cotangent", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
+    _bench_parser(sub)
+    _calibrate_parser(sub)
     args = parser.parse_args(argv)
     try:
-        return {"train": cmd_train}[args.command](args)
+        return {"train": cmd_train, "bench": cmd_bench, "calibrate": cmd_calibrate}[
+            args.command](args)
     except (FileNotFoundError, ValueError) as exc:
         print(f"cotangent: error: {exc}", file=sys.stderr)
         return 2

@@ -1,0 +1,34 @@
+"""`cotangent bench` runs end to end and reports every required field (speed is not asserted:
+benchmarks are measured, not tested)."""
+
+from __future__ import annotations
+
+import json
+
+from cotangent.harness import cli
+
+REQUIRED = {"shape", "params", "tensors", "native_impl", "native_ms", "cotangent_ms", "ratio",
+            "floor10_ms", "bitwise", "extra_persistent_bytes", "native_peak_temp_bytes",
+            "cotangent_peak_temp_bytes"}
+
+
+def test_bench_rows_are_bitwise_and_complete(capsys):
+    code = cli.main(["bench", "--shapes", "many-small", "--impls", "default,foreach,fused",
+                     "--repeats", "2", "--warmup", "1", "--json"])
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    assert code == 0
+    assert len(result["rows"]) == 3
+    for row in result["rows"]:
+        assert REQUIRED <= row.keys()
+        assert row["bitwise"] is True
+        assert row["tensors"] == 146 and row["params"] == 644_817
+        assert row["native_ms"] > 0 and row["cotangent_ms"] > 0 and row["floor10_ms"] > 0
+        assert row["extra_persistent_bytes"] == 0
+    assert any(t["target"] == "bitwise" for t in result["targets"])
+    assert result["pass_ms_per_element"] > 0
+
+
+def test_bench_rejects_unknown_shapes(capsys):
+    assert cli.main(["bench", "--shapes", "nope"]) == 2
+    assert "unknown shape" in capsys.readouterr().err
