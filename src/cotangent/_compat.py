@@ -85,3 +85,12 @@ def default_foreach(params: list[Tensor], differentiable: bool) -> bool:
 def foreach_copy_(targets: list[Tensor], sources: list[Tensor]) -> None:
     """`torch._foreach_copy_`: copy each source into its target."""
     torch._foreach_copy_(targets, sources)
+
+
+def queue_backward_callback(fn) -> None:
+    """Run `fn()` once the current backward pass has finished (called from inside a hook).
+
+    The autograd engine's `queue_callback`, the mechanism DistributedDataParallel uses to act
+    at the end of backward.
+    """
+    torch.autograd.Variable._execution_engine.queue_callback(fn)

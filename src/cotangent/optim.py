@@ -93,6 +93,10 @@ class AdamW(torch.optim.AdamW):
         norm_type: p of the global p-norm (``float('inf')`` for the max norm), as `clip_grad_norm_`.
         error_if_nonfinite: raise before any tensor is modified when the total norm is inf or NaN,
             as `clip_grad_norm_`.
+        clip_order: the parameters exactly as you would pass them to `clip_grad_norm_` (e.g.
+            ``model.parameters()``); their order decides the bits of the total norm. Default: the
+            optimizer's order (param groups concatenated). It must contain every optimizer
+            parameter; others in it must have no gradient at `step()`.
 
     Attributes:
         last_total_norm: the total gradient norm of the last clipping `step()` (0-dim tensor on
@@ -101,7 +105,8 @@ class AdamW(torch.optim.AdamW):
 
     Raises:
         ValueError / RuntimeError: everything `torch.optim.AdamW` raises for bad arguments; a
-            parameter that appears twice, is sparse, complex, or not dense; non-float `max_norm`.
+            parameter that appears twice, is sparse, complex, integer, or not dense; non-float
+            `max_norm`; a `clip_order` that misses an optimizer parameter.
         NotImplementedError: ``capturable=True`` or ``differentiable=True``.
     """
 
@@ -122,8 +127,10 @@ class AdamW(torch.optim.AdamW):
         max_norm: float | None = None,
         norm_type: float = 2.0,
         error_if_nonfinite: bool = False,
+        clip_order=None,
     ) -> None:
         self._layouts: list[FlatLayout] | None = None  # None until the first pack
+        clip_order = None if clip_order is None else list(clip_order)
         try:
             max_norm = None if max_norm is None else float(max_norm)
             norm_type = float(norm_type)
@@ -142,6 +149,7 @@ class AdamW(torch.optim.AdamW):
         self.norm_type = norm_type
         self.error_if_nonfinite = bool(error_if_nonfinite)
         self.last_total_norm: Tensor | None = None
+        self._clip_order_params = clip_order
         self._pack()
 
     # ------------------------------------------------------------------ packing
@@ -150,7 +158,11 @@ class AdamW(torch.optim.AdamW):
         """As `torch.optim.Optimizer.add_param_group`; afterwards all buffers are re-packed."""
         super().add_param_group(param_group)
         if self._layouts is not None:
-            self._pack()
+            try:
+                self._pack()
+            except Exception:
+                self.param_groups.pop()  # _pack validates before it modifies anything
+                raise
 
     def load_state_dict(self, state_dict: dict) -> None:
         """As `torch.optim.Optimizer.load_state_dict` (native AdamW format); moments are then
@@ -178,6 +190,12 @@ class AdamW(torch.optim.AdamW):
             if not p.is_floating_point():
                 raise ValueError(f"parameter {slot} has dtype {p.dtype}; AdamW needs floating "
                                  "point parameters")
+        order = getattr(self, "_clip_order_params", None)
+        if order is not None:
+            missing = [slot for slot, p in enumerate(params) if id(p) not in {id(q) for q in order}]
+            if missing:
+                raise ValueError(f"clip_order lacks optimizer parameter(s) {missing}; it must "
+                                 "list every parameter the optimizer updates")
         return plan_layouts(params)
 
     @torch.no_grad()
@@ -185,6 +203,8 @@ class AdamW(torch.optim.AdamW):
         """(Re)build the flat buffers from the current parameters, gradients and state."""
         params = self._all_params()
         layouts = self._validate(params)  # every check before anything is modified
+        # Gradients that logically exist now (a -0.0 view that saw no backward is not one).
+        old_grads = {id(p): p.grad for p in params if self._has_logical_grad(p)}
         for handle in getattr(self, "_hook_handles", []):
             handle.remove()
         self._params = params
@@ -196,6 +216,9 @@ class AdamW(torch.optim.AdamW):
         self._param_ptrs: list[int] = [0] * len(params)
         self._where: list[tuple[int, Segment]] = [None] * len(params)  # type: ignore[list-item]
         self._has_grad: list[bool] = [False] * len(params)
+        # A parameter frozen at construction gets no hook and no gradient view; if it is unfrozen
+        # later, its gradients arrive outside the buffer and are copied in at step().
+        self._tracked = [p.requires_grad for p in params]
         for li, layout in enumerate(layouts):
             flat_p = layout.new_buffer(0.0)
             flat_g = layout.new_buffer(-0.0)
@@ -205,12 +228,13 @@ class AdamW(torch.optim.AdamW):
                 view.copy_(p)
                 p.data = view
                 gview = layout.view(flat_g, seg)
-                if p.grad is not None:
-                    gview.copy_(p.grad)
+                grad = old_grads.get(id(p))
+                if grad is not None:
+                    gview.copy_(grad)
                     self._has_grad[seg.slot] = True
                     p.grad = gview
-                elif p.requires_grad:
-                    p.grad = gview  # frozen parameters keep grad None (autograd never writes it)
+                else:
+                    p.grad = gview if self._tracked[seg.slot] else None
                 self._grad_views[seg.slot] = gview
                 self._param_ptrs[seg.slot] = p.data_ptr()
                 self._where[seg.slot] = (li, seg)
@@ -223,10 +247,43 @@ class AdamW(torch.optim.AdamW):
                             state[key] = target
             self._flat_params.append(flat_p)
             self._flat_grads.append(flat_g)
-            if self.max_norm is not None:
+        self._calibrate()
+        self._install_hooks()
+        slot_of = {id(p): slot for slot, p in enumerate(params)}
+        order = self._clip_order_params
+        self._clip_order = (list(range(len(params))) if order is None
+                            else [slot_of[id(p)] for p in order if id(p) in slot_of])
+        self._clip_outsiders = [] if order is None else [p for p in order if id(p) not in slot_of]
+        self._slot_of = slot_of
+        self._plans: dict[tuple[int, ...], _StepPlan] = {}
+        self._last_present: tuple[int, ...] | None = None
+        self._group_slots: list[list[int]] = []
+        slot = 0
+        for group in self.param_groups:
+            self._group_slots.append(list(range(slot, slot + len(group["params"]))))
+            slot += len(group["params"])
+
+    def _calibrate(self) -> None:
+        """Run (or look up) the batched-norm probes for every bucket, for this thread count."""
+        self._calibrated_threads = torch.get_num_threads()
+        if self.max_norm is not None:
+            for layout in self._layouts or []:
                 calibrate_layout(layout, self.norm_type, None)
+
+    def _install_hooks(self) -> None:
+        """One tensor hook per trainable parameter, and an end-of-backward callback."""
         flags = self._has_grad
-        sparse = self._sparse_grad = [False] * len(params)
+        sparse = self._sparse_grad = [False] * len(self._params)
+        params, views, tracked = self._params, self._grad_views, self._tracked
+        queued = self._callback_queued = [False]
+
+        def end_of_backward() -> None:
+            # As native: a parameter that got no gradient in this backward (and had none
+            # before) reads as None, not as its -0.0 buffer view.
+            queued[0] = False
+            for slot, p in enumerate(params):
+                if tracked[slot] and not flags[slot] and p.grad is views[slot]:
+                    p.grad = None
 
         def make_hook(slot: int):
             # A tensor hook on the leaf sees each incoming gradient before autograd accumulates
@@ -235,22 +292,25 @@ class AdamW(torch.optim.AdamW):
                 flags[slot] = True  # this parameter received a gradient since the last zero_grad
                 if grad.layout is not torch.strided:
                     sparse[slot] = True
+                if not queued[0]:
+                    queued[0] = True
+                    _compat.queue_backward_callback(end_of_backward)
 
             return hook
 
-        # A parameter frozen at construction gets no hook and no gradient view; if it is unfrozen
-        # later, its gradients arrive outside the buffer and are copied in at step().
-        self._tracked = [p.requires_grad for p in params]
         self._hook_handles = [
             p.register_hook(make_hook(slot)) for slot, p in enumerate(params) if p.requires_grad
         ]
-        self._plans: dict[tuple[int, ...], _StepPlan] = {}
-        self._last_present: tuple[int, ...] | None = None
-        self._group_slots: list[list[int]] = []
-        slot = 0
-        for group in self.param_groups:
-            self._group_slots.append(list(range(slot, slot + len(group["params"]))))
-            slot += len(group["params"])
+
+    def _has_logical_grad(self, p: Tensor) -> bool:
+        """Whether native code would see a gradient on `p`: not None, and not an untouched
+        -0.0 buffer view left by `zero_grad()`."""
+        if p.grad is None:
+            return False
+        slot = getattr(self, "_slot_of", {}).get(id(p))
+        if slot is None or p.grad is not self._grad_views[slot] or self._has_grad[slot]:
+            return True
+        return not _untouched(p.grad)
 
     def _state_view(self, li: int, seg: Segment, key: str) -> Tensor:
         bufs = self._state_flat[li]
@@ -268,7 +328,8 @@ class AdamW(torch.optim.AdamW):
         gradient bit for bit. ``set_to_none=False``: gradients that exist become +0.0 in place, as
         native; those that are ``None`` stay absent.
         """
-        keep = [] if set_to_none else [i for i, p in enumerate(self._params) if p.grad is not None]
+        keep = [] if set_to_none else [
+            i for i, p in enumerate(self._params) if self._tracked[i] and self._has_logical_grad(p)]
         for flat_g in self._flat_grads:
             flat_g.fill_(-0.0)
         for slot, p in enumerate(self._params):
@@ -280,6 +341,7 @@ class AdamW(torch.optim.AdamW):
                 p.grad = self._grad_views[slot]
             self._has_grad[slot] = False
             self._sparse_grad[slot] = False
+        self._callback_queued[0] = False  # in case a failed backward never ran its callback
         for slot in keep:
             self._grad_views[slot].zero_()
             self._has_grad[slot] = True
@@ -299,6 +361,8 @@ class AdamW(torch.optim.AdamW):
             if g is None:
                 continue
             if g is self._grad_views[slot]:
+                if not self._has_grad[slot] and not _untouched(g):
+                    self._has_grad[slot] = True  # written in place without a backward
                 if self._has_grad[slot]:
                     if self._sparse_grad[slot]:
                         raise RuntimeError(
@@ -320,6 +384,11 @@ class AdamW(torch.optim.AdamW):
                 )
             outside.append(slot)
             present.append(slot)
+        for p in self._clip_outsiders:
+            if self.max_norm is not None and p.grad is not None:
+                raise RuntimeError(
+                    f"a parameter in clip_order (shape {tuple(p.shape)}) has a gradient but is not "
+                    "updated by this optimizer; native clip_grad_norm_ would include it")
         for slot in outside:  # validated above; now copy in
             p = self._params[slot]
             self._grad_views[slot].copy_(p.grad)
@@ -340,9 +409,10 @@ class AdamW(torch.optim.AdamW):
             if mine:
                 group_slots.append((gi, mine))
         clip_groups = []
-        grads = [self._grad_views[s] for s in present]
-        for _, _, indices in _compat.group_by_device_and_dtype(grads):
-            slots = [present[i] for i in indices]
+        ordered = [s for s in self._clip_order if s in present_set]  # clip_grad_norm_'s order
+        grads = [self._grad_views[s] for s in ordered]
+        for _, _, indices in (_compat.group_by_device_and_dtype(grads) if grads else []):
+            slots = [ordered[i] for i in indices]
             li = self._where[slots[0]][0]
             position = {seg.slot: pos for pos, seg in enumerate(self._layouts[li].segments)}
             order = [position[s] for s in slots]
@@ -350,8 +420,10 @@ class AdamW(torch.optim.AdamW):
                 order, device=self._layouts[li].device)
             clip_groups.append((li, index, slots))
         absent = [s for s in range(len(self._params)) if s not in present_set]
-        first_device = self._grad_views[present[0]].device if present else None
+        first_device = self._grad_views[ordered[0]].device if ordered else None
         plan = _StepPlan(group_slots, clip_groups, absent, first_device)
+        if len(self._plans) >= 64:  # e.g. layer drop: bound the cache of presence patterns
+            self._plans.clear()
         self._plans[present] = plan
         return plan
 
@@ -479,6 +551,10 @@ class AdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if torch.get_num_threads() != self._calibrated_threads:
+            self._calibrate()  # verdicts depend on the thread count: probe again
+            self._plans.clear()
+            self._last_present = None
         present = self._present_slots()
         plan = self._plan(present)
         if present != self._last_present:
@@ -525,3 +601,8 @@ class AdamW(torch.optim.AdamW):
         return dict(calls=sum(len(c.params) for c in calls),
                     parameters=sum(len(c.params) + len(c.step_targets) for c in calls),
                     implementations=sorted({c.kind for c in calls}))
+
+
+def _untouched(grad: Tensor) -> bool:
+    """True when every element of `grad` is -0.0, the fill `zero_grad()` leaves."""
+    return bool(torch.signbit(grad).all()) and not bool(grad.any())

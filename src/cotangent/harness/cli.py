@@ -1,4 +1,7 @@
-"""The `cotangent` command."""
+"""cotangent: a bitwise-exact fast update phase (gradient clipping + AdamW) for PyTorch.
+
+Commands: `train` (native vs Cotangent on a byte-level language model), `bench` (update-phase
+benchmark), `calibrate` (show the bitwise calibration verdicts)."""
 
 from __future__ import annotations
 
@@ -36,7 +39,23 @@ def _train_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
+def _check_device(name: str) -> None:
+    import torch
+
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this torch build sees no CUDA device")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("--device mps: this torch build sees no MPS device")
+
+
 def cmd_train(args) -> int:
+    for flag, value, low in (("--steps", args.steps, 1), ("--batch-size", args.batch_size, 1),
+                             ("--val-bytes", args.val_bytes, 0)):
+        if value < low:
+            raise ValueError(f"{flag} must be >= {low}, got {value}")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        raise ValueError(f"--out {args.out} exists and is not a directory")
+    _check_device(args.device)
     data_dir = args.data_dir or os.environ.get(DATA_ENV)
     if data_dir:
         corpus = load_wikitext2(data_dir)
@@ -83,6 +102,7 @@ def cmd_bench(args) -> int:
         raise ValueError(f"unknown shape or implementation: {', '.join(unknown)}")
     if args.repeats < 1 or args.warmup < 0:
         raise ValueError("--repeats must be >= 1 and --warmup >= 0")
+    _check_device(args.device)
     print(f"update-phase benchmark on {args.device}: {len(shapes)} shapes x {len(impls)} native "
           f"implementations, {args.repeats} repeats (+{args.warmup} warm-up), interleaved")
     result = bench.run_bench(shapes, impls, repeats=args.repeats, warmup=args.warmup,
@@ -141,7 +161,8 @@ def cmd_calibrate(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="cotangent", description=__doc__)
+    parser = argparse.ArgumentParser(prog="cotangent", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     _train_parser(sub)
     _bench_parser(sub)

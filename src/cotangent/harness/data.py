@@ -119,6 +119,8 @@ def load_wikitext2(data_dir: str | os.PathLike) -> Corpus:
         UserWarning: a file whose SHA-256 is not the known one for its split (names the file).
     """
     root = Path(data_dir)
+    if root.exists() and not root.is_dir():
+        raise FileNotFoundError(f"data directory {root} is a file, not a directory")
     if not root.is_dir():
         raise FileNotFoundError(f"data directory {root} does not exist")
     splits, sources = {}, {}

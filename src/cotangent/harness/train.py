@@ -152,6 +152,8 @@ def run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None = 
     run_root = Path(cfg.out) / f"{stamp}-{cfg.model}-seed{cfg.seed}"
     env = records.environment()
     arms = {name: Arm(name, cfg, device) for name in ARMS}
+    # Fail now, not after training, if validation cannot run on this split and context.
+    val = eval_windows(corpus.splits["valid"], arms["native"].model.cfg.context, cfg.val_bytes)
     samplers = {name: WindowSampler(corpus.splits["train"], seed=cfg.seed,
                                     batch_size=cfg.batch_size,
                                     context=arms[name].model.cfg.context) for name in ARMS}
@@ -205,7 +207,6 @@ def run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None = 
                 "grad_norm": total.item(), "step_s": t2 - t0, "update_s": t2 - t1,
             })
         order.reverse()
-    val = eval_windows(corpus.splits["valid"], arms["native"].model.cfg.context, cfg.val_bytes)
     result: dict = {}
     for name, arm in arms.items():
         bpb, targets = evaluate_bpb(arm.model, val, batch=cfg.eval_batch, device=device,
