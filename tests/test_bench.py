@@ -8,8 +8,8 @@ import json
 from cotangent.harness import cli
 
 REQUIRED = {"shape", "params", "tensors", "native_impl", "native_ms", "cotangent_ms", "ratio",
-            "floor10_ms", "bitwise", "extra_persistent_bytes", "native_peak_temp_bytes",
-            "cotangent_peak_temp_bytes"}
+            "floor10_ms", "bitwise", "extra_persistent_bytes", "native_alloc_bytes",
+            "cotangent_alloc_bytes", "native_largest_alloc_bytes", "cotangent_largest_alloc_bytes"}
 
 
 def test_bench_rows_are_bitwise_and_complete(capsys):
@@ -24,7 +24,7 @@ def test_bench_rows_are_bitwise_and_complete(capsys):
         assert row["bitwise"] is True
         assert row["tensors"] == 146 and row["params"] == 644_817
         assert row["native_ms"] > 0 and row["cotangent_ms"] > 0 and row["floor10_ms"] > 0
-        assert row["extra_persistent_bytes"] == 0
+        assert row["extra_persistent_bytes"] <= 0  # no more allocator blocks than native
     assert any(t["target"] == "bitwise" for t in result["targets"])
     assert result["pass_ms_per_element"] > 0
 

@@ -134,3 +134,52 @@ def calibrate_merge(kind: str, device: torch.device, dtype: torch.dtype, numel: 
     )
     calibration.record(key, verdict)
     return verdict
+
+
+def run_direct_fused(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
+                     group: dict) -> None:
+    """Fused AdamW for one device and dtype without the functional wrapper's Python."""
+    beta1, beta2 = group["betas"]
+    _compat.fused_adamw_one_group(
+        params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, amsgrad=group["amsgrad"],
+        beta1=beta1, beta2=beta2, lr=group["lr"], weight_decay=group["weight_decay"],
+        eps=group["eps"], maximize=group["maximize"])
+
+
+def calibrate_direct(device: torch.device, dtype: torch.dtype, group: dict) -> bool:
+    """Whether `run_direct_fused` equals the native functional fused AdamW byte for byte.
+
+    Probe: tensors of 1-40, 63-65 and 1000 elements, `group`'s hyperparameter branches, 6 steps,
+    each path on its own copy; parameters and every moment compared. Cached like the others.
+    """
+    key = calibration.full_key("fused_direct", device.type, (
+        dtype, "amsgrad" if group["amsgrad"] else "-", "maximize" if group["maximize"] else "-",
+        "decay" if group["weight_decay"] != 0 else "-",
+        "tensor_lr" if torch.is_tensor(group["lr"]) else "float_lr"))
+    cached = calibration.lookup(key)
+    if cached is not None:
+        return cached
+    lengths = list(range(1, 41)) + [63, 64, 65, 1000]
+    gen = torch.Generator().manual_seed(7)
+    start = [torch.randn(n, generator=gen).to(dtype).to(device) for n in lengths]
+    grad = [(torch.randn(n, generator=gen) * 0.1).to(dtype).to(device) for n in lengths]
+    probe_group = dict(group)
+    probe_group["lr"] = (torch.tensor(1e-2, device=group["lr"].device)
+                         if torch.is_tensor(group["lr"]) else 1e-2)
+    results = []
+    for direct in (False, True):
+        p = [t.clone() for t in start]
+        m, v, vmax = ([torch.zeros_like(t) for t in start] for _ in range(3))
+        steps = [_compat.new_step_tensor(t, fused=True, capturable=False) for t in start]
+        for _ in range(6):
+            g = [t.clone() for t in grad]
+            args = (p, g, m, v, vmax if group["amsgrad"] else [], steps)
+            if direct:
+                run_direct_fused(*args, group=probe_group)
+            else:
+                run_native_adamw("fused", *args, group=probe_group)
+        results.append(p + m + v + vmax + steps)
+    verdict = all(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+                  for a, b in zip(*results))
+    calibration.record(key, verdict)
+    return verdict

@@ -7,6 +7,7 @@ with `decoupled_weight_decay=True`, the function `torch.optim.AdamW.step` calls)
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -16,13 +17,14 @@ from cotangent.norms import (
     calibrate_layout,
     calibrate_scale,
     clip_coefficient,
-    layout_norms,
-    native_tensor_norms,
+    norm_program,
+    run_norm_program,
     total_norm,
 )
 from cotangent.packing import FlatLayout, Segment, align_elements, plan_layouts
 
 _STATE_BUFFERS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+_GRAD = operator.attrgetter("grad")
 
 
 @dataclass(slots=True)
@@ -31,14 +33,16 @@ class _AdamCall:
 
     group_index: int
     kind: str  # "fused" | "foreach" | "for-loop"
+    direct: bool  # fused, one device and dtype, proven equal: skip the functional wrapper
     params: list[Tensor]
     grads: list[Tensor]
     exp_avgs: list[Tensor]
     exp_avg_sqs: list[Tensor]
     max_exp_avg_sqs: list[Tensor]
     state_steps: list[Tensor]  # one per list element: a range uses its first parameter's step
-    step_targets: list[Tensor]  # steps of the other parameters of each range ...
-    step_sources: list[Tensor]  # ... and the step each copies after the call
+    # per merged range: (steps of its other parameters, a slice of a step buffer; its first
+    # parameter's step), copied after the call so every parameter keeps its own step count
+    step_fills: list[tuple[Tensor, Tensor]]
 
 
 @dataclass(slots=True)
@@ -216,6 +220,11 @@ class AdamW(torch.optim.AdamW):
         self._param_ptrs: list[int] = [0] * len(params)
         self._where: list[tuple[int, Segment]] = [None] * len(params)  # type: ignore[list-item]
         self._has_grad: list[bool] = [False] * len(params)
+        self._step_flat: dict[tuple, Tensor] = {}
+        self._seg_pos = [0] * len(params)
+        for layout in layouts:
+            for pos, seg in enumerate(layout.segments):
+                self._seg_pos[seg.slot] = pos
         # A parameter frozen at construction gets no hook and no gradient view; if it is unfrozen
         # later, its gradients arrive outside the buffer and are copied in at step().
         self._tracked = [p.requires_grad for p in params]
@@ -240,6 +249,8 @@ class AdamW(torch.optim.AdamW):
                 self._where[seg.slot] = (li, seg)
                 state = self.state.get(p)
                 if state:
+                    if torch.is_tensor(state.get("step")):
+                        state["step"] = self._step_view(li, seg.slot, state["step"])
                     for key in _STATE_BUFFERS:
                         if key in state:
                             target = self._state_view(li, seg, key)
@@ -255,6 +266,7 @@ class AdamW(torch.optim.AdamW):
                             else [slot_of[id(p)] for p in order if id(p) in slot_of])
         self._clip_outsiders = [] if order is None else [p for p in order if id(p) not in slot_of]
         self._slot_of = slot_of
+        self._all_slots = tuple(range(len(params)))
         self._plans: dict[tuple[int, ...], _StepPlan] = {}
         self._last_present: tuple[int, ...] | None = None
         self._group_slots: list[list[int]] = []
@@ -264,11 +276,15 @@ class AdamW(torch.optim.AdamW):
             slot += len(group["params"])
 
     def _calibrate(self) -> None:
-        """Run (or look up) the batched-norm probes for every bucket, for this thread count."""
+        """Run (or look up) the batched-norm probes for every bucket, for this thread count,
+        and plan the norm calls of each flat gradient buffer."""
         self._calibrated_threads = torch.get_num_threads()
+        self._scale_ok: dict[tuple, bool] = {}
         if self.max_norm is not None:
             for layout in self._layouts or []:
                 calibrate_layout(layout, self.norm_type, None)
+        self._norm_programs = [norm_program(layout, flat)
+                               for layout, flat in zip(self._layouts or [], self._flat_grads)]
 
     def _install_hooks(self) -> None:
         """One tensor hook per trainable parameter, and an end-of-backward callback."""
@@ -348,6 +364,13 @@ class AdamW(torch.optim.AdamW):
 
     def _present_slots(self) -> tuple[int, ...]:
         """Slots with a gradient this step; gradients outside the flat buffer are copied in."""
+        params = self._params
+        # Fast path, the usual training step: every parameter still lives in its buffer segment
+        # and every gradient is its buffer view, filled by a backward (no sparse gradient).
+        if (not self._clip_outsiders and all(self._has_grad) and not any(self._sparse_grad)
+                and list(map(Tensor.data_ptr, params)) == self._param_ptrs
+                and all(map(operator.is_, map(_GRAD, params), self._grad_views))):
+            return self._all_slots
         outside = []
         present = []
         for slot, p in enumerate(self._params):
@@ -414,9 +437,11 @@ class AdamW(torch.optim.AdamW):
         for _, _, indices in (_compat.group_by_device_and_dtype(grads) if grads else []):
             slots = [ordered[i] for i in indices]
             li = self._where[slots[0]][0]
-            position = {seg.slot: pos for pos, seg in enumerate(self._layouts[li].segments)}
-            order = [position[s] for s in slots]
-            index = None if order == list(range(len(position))) else torch.tensor(
+            program = self._norm_programs[li]
+            out_pos = {self._layouts[li].segments[pos].slot: i
+                       for i, pos in enumerate(program.order)}
+            order = [out_pos[s] for s in slots]
+            index = None if order == list(range(len(out_pos))) else torch.tensor(
                 order, device=self._layouts[li].device)
             clip_groups.append((li, index, slots))
         absent = [s for s in range(len(self._params)) if s not in present_set]
@@ -440,13 +465,17 @@ class AdamW(torch.optim.AdamW):
                     self._init_state(group, self._params[slot], slot, state)
             kind = coalesce.implementation(group, [self._params[s] for s in slots])
             limit = coalesce.max_range_elements(kind)
-            call = _AdamCall(gi, kind, [], [], [], [], [], [], [], [])
             in_group = set(slots)
-            for li, layout in enumerate(self._layouts):
+            for li, layout in enumerate(self._layouts):  # one call per (group, device, dtype)
                 segs = [seg for seg in layout.segments if seg.slot in in_group]
+                if not segs:
+                    continue
+                direct = kind == "fused" and coalesce.calibrate_direct(
+                    layout.device, layout.dtype, group)
+                call = _AdamCall(gi, kind, direct, [], [], [], [], [], [], [])
                 for run in self._ranges(li, layout, segs, kind, limit, group):
                     self._add_to_call(call, li, run, group)
-            calls.append(call)
+                calls.append(call)
         return calls
 
     def _ranges(self, li, layout, segs, kind, limit, group) -> list[list[Segment]]:
@@ -476,6 +505,14 @@ class AdamW(torch.optim.AdamW):
 
     def _add_to_call(self, call: _AdamCall, li: int, run: list[Segment], group: dict) -> None:
         first = self.state[self._params[run[0].slot]]
+        steps = [self.state[self._params[seg.slot]]["step"] for seg in run]
+        item = steps[0].element_size()
+        consecutive = all(st.data_ptr() == steps[0].data_ptr() + i * item
+                          for i, st in enumerate(steps))
+        if len(run) > 1 and not consecutive:  # steps not side by side: no merged call
+            for seg in run:
+                self._add_to_call(call, li, [seg], group)
+            return
         if len(run) == 1:
             p = self._params[run[0].slot]
             call.params.append(p)
@@ -488,9 +525,8 @@ class AdamW(torch.optim.AdamW):
             call.params.append(self._flat_params[li].narrow(0, start, length))
             call.grads.append(self._flat_grads[li].narrow(0, start, length))
             tensors = {k: v.narrow(0, start, length) for k, v in self._state_flat[li].items()}
-            for seg in run[1:]:
-                call.step_targets.append(self.state[self._params[seg.slot]]["step"])
-                call.step_sources.append(first["step"])
+            rest = steps[0].as_strided((len(run) - 1,), (1,), steps[0].storage_offset() + 1)
+            call.step_fills.append((rest, steps[0]))
         call.exp_avgs.append(tensors["exp_avg"])
         call.exp_avg_sqs.append(tensors["exp_avg_sq"])
         if group["amsgrad"]:
@@ -498,7 +534,8 @@ class AdamW(torch.optim.AdamW):
         call.state_steps.append(first["step"])
 
     def _init_state(self, group: dict, p: Tensor, slot: int, state: dict) -> None:
-        """Lazy state initialisation as `torch.optim.Adam._init_group`, moments in flat buffers."""
+        """Lazy state initialisation as `torch.optim.Adam._init_group`, moments in flat buffers
+        and the step count a 0-dim view into a per-layout step buffer."""
         if group["fused"]:
             _compat.check_fused_support(p)
         if group["foreach"] and torch.is_tensor(group["lr"]) and not group["capturable"]:
@@ -506,12 +543,24 @@ class AdamW(torch.optim.AdamW):
                 "lr as a Tensor is not supported for capturable=False and foreach=True"
             )
         li, seg = self._where[slot]
-        state["step"] = _compat.new_step_tensor(p, fused=bool(group["fused"]),
-                                                capturable=bool(group["capturable"]))
+        template = _compat.new_step_tensor(p, fused=bool(group["fused"]),
+                                           capturable=bool(group["capturable"]))
+        state["step"] = self._step_view(li, slot, template)
         keys = _STATE_BUFFERS if group["amsgrad"] else _STATE_BUFFERS[:2]
         for key in keys:
             state[key] = self._state_view(li, seg, key)
             state[key].zero_()
+
+    def _step_view(self, li: int, slot: int, value: Tensor) -> Tensor:
+        """A 0-dim view holding `value` (a step count) in the step buffer of layout `li` for
+        `value`'s device and dtype; segments side by side in the layout are side by side here."""
+        key = (li, value.device, value.dtype)
+        if key not in self._step_flat:
+            n = len(self._layouts[li].segments)  # type: ignore[index]
+            self._step_flat[key] = torch.zeros(n, dtype=value.dtype, device=value.device)
+        view = self._step_flat[key][self._seg_pos[slot]]
+        view.copy_(value)
+        return view
 
     def _clip(self, plan: _StepPlan) -> Tensor:
         """Clip the present gradients in place as `clip_grad_norm_`; returns the total norm."""
@@ -521,10 +570,12 @@ class AdamW(torch.optim.AdamW):
         parts = []
         for li, index, _ in plan.clip_groups:
             if li not in norms:
-                norms[li] = layout_norms(self._layouts[li], self._flat_grads[li], self.norm_type,
-                                         None)
+                norms[li] = run_norm_program(self._norm_programs[li], self.norm_type, None)
             parts.append(norms[li] if index is None else norms[li].index_select(0, index))
-        total = total_norm([part.to(plan.first_device) for part in parts], self.norm_type)
+        if len(parts) == 1:  # one (device, dtype): the stacked norms are this vector
+            total = total_norm(parts[0], self.norm_type)
+        else:
+            total = total_norm([part.to(plan.first_device) for part in parts], self.norm_type)
         if self.error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
             raise RuntimeError(
                 f"The total norm of order {self.norm_type} for gradients from `parameters` is "
@@ -538,7 +589,10 @@ class AdamW(torch.optim.AdamW):
             # On CPU reading the coefficient costs no device sync, and x * 1.0 == x bit for bit.
             if layout.device.type == "cpu" and coef_dev.item() == 1.0:
                 continue
-            if calibrate_scale(layout.device, layout.dtype, coef_dev.dtype):
+            key = (li, coef_dev.dtype)
+            if key not in self._scale_ok:  # probe once per buffer and coefficient dtype
+                self._scale_ok[key] = calibrate_scale(layout.device, layout.dtype, coef_dev.dtype)
+            if self._scale_ok[key]:
                 self._flat_grads[li].mul_(coef_dev)
             else:
                 _compat.foreach_mul_([self._grad_views[s] for s in slots], coef_dev)
@@ -569,12 +623,18 @@ class AdamW(torch.optim.AdamW):
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
         for call in plan.calls:
-            coalesce.run_native_adamw(
-                call.kind, call.params, call.grads, call.exp_avgs, call.exp_avg_sqs,
-                call.max_exp_avg_sqs, call.state_steps, group=self.param_groups[call.group_index],
-                grad_scale=grad_scale, found_inf=found_inf)
-            if call.step_targets:
-                _compat.foreach_copy_(call.step_targets, call.step_sources)
+            group = self.param_groups[call.group_index]
+            if call.direct and grad_scale is None and found_inf is None:
+                coalesce.run_direct_fused(
+                    call.params, call.grads, call.exp_avgs, call.exp_avg_sqs,
+                    call.max_exp_avg_sqs, call.state_steps, group=group)
+            else:
+                coalesce.run_native_adamw(
+                    call.kind, call.params, call.grads, call.exp_avgs, call.exp_avg_sqs,
+                    call.max_exp_avg_sqs, call.state_steps, group=group,
+                    grad_scale=grad_scale, found_inf=found_inf)
+            for rest, first in call.step_fills:
+                rest.copy_(first)
         for slot in plan.absent:  # native leaves these None; so do we after the step
             p = self._params[slot]
             if p.grad is self._grad_views[slot]:
@@ -599,7 +659,8 @@ class AdamW(torch.optim.AdamW):
         plan = self._plans.get(self._last_present) if self._last_present is not None else None
         calls = plan.calls if plan is not None and plan.calls is not None else []
         return dict(calls=sum(len(c.params) for c in calls),
-                    parameters=sum(len(c.params) + len(c.step_targets) for c in calls),
+                    parameters=sum(len(c.params) + sum(len(r) for r, _ in c.step_fills)
+                                   for c in calls),
                     implementations=sorted({c.kind for c in calls}))
 
 

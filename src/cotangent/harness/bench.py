@@ -99,18 +99,15 @@ def _quiet_stderr():
         os.close(saved)
 
 
-def peak_temp_bytes(fn) -> int:
-    """Peak of the bytes allocated minus freed by torch ops while `fn` runs (its temporaries),
-    from the profiler's memory events in time order."""
+def temp_alloc_bytes(fn) -> tuple[int, int]:
+    """(total bytes, largest single allocation in bytes) that torch ops allocate while `fn` runs:
+    the update's temporaries, from the profiler's memory accounting (CPU allocator)."""
     from torch.profiler import ProfilerActivity, profile
 
     with _quiet_stderr(), profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         fn()
-    running = peak = 0
-    for event in sorted(prof.events(), key=lambda e: e.time_range.start):
-        running += event.self_cpu_memory_usage
-        peak = max(peak, running)
-    return int(peak)
+    allocations = [e.self_cpu_memory_usage for e in prof.events() if e.self_cpu_memory_usage > 0]
+    return int(sum(allocations)), int(max(allocations, default=0))
 
 
 def _same_bytes(a, b) -> bool:
@@ -134,8 +131,10 @@ class Row:
     bitwise: bool
     extra_persistent_bytes: int  # allocator blocks (64 B granules): cotangent - native
     padding_bytes: int  # requested bytes: cotangent - native (the 64-byte segment alignment)
-    native_peak_temp_bytes: int
-    cotangent_peak_temp_bytes: int
+    native_alloc_bytes: int  # temporaries allocated during one update, in total
+    cotangent_alloc_bytes: int
+    native_largest_alloc_bytes: int  # the largest single temporary of one update
+    cotangent_largest_alloc_bytes: int
     repeats: int
 
 
@@ -177,7 +176,7 @@ def bench_row(shape: str, impl: str, *, pass_ms: float, repeats: int, warmup: in
     for name, (opt, params, update) in arms.items():  # one more (profiled) step for each
         opt.zero_grad()
         torch.autograd.backward(params, grads)
-        allocs[name] = peak_temp_bytes(update)
+        allocs[name] = temp_alloc_bytes(update)
     bitwise = _same_bytes(totals["native"], totals["cotangent"])
     for a, b in zip(p1, p2):
         bitwise &= _same_bytes(a, b) and _same_bytes(a.grad, b.grad)
@@ -191,7 +190,8 @@ def bench_row(shape: str, impl: str, *, pass_ms: float, repeats: int, warmup: in
     ours_exact, ours_blocks = persistent_bytes(p2, ours)
     return Row(shape, n, len(p1), impl, native_ms, ours_ms, ours_ms / native_ms, floor10,
                ours_ms / floor10, bool(bitwise), ours_blocks - native_blocks,
-               ours_exact - native_exact, allocs["native"], allocs["cotangent"], repeats)
+               ours_exact - native_exact, *allocs["native"][:1], *allocs["cotangent"][:1],
+               allocs["native"][1], allocs["cotangent"][1], repeats)
 
 
 # (native implementation, shape predicate, quantity, bound, description) from issue 3.
@@ -227,7 +227,7 @@ def check_targets(rows: list[Row]) -> list[dict]:
 def format_table(rows: list[Row], pass_ms: float) -> str:
     head = (f"{'shape':<19}{'params':>11}{'tensors':>8}  {'native':<8}{'native_ms':>10}"
             f"{'cotangent_ms':>13}{'ratio':>7}{'floor10_ms':>11}{'/floor':>7}  bitwise  "
-            f"{'extra_B':>7}{'peak temp native/cot (KiB)':>28}")
+            f"{'extra_B':>7}{'largest temp native/cot (KiB)':>31}")
     lines = [f"pass cost: {pass_ms * 1e6:.3f} ns per element (large float32 add, 3 passes)",
              head]
     for r in rows:
@@ -235,8 +235,8 @@ def format_table(rows: list[Row], pass_ms: float) -> str:
             f"{r.shape:<19}{r.params:>11,}{r.tensors:>8}  {r.native_impl:<8}{r.native_ms:>10.2f}"
             f"{r.cotangent_ms:>13.2f}{r.ratio:>7.3f}{r.floor10_ms:>11.2f}"
             f"{r.cotangent_over_floor:>7.2f}  {'yes' if r.bitwise else 'NO':<7}"
-            f"{r.extra_persistent_bytes:>8}{r.native_peak_temp_bytes / 1024:>13.0f} / "
-            f"{r.cotangent_peak_temp_bytes / 1024:<9.0f}")
+            f"{r.extra_persistent_bytes:>8}{r.native_largest_alloc_bytes / 1024:>14.0f} / "
+            f"{r.cotangent_largest_alloc_bytes / 1024:<9.0f}")
     return "\n".join(lines)
 
 
