@@ -538,3 +538,22 @@ def test_plan_cache_is_bounded():
         sum(layer(x).sum() for layer, use in zip(layers, mask) if use or not mask.any()).backward()
         opt.step()
     assert len(opt._plans) <= 64
+
+
+def test_gradient_with_other_strides_is_read_in_the_parameters_layout():
+    """Policy: a gradient whose strides differ from its parameter's is copied into the
+    parameter's layout. Native CPU fused AdamW would read it in storage order (a known bug,
+    pytorch#106951); the reference here is native with the same values laid out like the param."""
+    torch.manual_seed(0)
+    w_native = nn.Parameter(torch.randn(4, 6))
+    w_ours = nn.Parameter(w_native.detach().clone())
+    opt_native = torch.optim.AdamW([w_native], fused=True, **HP)
+    opt_ours = cotangent.AdamW([w_ours], fused=True, **HP)
+    g = torch.randn(6, 4).t()  # (4, 6) with transposed strides
+    assert g.stride() != w_ours.stride()
+    w_native.grad = g.contiguous()
+    w_ours.grad = g
+    opt_native.step()
+    opt_ours.step()
+    assert_same_bits(w_native, w_ours, "param after a transposed gradient")
+    assert w_ours.grad.stride() == w_ours.stride()

@@ -60,9 +60,21 @@ def environment() -> dict:
         "torch_git": torch.version.git_version,
         "torch_cuda": torch.version.cuda,
         "threads": torch.get_num_threads(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_model": _cpu_model(),
         "cotangent": cotangent.__version__,
         "code_sha256": code_fingerprint(),
     }
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def model_sha256(model: torch.nn.Module) -> str:
