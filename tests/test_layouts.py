@@ -134,19 +134,7 @@ def test_negative_max_norm_flips_gradients_like_native():
 
 @pytest.mark.parametrize("norm_type", [1.0, 3.0, float("inf")])
 def test_other_norm_types(norm_type):
-    m1 = mlp()
-    m2 = copy.deepcopy(m1)
-    n = Native(m1.parameters(), 0.05, norm_type, fused=True, **HP)
-    o = cotangent.AdamW(m2.parameters(), max_norm=0.05, norm_type=norm_type, fused=True, **HP)
-    for _ in range(3):
-        x = torch.randn(4, 8)
-        for m, opt in ((m1, n.opt), (m2, o)):
-            opt.zero_grad()
-            m(x).square().mean().backward()
-        total = n.step()
-        o.step()
-        assert_same_bits(total, o.last_total_norm, "total")
-        compare(m1, n.opt, m2, o, f"norm_type {norm_type}")
+    drive(mlp, opt_kw=dict(norm_type=norm_type), steps=3)
 
 
 class ConvNet(nn.Module):
