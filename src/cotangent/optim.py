@@ -68,8 +68,10 @@ class AdamW(torch.optim.AdamW):
     ``clip_grad_norm_([p for group in param_groups for p in group["params"] if p.grad is not None],
     max_norm, norm_type, error_if_nonfinite, foreach=None)`` would, then runs the AdamW
     implementation torch itself picks for these arguments (for-loop, foreach or fused) on
-    per-parameter views; parameters, gradients and the moments `exp_avg` / `exp_avg_sq` come out
-    bit for bit as with native code on the same device, dtype and torch version.
+    per-parameter views, or once over a merged range of adjacent parameters where a calibration
+    probe proved that equal (`cotangent.coalesce`); parameters, gradients and the moments
+    `exp_avg` / `exp_avg_sq` come out bit for bit as with native code on the same device, dtype
+    and torch version.
 
     Packing: at construction every parameter's storage moves into one flat buffer per
     (device, dtype), ordered by length, keeping its shape and strides (`p.data` is re-pointed; the
@@ -79,11 +81,12 @@ class AdamW(torch.optim.AdamW):
     Gradients and `zero_grad`: `zero_grad(set_to_none=True)` fills the gradient buffer with -0.0,
     the identity of floating-point addition, so the next backward's in-place accumulation
     reproduces native's freshly assigned gradient byte for byte (including -0.0). Until that
-    backward, ``p.grad`` is that -0.0 view rather than ``None``; a parameter that receives no
-    gradient (tracked by a post-accumulate-grad hook) is skipped exactly as native skips
-    ``p.grad is None``, and after `step()` its ``.grad`` is ``None`` as with native code. Gradients
-    that land outside the buffer (``model.zero_grad()`` then backward, or assigning ``p.grad``) are
-    copied in at `step()`: correct, one copy slower.
+    backward, ``p.grad`` is that -0.0 view rather than ``None``. A tensor hook per parameter
+    records which gradients arrive; at the end of the backward, parameters that received none
+    read ``None`` again, and `step()` skips them exactly as native skips ``p.grad is None``.
+    Gradients written into the view in place without a backward are detected (the view is no
+    longer all -0.0). Gradients that land outside the buffer (``model.zero_grad()`` then
+    backward, or assigning ``p.grad``) are copied in at `step()`: correct, one copy slower.
 
     Args:
         params: iterable of parameters or of param-group dicts, as for `torch.optim.AdamW`.
