@@ -50,7 +50,7 @@ def compare(m1, o1, m2, o2, what):
 
 
 def drive(make_model, *, steps=5, max_norm=0.05, groups=None, loss_fn=None, impl="fused",
-          opt_kw=None, between=None):
+          opt_kw=None, between=None, ours_kw=None):
     """Run native and cotangent side by side; returns (models, optimizers) after `steps`."""
     m1 = make_model()
     m2 = copy.deepcopy(m1)
@@ -58,7 +58,7 @@ def drive(make_model, *, steps=5, max_norm=0.05, groups=None, loss_fn=None, impl
     g1 = groups(m1) if groups else m1.parameters()
     g2 = groups(m2) if groups else m2.parameters()
     native = Native(g1, max_norm, **kw)
-    ours = cotangent.AdamW(g2, max_norm=max_norm, **kw)
+    ours = cotangent.AdamW(g2, max_norm=max_norm, **kw, **(ours_kw or {}))
     gen = torch.Generator().manual_seed(0)
     for step in range(steps):
         x = torch.randn(4, 8, generator=gen)
@@ -545,3 +545,28 @@ def test_gradient_with_other_strides_is_read_in_the_parameters_layout():
     opt_ours.step()
     assert_same_bits(w_native, w_ours, "param after a transposed gradient")
     assert w_ours.grad.stride() == w_ours.stride()
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_packing_only_cell_matches_native(impl):
+    drive(mlp, impl=impl, ours_kw=dict(batched_norms=False))
+
+
+def test_batched_norms_only_cell_matches_native():
+    from cotangent.factorial import BatchedNormsOnly
+
+    def make():
+        torch.manual_seed(5)
+        return nn.Sequential(*[nn.Linear(8, 8) for _ in range(4)])
+
+    m1 = make()
+    m2 = copy.deepcopy(m1)
+    native = Native(m1.parameters(), 0.05, fused=True, **HP)
+    cell = BatchedNormsOnly(m2.parameters(), max_norm=0.05, fused=True, **HP)
+    for step in range(4):
+        x = torch.randn(4, 8)
+        for m, o in ((m1, native.opt), (m2, cell.optimizer)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+        assert_same_bits(native.step(), cell.step(), f"step {step} total")
+        compare(m1, native.opt, m2, cell.optimizer, f"step {step}")

@@ -48,3 +48,19 @@ def test_bad_data_dir_is_a_clear_error(tmp_path, capsys):
     assert cli.main(["train", "--model", "tiny", "--steps", "1", "--data-dir",
                      str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("model", ["tiny-transformer", "tiny-gated-gqa", "tiny-causal-conv"])
+def test_all_four_arms_end_identical(model, tmp_path, capsys):
+    args = ["train", "--model", model, "--steps", "12", "--val-bytes", "4096", "--out",
+            str(tmp_path), "--arms", "native,cotangent,batched-norms-only,packing-only", "--json"]
+    assert cli.main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    hashes = {result[a]["final_model_sha256"] for a in
+              ("native", "cotangent", "batched-norms-only", "packing-only")}
+    assert result["identical_final_hash"] is True and len(hashes) == 1
+
+
+def test_unknown_arm_is_a_clear_error(capsys):
+    assert cli.main(["train", "--model", "tiny", "--arms", "native,fast"]) == 2
+    assert "unknown arm" in capsys.readouterr().err

@@ -104,6 +104,9 @@ class AdamW(torch.optim.AdamW):
             ``model.parameters()``); their order decides the bits of the total norm. Default: the
             optimizer's order (param groups concatenated). It must contain every optimizer
             parameter; others in it must have no gradient at `step()`.
+        batched_norms: use calibrated batched norms (default). ``False`` computes every
+            per-tensor norm with the native call, keeping everything else packed: the
+            "packing-only" cell of a factorial experiment.
 
     Attributes:
         last_total_norm: the total gradient norm of the last clipping `step()` (0-dim tensor on
@@ -135,6 +138,7 @@ class AdamW(torch.optim.AdamW):
         norm_type: float = 2.0,
         error_if_nonfinite: bool = False,
         clip_order=None,
+        batched_norms: bool = True,
     ) -> None:
         self._layouts: list[FlatLayout] | None = None  # None until the first pack
         clip_order = None if clip_order is None else list(clip_order)
@@ -157,6 +161,7 @@ class AdamW(torch.optim.AdamW):
         self.error_if_nonfinite = bool(error_if_nonfinite)
         self.last_total_norm: Tensor | None = None
         self._clip_order_params = clip_order
+        self.batched_norms = bool(batched_norms)
         self._pack()
 
     # ------------------------------------------------------------------ packing
@@ -285,7 +290,11 @@ class AdamW(torch.optim.AdamW):
         self._scale_ok: dict[tuple, bool] = {}
         if self.max_norm is not None:
             for layout in self._layouts or []:
-                calibrate_layout(layout, self.norm_type, None)
+                if self.batched_norms:
+                    calibrate_layout(layout, self.norm_type, None)
+                else:  # the "packing-only" cell of the factorial: every norm per tensor
+                    for bucket in layout.buckets:
+                        bucket.batched = False
         self._norm_programs = [norm_program(layout, flat)
                                for layout, flat in zip(self._layouts or [], self._flat_grads)]
 

@@ -11,7 +11,13 @@ import sys
 
 from cotangent.harness.data import embedded_corpus, load_wikitext2
 from cotangent.harness.model import MODELS
-from cotangent.harness.train import TrainConfig, format_comparison, result_json, run_train
+from cotangent.harness.train import (
+    ARMS,
+    TrainConfig,
+    format_comparison,
+    result_json,
+    run_train,
+)
 
 DATA_ENV = "COTANGENT_DATA_DIR"
 
@@ -24,6 +30,9 @@ def _train_parser(sub) -> None:
                     "torch.optim.AdamW fused) and arm `cotangent` (cotangent.AdamW), then compare "
                     "final model hashes, update-phase and whole-step time, and validation BPB.")
     p.add_argument("--model", default=d.model, choices=sorted(MODELS))
+    p.add_argument("--arms", default=",".join(d.arms),
+                   help=f"comma-separated arms from {', '.join(ARMS)}; the first is the baseline "
+                        f"(default {','.join(d.arms)})")
     p.add_argument("--steps", type=int, default=d.steps, help=f"updates per arm (default {d.steps})")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--batch-size", type=int, default=d.batch_size)
@@ -65,7 +74,11 @@ def cmd_train(args) -> int:
         corpus = embedded_corpus()
         print(f"data: no WikiText-2 directory given (--data-dir or ${DATA_ENV}); using the "
               f"{corpus.note}")
-    cfg = TrainConfig(model=args.model, steps=args.steps, seed=args.seed,
+    arms = tuple(a for a in args.arms.split(",") if a)
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown or not arms:
+        raise ValueError(f"unknown arm(s) {', '.join(unknown) or '(none)'}; known: {', '.join(ARMS)}")
+    cfg = TrainConfig(model=args.model, arms=arms, steps=args.steps, seed=args.seed,
                       batch_size=args.batch_size, device=args.device, precision=args.precision,
                       val_bytes=args.val_bytes, out=args.out)
     result = run_train(cfg, corpus)

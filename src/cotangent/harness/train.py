@@ -1,9 +1,13 @@
 """`cotangent train`: the same seed trained with the native and the Cotangent update phase.
 
-Arms:
-    native     `torch.nn.utils.clip_grad_norm_(params, max_norm)` (foreach=None) then
-               `torch.optim.AdamW(..., fused=True)` — the fastest native CPU path.
-    cotangent  `cotangent.AdamW(..., fused=True, max_norm=max_norm)`.
+Arms (the 2x2 factorial {batched norms} x {packing}; every arm gives native's bits):
+    native              `torch.nn.utils.clip_grad_norm_(params, max_norm)` (foreach=None) then
+                        `torch.optim.AdamW(..., fused=True)` - the fastest native CPU path.
+    cotangent           `cotangent.AdamW(..., fused=True, max_norm=max_norm)`: both.
+    batched-norms-only  `cotangent.factorial.BatchedNormsOnly`: stacked batched norms, native
+                        tensors, native clip multiply and AdamW.
+    packing-only        `cotangent.AdamW(..., batched_norms=False)`: packed buffers, merged
+                        AdamW calls, native per-tensor norms.
 
 The arms run interleaved in one process (step i of both before step i + 1, their order
 alternating), each from `torch.manual_seed(seed)` and its own window sampler, so machine drift
@@ -31,9 +35,11 @@ from tqdm import tqdm
 import cotangent
 from cotangent.harness import records
 from cotangent.harness.data import BITS_PER_NAT, Corpus, WindowSampler, eval_windows
+from cotangent.factorial import BatchedNormsOnly
 from cotangent.harness.model import build_model
 
-ARMS = ("native", "cotangent")
+ARMS = ("native", "cotangent", "batched-norms-only", "packing-only")
+DEFAULT_ARMS = ("native", "cotangent")
 NATIVE_PATH = "clip_grad_norm_(foreach=None) + torch.optim.AdamW(fused=True)"
 
 
@@ -55,6 +61,7 @@ class TrainConfig:
     val_bytes: int = 262_144  # validation on the first this many bytes of valid; 0 = all
     eval_batch: int = 16  # windows per evaluation forward pass
     out: str = "runs"  # parent directory of run directories
+    arms: tuple[str, ...] = DEFAULT_ARMS  # which arms, trained interleaved; the first is the baseline
 
     def resolved_precision(self) -> str:
         if self.precision == "auto":
@@ -100,14 +107,19 @@ class Arm:
         if name == "native":
             self.update = cotangent.ReferenceUpdate(params, max_norm=cfg.max_norm, **kw)
             self.optimizer = self.update.optimizer
+        elif name == "batched-norms-only":
+            self.update = BatchedNormsOnly(params, max_norm=cfg.max_norm, **kw)
+            self.optimizer = self.update.optimizer
         else:
-            self.optimizer = cotangent.AdamW(params, max_norm=cfg.max_norm, **kw)
+            self.update = None
+            self.optimizer = cotangent.AdamW(params, max_norm=cfg.max_norm,
+                                             batched_norms=name == "cotangent", **kw)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, cfg.steps))
 
     def update_phase(self) -> torch.Tensor:
         """Clip, step, zero_grad; returns the total gradient norm before clipping."""
-        if self.name == "native":
+        if self.update is not None:
             total = self.update.step()
         else:
             self.optimizer.step()
@@ -151,14 +163,17 @@ def run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None = 
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
     run_root = Path(cfg.out) / f"{stamp}-{cfg.model}-seed{cfg.seed}"
     env = records.environment()
-    arms = {name: Arm(name, cfg, device) for name in ARMS}
+    if not cfg.arms or len(set(cfg.arms)) != len(cfg.arms):
+        raise ValueError(f"arms must be distinct and at least one, got {cfg.arms}")
+    arms = {name: Arm(name, cfg, device) for name in cfg.arms}
+    first = arms[cfg.arms[0]]
     # Fail now, not after training, if validation cannot run on this split and context.
-    val = eval_windows(corpus.splits["valid"], arms["native"].model.cfg.context, cfg.val_bytes)
+    val = eval_windows(corpus.splits["valid"], first.model.cfg.context, cfg.val_bytes)
     samplers = {name: WindowSampler(corpus.splits["train"], seed=cfg.seed,
                                     batch_size=cfg.batch_size,
-                                    context=arms[name].model.cfg.context) for name in ARMS}
-    n_params = sum(p.numel() for p in arms["native"].model.parameters())
-    n_tensors = len(list(arms["native"].model.parameters()))
+                                    context=arms[name].model.cfg.context) for name in cfg.arms}
+    n_params = sum(p.numel() for p in first.model.parameters())
+    n_tensors = len(list(first.model.parameters()))
     for name, arm in arms.items():
         meta = {
             "arm": name,
@@ -174,16 +189,16 @@ def run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None = 
             "init_model_sha256": records.model_sha256(arm.model),
             "command": sys.argv,
         }
-        if name == "cotangent":
+        if isinstance(arm.optimizer, cotangent.AdamW):
             meta["layout"] = arm.optimizer.layout_summary()
         records.write_json(run_root / name / "metadata.json", meta)
         arm.optimizer.zero_grad(set_to_none=True)
     log(f"training {cfg.model} ({n_params:,} parameters, {n_tensors} tensors) for {cfg.steps} "
-        f"steps per arm on {device.type} in {precision}, arms interleaved: {', '.join(ARMS)}")
-    curves: dict[str, list[dict]] = {name: [] for name in ARMS}
+        f"steps per arm on {device.type} in {precision}, arms interleaved: {', '.join(cfg.arms)}")
+    curves: dict[str, list[dict]] = {name: [] for name in cfg.arms}
     if show_progress is None:
         show_progress = sys.stderr.isatty()
-    order = list(ARMS)
+    order = list(cfg.arms)
     for step in tqdm(range(cfg.steps), disable=not show_progress, desc="steps", unit="step"):
         for name in order:
             arm = arms[name]
@@ -232,8 +247,9 @@ def run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None = 
         records.write_jsonl(run_root / name / "curve.jsonl", curve)
         records.write_json(run_root / name / "summary.json", summary)
         result[name] = summary
-    result["identical_final_hash"] = (
-        result["native"]["final_model_sha256"] == result["cotangent"]["final_model_sha256"])
+    result["arms"] = list(cfg.arms)
+    result["identical_final_hash"] = len(
+        {result[name]["final_model_sha256"] for name in cfg.arms}) == 1
     return result
 
 
@@ -246,16 +262,20 @@ def _device_name(device: torch.device) -> str:
 
 def format_comparison(result: dict) -> str:
     """Human-readable comparison table of `run_train`'s result."""
-    lines = [f"{'arm':<10} {'update_ms':>10} {'step_ms':>9} {'val_bpb':>9}  final_model_sha256"]
-    for name in ARMS:
+    arms = result["arms"]
+    lines = [f"{'arm':<19} {'update_ms':>10} {'step_ms':>9} {'val_bpb':>9}  final_model_sha256"]
+    for name in arms:
         r = result[name]
-        lines.append(f"{name:<10} {r['update_ms']:>10.2f} {r['step_ms']:>9.1f} "
+        lines.append(f"{name:<19} {r['update_ms']:>10.2f} {r['step_ms']:>9.1f} "
                      f"{r['val_bpb']:>9.4f}  {r['final_model_sha256']}")
-    n, c = result["native"], result["cotangent"]
+    base = result[arms[0]]
     lines.append(f"identical final model SHA-256: {'yes' if result['identical_final_hash'] else 'NO'}")
-    lines.append(f"cotangent / native (medians per step): update phase "
-                 f"{c['update_ms'] / n['update_ms']:.3f}, whole step {c['step_ms'] / n['step_ms']:.3f}")
-    lines.append(f"records: {Path(n['run_dir']).parent}")
+    for name in arms[1:]:
+        r = result[name]
+        lines.append(f"{name} / {arms[0]} (medians per step): update phase "
+                     f"{r['update_ms'] / base['update_ms']:.3f}, whole step "
+                     f"{r['step_ms'] / base['step_ms']:.3f}")
+    lines.append(f"records: {Path(base['run_dir']).parent}")
     return "\n".join(lines)
 
 
@@ -263,5 +283,5 @@ def result_json(result: dict) -> str:
     """One-line JSON of the comparison (the last line of `cotangent train --json`)."""
     keys = ("update_ms", "step_ms", "val_bpb", "final_model_sha256", "run_dir")
     obj = {"identical_final_hash": result["identical_final_hash"]}
-    obj.update({name: {k: result[name][k] for k in keys} for name in ARMS})
+    obj.update({name: {k: result[name][k] for k in keys} for name in result["arms"]})
     return json.dumps(obj, sort_keys=True)
