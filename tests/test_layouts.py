@@ -570,3 +570,153 @@ def test_batched_norms_only_cell_matches_native():
             m(x).square().mean().backward()
         assert_same_bits(native.step(), cell.step(), f"step {step} total")
         compare(m1, native.opt, m2, cell.optimizer, f"step {step}")
+
+
+def _small():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+
+
+def _pair(**kw):
+    m1 = _small()
+    m2 = copy.deepcopy(m1)
+    return m1, m2, torch.optim.AdamW(m1.parameters(), fused=True, **HP), cotangent.AdamW(
+        m2.parameters(), fused=True, **HP, **kw)
+
+
+def test_autograd_grad_does_not_count_as_a_gradient():
+    m1, m2, o1, o2 = _pair(max_norm=0.05)
+    x = torch.randn(5, 8)
+    for m, o in ((m1, o1), (m2, o2)):
+        o.zero_grad()
+        torch.autograd.grad(m(x).sum(), list(m[2].parameters()))  # a diagnostic, discarded
+        m[0](x).tanh().sum().backward()
+    total = torch.nn.utils.clip_grad_norm_(m1.parameters(), 0.05)
+    o1.step()
+    o2.step()
+    assert_same_bits(total, o2.last_total_norm, "total")
+    compare(m1, o1, m2, o2, "after autograd.grad")
+    assert m2[2].weight.grad is None and m2[2].weight not in o2.state
+
+
+def test_step_pre_hooks_see_clipped_gradients_like_native_code():
+    m1, m2, o1, o2 = _pair(max_norm=0.1)
+    seen = {}
+
+    def double(name):
+        def hook(opt, args, kwargs):
+            seen[name] = torch.cat([p.grad.reshape(-1) for p in opt.param_groups[0]["params"]])
+            for p in opt.param_groups[0]["params"]:
+                p.grad.mul_(2)
+        return hook
+
+    o1.register_step_pre_hook(double("native"))
+    o2.register_step_pre_hook(double("cotangent"))
+    x = torch.randn(5, 8)
+    for m, o in ((m1, o1), (m2, o2)):
+        o.zero_grad()
+        (m(x).square().sum() * 50).backward()
+    torch.nn.utils.clip_grad_norm_(m1.parameters(), 0.1)
+    o1.step()
+    o2.step()
+    assert_same_bits(seen["native"], seen["cotangent"], "gradients seen by the pre-hook")
+    compare(m1, o1, m2, o2, "after a gradient-changing pre-hook")
+
+
+def test_cleared_state_starts_fresh_like_native():
+    m1, m2, o1, o2 = _pair()
+    for step in range(4):
+        if step == 2:
+            o1.state.clear()
+            o2.state.clear()
+        x = torch.randn(5, 8)
+        for m, o in ((m1, o1), (m2, o2)):
+            o.zero_grad()
+            m(x).square().sum().backward()
+            o.step()
+        compare(m1, o1, m2, o2, f"step {step}")
+
+
+def test_replacing_grad_data_is_handled():
+    m1, m2, o1, o2 = _pair(max_norm=0.05)
+    for step in range(3):
+        x = torch.randn(5, 8)
+        for m, o in ((m1, o1), (m2, o2)):
+            o.zero_grad()
+            m(x).square().sum().backward()
+            m[2].bias.grad.data = m[2].bias.grad.data.clone()
+        torch.nn.utils.clip_grad_norm_(m1.parameters(), 0.05)
+        o1.step()
+        o2.step()
+        assert_same_bits(m1[2].bias.grad, m2[2].bias.grad, f"step {step} bias grad")
+        compare(m1, o1, m2, o2, f"step {step}")
+
+
+def test_parameters_sharing_storage_are_refused():
+    a = nn.Linear(4, 4)
+    b = nn.Linear(4, 4)
+    b.weight.data = a.weight.data  # two Parameter objects, one storage
+    with pytest.raises(ValueError, match="share storage"):
+        cotangent.AdamW(list(a.parameters()) + list(b.parameters()))
+    assert b.weight.data_ptr() == a.weight.data_ptr()
+
+
+def test_deepcopy_and_pickle_of_the_optimizer_work():
+    import pickle
+
+    m1, m2, o1, o2 = _pair(max_norm=0.05)
+    x = torch.randn(5, 8)
+    for m, o in ((m1, o1), (m2, o2)):
+        o.zero_grad()
+        m(x).square().sum().backward()
+    torch.nn.utils.clip_grad_norm_(m1.parameters(), 0.05)
+    o1.step()
+    o2.step()
+    for clone in (copy.deepcopy(o2), pickle.loads(pickle.dumps(o2))):
+        params = clone.param_groups[0]["params"]
+        clone.zero_grad()
+        sum((p * 2).sum() for p in params).backward()
+        clone.step()  # usable, and the original is untouched
+    compare(m1, o1, m2, o2, "original after copies stepped")
+
+
+def test_rebuilding_the_optimizer_leaves_no_hooks_behind():
+    import gc
+
+    lin = nn.Linear(64, 64)
+    for _ in range(4):
+        opt = cotangent.AdamW(lin.parameters())
+    del opt
+    gc.collect()
+    assert not lin.weight._post_accumulate_grad_hooks
+    assert not lin.weight._backward_hooks
+
+
+def test_parameters_appended_to_a_group_are_picked_up():
+    m1, m2, o1, o2 = _pair()
+    extra1, extra2 = nn.Parameter(torch.ones(3)), nn.Parameter(torch.ones(3))
+    o1.param_groups[0]["params"].append(extra1)
+    o2.param_groups[0]["params"].append(extra2)
+    for o, m, e in ((o1, m1, extra1), (o2, m2, extra2)):
+        o.zero_grad()
+        (m(torch.ones(2, 8)).sum() + e.sum()).backward()
+        o.step()
+    assert_same_bits(extra1, extra2, "appended parameter")
+    compare(m1, o1, m2, o2, "after appending")
+
+
+def test_module_zero_grad_keep_before_the_first_backward_keeps_negative_zero():
+    p1, p2 = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    o1, o2 = torch.optim.AdamW([p1]), cotangent.AdamW([p2])
+    coef = torch.tensor([-0.0, 1.0])
+    for p in (p1, p2):
+        mod = nn.Module()
+        mod.p = p
+        mod.zero_grad(set_to_none=False)
+        (p * coef).sum().backward()
+    assert_same_bits(p1.grad, p2.grad, "first gradient")
+
+
+def test_meta_parameters_are_refused_clearly():
+    with pytest.raises(ValueError, match="meta device"):
+        cotangent.AdamW([nn.Parameter(torch.empty(3, device="meta"))])

@@ -8,6 +8,7 @@ with `decoupled_weight_decay=True`, the function `torch.optim.AdamW.step` calls)
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -182,6 +183,20 @@ class AdamW(torch.optim.AdamW):
         super().load_state_dict(state_dict)
         self._pack()
 
+    def __getstate__(self) -> dict:
+        state = super().__getstate__()
+        state.update(max_norm=self.max_norm, norm_type=self.norm_type,
+                     error_if_nonfinite=self.error_if_nonfinite, batched_norms=self.batched_norms,
+                     _clip_order_params=self._clip_order_params,
+                     last_total_norm=self.last_total_norm)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        """Unpickling or deep-copying repacks the (copied) parameters into new flat buffers."""
+        super().__setstate__(state)
+        self._layouts = None
+        self._pack()
+
     def _all_params(self) -> list[Tensor]:
         return [p for group in self.param_groups for p in group["params"]]
 
@@ -202,6 +217,19 @@ class AdamW(torch.optim.AdamW):
             if not p.is_floating_point():
                 raise ValueError(f"parameter {slot} has dtype {p.dtype}; AdamW needs floating "
                                  "point parameters")
+            if p.device.type == "meta":
+                raise ValueError(f"parameter {slot} is on the meta device (no data to pack); "
+                                 "build cotangent.AdamW after materialising the model")
+        spans = sorted(
+            (p.untyped_storage().data_ptr() + p.storage_offset() * p.element_size(),
+             p.untyped_storage().data_ptr() + (p.storage_offset() + p.numel()) * p.element_size(),
+             slot)
+            for slot, p in enumerate(params) if p.numel() > 0)
+        for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
+            if start_b < end_a:
+                raise ValueError(
+                    f"parameters {min(a, b)} and {max(a, b)} share storage; packing would untie "
+                    "them (tie modules by sharing one Parameter object instead)")
         order = getattr(self, "_clip_order_params", None)
         if order is not None:
             missing = [slot for slot, p in enumerate(params) if id(p) not in {id(q) for q in order}]
@@ -217,8 +245,8 @@ class AdamW(torch.optim.AdamW):
         layouts = self._validate(params)  # every check before anything is modified
         # Gradients that logically exist now (a -0.0 view that saw no backward is not one).
         old_grads = {id(p): p.grad for p in params if self._has_logical_grad(p)}
-        for handle in getattr(self, "_hook_handles", []):
-            handle.remove()
+        if getattr(self, "_hook_finalizer", None) is not None:
+            self._hook_finalizer()  # removes the previous hooks
         self._params = params
         self._layouts = layouts
         self._flat_params: list[Tensor] = []
@@ -226,6 +254,7 @@ class AdamW(torch.optim.AdamW):
         self._state_flat: list[dict[str, Tensor]] = [{} for _ in layouts]
         self._grad_views: list[Tensor] = [None] * len(params)  # type: ignore[list-item]
         self._param_ptrs: list[int] = [0] * len(params)
+        self._grad_ptrs: list[int] = [0] * len(params)
         self._where: list[tuple[int, Segment]] = [None] * len(params)  # type: ignore[list-item]
         self._has_grad: list[bool] = [False] * len(params)
         self._step_flat: dict[tuple, Tensor] = {}
@@ -251,8 +280,11 @@ class AdamW(torch.optim.AdamW):
                     self._has_grad[seg.slot] = True
                     p.grad = gview
                 else:
-                    p.grad = gview if self._tracked[seg.slot] else None
+                    # As native until the first zero_grad(): no gradient. The first backward
+                    # then allocates one outside the buffer (copied in at step, once).
+                    p.grad = None
                 self._grad_views[seg.slot] = gview
+                self._grad_ptrs[seg.slot] = gview.data_ptr()
                 self._param_ptrs[seg.slot] = p.data_ptr()
                 self._where[seg.slot] = (li, seg)
                 state = self.state.get(p)
@@ -275,6 +307,9 @@ class AdamW(torch.optim.AdamW):
         self._clip_outsiders = [] if order is None else [p for p in order if id(p) not in slot_of]
         self._slot_of = slot_of
         self._all_slots = tuple(range(len(params)))
+        self._group_sizes = [len(g["params"]) for g in self.param_groups]
+        self._state_seen = (id(self.state), len(self.state))
+        self._clipped = False
         self._plans: dict[tuple[int, ...], _StepPlan] = {}
         self._last_present: tuple[int, ...] | None = None
         self._group_slots: list[list[int]] = []
@@ -299,36 +334,50 @@ class AdamW(torch.optim.AdamW):
                                for layout, flat in zip(self._layouts or [], self._flat_grads)]
 
     def _install_hooks(self) -> None:
-        """One tensor hook per trainable parameter, and an end-of-backward callback."""
-        flags = self._has_grad
-        sparse = self._sparse_grad = [False] * len(self._params)
-        params, views, tracked = self._params, self._grad_views, self._tracked
-        queued = self._callback_queued = [False]
+        """Per trainable parameter: a post-accumulate-grad hook (a gradient arrived in `.grad`;
+        `torch.autograd.grad` does not trigger it) and a tensor hook (the incoming gradient is
+        sparse), plus an end-of-backward callback. The hooks hold the optimizer weakly and are
+        removed when it is garbage collected."""
+        ref = weakref.ref(self)
 
         def end_of_backward() -> None:
             # As native: a parameter that got no gradient in this backward (and had none
             # before) reads as None, not as its -0.0 buffer view.
-            queued[0] = False
-            for slot, p in enumerate(params):
-                if tracked[slot] and not flags[slot] and p.grad is views[slot]:
+            opt = ref()
+            if opt is None:
+                return
+            opt._callback_queued = False
+            for slot, p in enumerate(opt._params):
+                if opt._tracked[slot] and not opt._has_grad[slot] and p.grad is opt._grad_views[slot]:
                     p.grad = None
 
-        def make_hook(slot: int):
-            # A tensor hook on the leaf sees each incoming gradient before autograd accumulates
-            # it into `.grad` (here: adds it to the flat-buffer view).
-            def hook(grad: Tensor) -> None:
-                flags[slot] = True  # this parameter received a gradient since the last zero_grad
-                if grad.layout is not torch.strided:
-                    sparse[slot] = True
-                if not queued[0]:
-                    queued[0] = True
+        def make_hooks(slot: int):
+            def accumulated(_: Tensor) -> None:
+                opt = ref()
+                if opt is None:
+                    return
+                opt._has_grad[slot] = True  # a gradient arrived since the last zero_grad
+                if not opt._callback_queued:
+                    opt._callback_queued = True
                     _compat.queue_backward_callback(end_of_backward)
 
-            return hook
+            def incoming(grad: Tensor) -> None:
+                opt = ref()
+                if opt is not None and grad.layout is not torch.strided:
+                    opt._sparse_grad[slot] = True
 
-        self._hook_handles = [
-            p.register_hook(make_hook(slot)) for slot, p in enumerate(params) if p.requires_grad
-        ]
+            return accumulated, incoming
+
+        self._sparse_grad = [False] * len(self._params)
+        self._callback_queued = False
+        handles = []
+        for slot, p in enumerate(self._params):
+            if p.requires_grad:
+                accumulated, incoming = make_hooks(slot)
+                handles.append(p.register_post_accumulate_grad_hook(accumulated))
+                handles.append(p.register_hook(incoming))
+        self._hook_handles = handles
+        self._hook_finalizer = weakref.finalize(self, _remove_handles, handles)
 
     def _has_logical_grad(self, p: Tensor) -> bool:
         """Whether native code would see a gradient on `p`: not None, and not an untouched
@@ -369,7 +418,7 @@ class AdamW(torch.optim.AdamW):
                 p.grad = self._grad_views[slot]
             self._has_grad[slot] = False
             self._sparse_grad[slot] = False
-        self._callback_queued[0] = False  # in case a failed backward never ran its callback
+        self._callback_queued = False  # in case a failed backward never ran its callback
         for slot in keep:
             self._grad_views[slot].zero_()
             self._has_grad[slot] = True
@@ -379,9 +428,11 @@ class AdamW(torch.optim.AdamW):
         params = self._params
         # Fast path, the usual training step: every parameter still lives in its buffer segment
         # and every gradient is its buffer view, filled by a backward (no sparse gradient).
+        grads = list(map(_GRAD, params))
         if (not self._clip_outsiders and all(self._has_grad) and not any(self._sparse_grad)
                 and list(map(Tensor.data_ptr, params)) == self._param_ptrs
-                and all(map(operator.is_, map(_GRAD, params), self._grad_views))):
+                and all(map(operator.is_, grads, self._grad_views))
+                and list(map(Tensor.data_ptr, grads)) == self._grad_ptrs):
             return self._all_slots
         outside = []
         present = []
@@ -395,6 +446,13 @@ class AdamW(torch.optim.AdamW):
             g = p.grad
             if g is None:
                 continue
+            if g is self._grad_views[slot] and g.data_ptr() != self._grad_ptrs[slot]:
+                # `p.grad.data = ...` moved our view's storage: a fresh view takes its values
+                li, seg = self._where[slot]
+                self._grad_views[slot] = self._layouts[li].view(self._flat_grads[li], seg)
+                self._has_grad[slot] = True
+                self._plans.clear()  # cached calls hold the old view object
+                self._last_present = None
             if g is self._grad_views[slot]:
                 if not self._has_grad[slot] and not _untouched(g):
                     self._has_grad[slot] = True  # written in place without a backward
@@ -488,6 +546,7 @@ class AdamW(torch.optim.AdamW):
                 for run in self._ranges(li, layout, segs, kind, limit, group):
                     self._add_to_call(call, li, run, group)
                 calls.append(call)
+        self._state_seen = (id(self.state), len(self.state))
         return calls
 
     def _ranges(self, li, layout, segs, kind, limit, group) -> list[list[Segment]]:
@@ -610,26 +669,41 @@ class AdamW(torch.optim.AdamW):
                 _compat.foreach_mul_([self._grad_views[s] for s in slots], coef_dev)
         return total
 
-    @torch.no_grad()
     def step(self, closure=None):
-        """Clip (if ``max_norm`` is set) and apply one AdamW update; returns the closure's loss."""
+        """Clip (if ``max_norm`` is set) and apply one AdamW update; returns the closure's loss.
+
+        Without a closure the clip runs first, before the optimizer's step pre-hooks, exactly
+        where user code calls `clip_grad_norm_` before `optimizer.step()`; with a closure it
+        runs after the closure has computed the gradients.
+        """
+        self._clipped = False
+        if closure is None and self.max_norm is not None:
+            with torch.no_grad():
+                self._refresh()
+                plan = self._plan(self._present_slots())
+                self.last_total_norm = self._clip(plan)  # may raise: nothing modified before
+                self._clipped = True
+        return self._hooked_step(closure)
+
+    step.hooked = True  # type: ignore[attr-defined]  # torch must not wrap it: _hooked_step is
+
+    @torch.no_grad()
+    def _step_body(self, closure=None):
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if torch.get_num_threads() != self._calibrated_threads:
-            self._calibrate()  # verdicts depend on the thread count: probe again
-            self._plans.clear()
-            self._last_present = None
-        present = self._present_slots()
+        self._refresh()
+        present = self._present_slots()  # again: pre-hooks may have changed the gradients
         plan = self._plan(present)
         if present != self._last_present:
             # Steps may have diverged while another set of parameters had gradients: re-check
             # the step equality that merged ranges rely on.
             plan.calls = None
             self._last_present = present
-        if self.max_norm is not None:
+        if self.max_norm is not None and not self._clipped:
             self.last_total_norm = self._clip(plan)  # may raise: nothing is modified before it
+        self._clipped = False
         if plan.calls is None:
             plan.calls = self._build_calls(plan)
         grad_scale = getattr(self, "grad_scale", None)
@@ -653,6 +727,25 @@ class AdamW(torch.optim.AdamW):
                 p.grad = None
         return loss
 
+    # torch's own wrapper: profiler range, step pre-hooks, body, post-hooks (as native AdamW)
+    _hooked_step = torch.optim.Optimizer.profile_hook_step(_step_body)
+
+    def _refresh(self) -> None:
+        """Notice what changed since the last step and adapt before anything is modified:
+        parameters appended to a group (repack), the thread count (recalibrate), a cleared or
+        replaced `state` (rebuild the AdamW calls, which re-initialise state as native does)."""
+        if [len(g["params"]) for g in self.param_groups] != self._group_sizes:
+            self._pack()
+        if torch.get_num_threads() != self._calibrated_threads:
+            self._calibrate()  # verdicts depend on the thread count: probe again
+            self._plans.clear()
+            self._last_present = None
+        if (id(self.state), len(self.state)) != self._state_seen:
+            for plan in self._plans.values():
+                plan.calls = None
+            self._last_present = None
+            self._state_seen = (id(self.state), len(self.state))
+
     # ------------------------------------------------------------------ introspection
 
     def layout_summary(self) -> list[dict]:
@@ -674,6 +767,11 @@ class AdamW(torch.optim.AdamW):
                     parameters=sum(len(c.params) + sum(len(r) for r, _ in c.step_fills)
                                    for c in calls),
                     implementations=sorted({c.kind for c in calls}))
+
+
+def _remove_handles(handles) -> None:
+    for handle in handles:
+        handle.remove()
 
 
 def _untouched(grad: Tensor) -> bool:
