@@ -110,3 +110,10 @@ def fused_adamw_one_group(params: list[Tensor], grads: list[Tensor], exp_avgs: l
     torch._fused_adamw_(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                         amsgrad=amsgrad, lr=lr, beta1=beta1, beta2=beta2,
                         weight_decay=weight_decay, eps=eps, maximize=maximize)
+
+
+def has_step_pre_hooks(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether any step pre-hook (global or on `optimizer`) will run before its step body."""
+    from torch.optim.optimizer import _global_optimizer_pre_hooks
+
+    return bool(_global_optimizer_pre_hooks) or bool(optimizer._optimizer_step_pre_hooks)

@@ -309,7 +309,7 @@ class AdamW(torch.optim.AdamW):
         self._all_slots = tuple(range(len(params)))
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
         self._state_seen = (id(self.state), len(self.state))
-        self._clipped = False
+        self._clipped: tuple[int, ...] | None = None  # present slots, when step() clipped
         self._plans: dict[tuple[int, ...], _StepPlan] = {}
         self._last_present: tuple[int, ...] | None = None
         self._group_slots: list[list[int]] = []
@@ -676,13 +676,13 @@ class AdamW(torch.optim.AdamW):
         where user code calls `clip_grad_norm_` before `optimizer.step()`; with a closure it
         runs after the closure has computed the gradients.
         """
-        self._clipped = False
+        self._clipped = None
         if closure is None and self.max_norm is not None:
             with torch.no_grad():
                 self._refresh()
-                plan = self._plan(self._present_slots())
-                self.last_total_norm = self._clip(plan)  # may raise: nothing modified before
-                self._clipped = True
+                present = self._present_slots()
+                self.last_total_norm = self._clip(self._plan(present))  # may raise: nothing
+                self._clipped = present                                  # modified before it
         return self._hooked_step(closure)
 
     step.hooked = True  # type: ignore[attr-defined]  # torch must not wrap it: _hooked_step is
@@ -693,17 +693,20 @@ class AdamW(torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._refresh()
-        present = self._present_slots()  # again: pre-hooks may have changed the gradients
+        if self._clipped is not None and not _compat.has_step_pre_hooks(self):
+            present = self._clipped  # nothing ran since the clip that could change gradients
+        else:
+            self._refresh()
+            present = self._present_slots()  # pre-hooks may have changed the gradients
         plan = self._plan(present)
         if present != self._last_present:
             # Steps may have diverged while another set of parameters had gradients: re-check
             # the step equality that merged ranges rely on.
             plan.calls = None
             self._last_present = present
-        if self.max_norm is not None and not self._clipped:
+        if self.max_norm is not None and self._clipped is None:
             self.last_total_norm = self._clip(plan)  # may raise: nothing is modified before it
-        self._clipped = False
+        self._clipped = None
         if plan.calls is None:
             plan.calls = self._build_calls(plan)
         grad_scale = getattr(self, "grad_scale", None)
