@@ -64,3 +64,80 @@ def test_all_four_arms_end_identical(model, tmp_path, capsys):
 def test_unknown_arm_is_a_clear_error(capsys):
     assert cli.main(["train", "--model", "tiny", "--arms", "native,fast"]) == 2
     assert "unknown arm" in capsys.readouterr().err
+
+
+def _run_dirs(root):
+    return sorted(p for p in root.glob("*/*") if p.is_dir())
+
+
+def test_config_file_flags_and_overrides_resolve_in_order(tmp_path, capsys):
+    cfg = tmp_path / "run.toml"
+    cfg.write_text('model = "tiny"\nsteps = 50\nseed = 4\nval_bytes = 4096\n')
+    args = ["train", "--config", str(cfg), "--steps", "6", "--set", "seed=5",
+            "--set", "eval_every=3", "--out", str(tmp_path / "runs"), "--json"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "steps = 6" in out and "seed = 5" in out and 'model = "tiny"' in out
+    for run_dir in _run_dirs(tmp_path / "runs"):
+        meta = json.loads((run_dir / "metadata.json").read_text())
+        assert meta["config"]["steps"] == 6 and meta["config"]["seed"] == 5
+        assert "seed = 5" in (run_dir / "config.toml").read_text()
+    assert cli.main(["train", "--set", "nope=1"]) == 2
+    assert "unknown setting" in capsys.readouterr().err
+    assert cli.main(["train", "--set", "steps=1.5"]) == 2
+    assert "steps must be int" in capsys.readouterr().err
+
+
+def test_records_are_complete(tmp_path, capsys):
+    args = ["train", "--model", "tiny", "--steps", "6", "--eval-every", "3", "--val-bytes",
+            "4096", "--out", str(tmp_path), "--json"]
+    assert cli.main(args) == 0
+    for run_dir in _run_dirs(tmp_path):
+        assert not (run_dir / "INCOMPLETE").exists()
+        meta = json.loads((run_dir / "metadata.json").read_text())
+        for key in ("config", "arm", "seed", "environment", "device_name", "data",
+                    "init_model_sha256", "schedule_sha256", "parameters", "tensors"):
+            assert key in meta, key
+        for key in ("torch", "torch_git", "threads", "code_sha256", "cpu_capability"):
+            assert key in meta["environment"], key
+        curve = [json.loads(line) for line in (run_dir / "curve.jsonl").read_text().splitlines()]
+        steps = [r for r in curve if "loss_bpb" in r]
+        probes = [r for r in curve if "probe_bpb" in r]
+        assert len(steps) == 6 and [p["step"] for p in probes] == [3, 6]
+        assert all({"step_s", "update_s", "grad_norm"} <= r.keys() for r in steps)
+        assert all({"training_s", "elapsed_s"} <= r.keys() for r in probes)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        for key in ("setup_s", "training_s", "update_s", "total_s", "probes", "val_bpb",
+                    "val_targets", "test_bpb", "test_targets", "final_model_sha256",
+                    "peak_rss_kib"):
+            assert key in summary, key
+        assert abs(summary["training_s"] - sum(r["step_s"] for r in steps)) < 1e-9
+
+
+def test_a_killed_run_stays_marked_incomplete(tmp_path):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "cotangent.harness.cli", "train", "--model", "tiny", "--steps",
+         "100000", "--val-bytes", "4096", "--out", str(tmp_path)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len(list(tmp_path.glob("*/*/metadata.json"))) < 2:
+            time.sleep(0.2)
+        time.sleep(1.0)
+        assert proc.poll() is None, "the run ended before it could be killed"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    dirs = _run_dirs(tmp_path)
+    assert len(dirs) == 2
+    for run_dir in dirs:
+        assert (run_dir / "INCOMPLETE").exists()
+        assert not (run_dir / "summary.json").exists()
+        json.loads((run_dir / "metadata.json").read_text())  # complete, valid JSON (atomic)

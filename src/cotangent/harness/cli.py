@@ -6,8 +6,11 @@ benchmark), `calibrate` (show the bitwise calibration verdicts)."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import sys
+import tomllib
 
 from cotangent.harness.data import embedded_corpus, load_wikitext2
 from cotangent.harness.model import MODELS
@@ -26,26 +29,95 @@ def _train_parser(sub) -> None:
     d = TrainConfig()
     p = sub.add_parser(
         "train", help="train one seed with the native and the Cotangent update phase",
-        description="Train the same seed twice, interleaved: arm `native` (clip_grad_norm_ + "
-                    "torch.optim.AdamW fused) and arm `cotangent` (cotangent.AdamW), then compare "
-                    "final model hashes, update-phase and whole-step time, and validation BPB.")
-    p.add_argument("--model", default=d.model, choices=sorted(MODELS))
-    p.add_argument("--arms", default=",".join(d.arms),
+        description="Train the same seed once per arm, interleaved (default: `native` = "
+                    "clip_grad_norm_ + torch.optim.AdamW fused, and `cotangent` = "
+                    "cotangent.AdamW), then compare final model hashes, update-phase and "
+                    "whole-step time, and validation/test BPB. Settings come from the defaults, "
+                    "then --config FILE (TOML, keys = the fields below), then the flags, then "
+                    "--set key=value; the resolved config is printed and saved with each run.")
+    p.add_argument("--config", default=None, help="TOML file of settings")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one setting (TOML value syntax; repeatable)")
+    p.add_argument("--model", default=None, choices=sorted(MODELS),
+                   help=f"(default {d.model})")
+    p.add_argument("--arms", default=None,
                    help=f"comma-separated arms from {', '.join(ARMS)}; the first is the baseline "
                         f"(default {','.join(d.arms)})")
-    p.add_argument("--steps", type=int, default=d.steps, help=f"updates per arm (default {d.steps})")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--device", default=d.device, choices=["cpu", "cuda", "mps"])
-    p.add_argument("--precision", default=d.precision, choices=["auto", "fp32", "bf16"],
+    p.add_argument("--steps", type=int, default=None, help=f"updates per arm (default {d.steps})")
+    p.add_argument("--seed", type=int, default=None, help=f"(default {d.seed})")
+    p.add_argument("--batch-size", type=int, default=None, help=f"(default {d.batch_size})")
+    p.add_argument("--device", default=None, choices=["cpu", "cuda", "mps"],
+                   help=f"(default {d.device})")
+    p.add_argument("--precision", default=None, choices=["auto", "fp32", "bf16"],
                    help="auto: fp32 on CPU, bf16 autocast (fp32 weights) on cuda/mps")
-    p.add_argument("--val-bytes", type=int, default=d.val_bytes,
-                   help=f"validate on the first N bytes of valid, 0 = all (default {d.val_bytes})")
+    p.add_argument("--compile", action="store_true", default=None,
+                   help="torch.compile the model (the update phase stays outside it)")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help="probe BPB on the held-out last 5%% of train every N steps (0 = never)")
+    p.add_argument("--val-bytes", type=int, default=None,
+                   help=f"final valid and test BPB on the first N bytes, 0 = all "
+                        f"(default {d.val_bytes})")
     p.add_argument("--data-dir", default=None,
                    help=f"WikiText-2 directory (default: ${DATA_ENV}; if unset, an embedded "
                         "corpus of Python standard-library sources)")
-    p.add_argument("--out", default=d.out, help="parent directory for run records")
+    p.add_argument("--out", default=None, help=f"parent directory for run records ({d.out})")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def resolve_train_config(args) -> TrainConfig:
+    """Defaults < TOML file < flags < --set overrides, each value checked against its field's
+    type. Raises ValueError for an unknown key or a value of the wrong type."""
+    values = dataclasses.asdict(TrainConfig())
+    defaults = dict(values)
+    if args.config:
+        with open(args.config, "rb") as f:
+            values.update(tomllib.load(f))
+    flags = {"model": args.model, "arms": args.arms, "steps": args.steps, "seed": args.seed,
+             "batch_size": args.batch_size, "device": args.device, "precision": args.precision,
+             "compile": args.compile, "eval_every": args.eval_every, "val_bytes": args.val_bytes,
+             "out": args.out}
+    values.update({k: v for k, v in flags.items() if v is not None})
+    for item in args.set:
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
+        try:
+            values[key.strip()] = tomllib.loads(f"v = {text}")["v"]
+        except tomllib.TOMLDecodeError:
+            values[key.strip()] = text  # a bare string
+    unknown = sorted(set(values) - set(defaults))
+    if unknown:
+        raise ValueError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(defaults)}")
+    for key, default in defaults.items():
+        value = values[key]
+        if isinstance(default, tuple):
+            value = tuple(value.split(",")) if isinstance(value, str) else tuple(value)
+        elif isinstance(default, bool) or isinstance(value, bool):
+            if type(value) is not type(default):
+                raise ValueError(f"{key} must be {type(default).__name__}, got {value!r}")
+        elif isinstance(default, (int, float)):
+            if not isinstance(value, (int, float)) or (isinstance(default, int)
+                                                       and isinstance(value, float)):
+                raise ValueError(f"{key} must be {type(default).__name__}, got {value!r}")
+            value = type(default)(value)
+        elif not isinstance(value, str):
+            raise ValueError(f"{key} must be a string, got {value!r}")
+        values[key] = value
+    return TrainConfig(**values)
+
+
+def format_config(cfg: TrainConfig) -> str:
+    """The resolved config as TOML lines (loadable again with --config)."""
+    lines = []
+    for key, value in dataclasses.asdict(cfg).items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (tuple, list)):
+            text = json.dumps(list(value))
+        else:
+            text = json.dumps(value)
+        lines.append(f"{key} = {text}")
+    return "\n".join(lines)
 
 
 def _check_device(name: str) -> None:
@@ -58,13 +130,20 @@ def _check_device(name: str) -> None:
 
 
 def cmd_train(args) -> int:
-    for flag, value, low in (("--steps", args.steps, 1), ("--batch-size", args.batch_size, 1),
-                             ("--val-bytes", args.val_bytes, 0)):
-        if value < low:
-            raise ValueError(f"{flag} must be >= {low}, got {value}")
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        raise ValueError(f"--out {args.out} exists and is not a directory")
-    _check_device(args.device)
+    cfg = resolve_train_config(args)
+    unknown = [a for a in cfg.arms if a not in ARMS]
+    if unknown or not cfg.arms:
+        raise ValueError(f"unknown arm(s) {', '.join(unknown) or '(none)'}; known: {', '.join(ARMS)}")
+    if cfg.model not in MODELS:
+        raise ValueError(f"unknown model {cfg.model!r}; known: {', '.join(sorted(MODELS))}")
+    for field, low in (("steps", 1), ("batch_size", 1), ("val_bytes", 0), ("eval_every", 0),
+                       ("probe_bytes", 1), ("eval_batch", 1)):
+        if getattr(cfg, field) < low:
+            raise ValueError(f"{field} must be >= {low}, got {getattr(cfg, field)}")
+    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise ValueError(f"out {cfg.out} exists and is not a directory")
+    cfg.resolved_precision()
+    _check_device(cfg.device)
     data_dir = args.data_dir or os.environ.get(DATA_ENV)
     if data_dir:
         corpus = load_wikitext2(data_dir)
@@ -74,14 +153,8 @@ def cmd_train(args) -> int:
         corpus = embedded_corpus()
         print(f"data: no WikiText-2 directory given (--data-dir or ${DATA_ENV}); using the "
               f"{corpus.note}")
-    arms = tuple(a for a in args.arms.split(",") if a)
-    unknown = [a for a in arms if a not in ARMS]
-    if unknown or not arms:
-        raise ValueError(f"unknown arm(s) {', '.join(unknown) or '(none)'}; known: {', '.join(ARMS)}")
-    cfg = TrainConfig(model=args.model, arms=arms, steps=args.steps, seed=args.seed,
-                      batch_size=args.batch_size, device=args.device, precision=args.precision,
-                      val_bytes=args.val_bytes, out=args.out)
-    result = run_train(cfg, corpus)
+    print("config:\n  " + format_config(cfg).replace("\n", "\n  "))
+    result = run_train(cfg, corpus, config_toml=format_config(cfg))
     print(format_comparison(result))
     if args.json:
         print(result_json(result))

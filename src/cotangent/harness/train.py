@@ -18,8 +18,10 @@ start); the whole step adds forward and backward.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
+import resource
 import statistics
 import sys
 import time
@@ -34,7 +36,13 @@ from tqdm import tqdm
 
 import cotangent
 from cotangent.harness import records
-from cotangent.harness.data import BITS_PER_NAT, Corpus, WindowSampler, eval_windows
+from cotangent.harness.data import (
+    BITS_PER_NAT,
+    TRAIN_FRACTION,
+    Corpus,
+    WindowSampler,
+    eval_windows,
+)
 from cotangent.factorial import BatchedNormsOnly
 from cotangent.harness.model import build_model
 
@@ -58,8 +66,11 @@ class TrainConfig:
     max_norm: float = 1.0  # gradient clipping threshold (global L2 norm)
     device: str = "cpu"  # cpu | cuda | mps
     precision: str = "auto"  # auto (fp32 on CPU, bf16 autocast elsewhere) | fp32 | bf16
-    val_bytes: int = 262_144  # validation on the first this many bytes of valid; 0 = all
+    val_bytes: int = 131_072  # final valid and test BPB on the first this many bytes; 0 = all
+    eval_every: int = 0  # probe BPB on the held-out last 5% of train every N steps; 0 = never
+    probe_bytes: int = 65_536  # bytes of that held-out tail each probe evaluates
     eval_batch: int = 16  # windows per evaluation forward pass
+    compile: bool = False  # torch.compile the model (the update phase stays outside it)
     out: str = "runs"  # parent directory of run directories
     arms: tuple[str, ...] = DEFAULT_ARMS  # which arms, trained interleaved; the first is the baseline
 
@@ -102,6 +113,7 @@ class Arm:
         self.name = name
         self.model = build_model(cfg.model, cfg.seed).to(device)
         params = list(self.model.parameters())
+        self.forward = self.model
         kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                   fused=True)
         if name == "native":
@@ -116,6 +128,8 @@ class Arm:
                                              batched_norms=name == "cotangent", **kw)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, cfg.steps))
+        if cfg.compile:  # after packing: cotangent.AdamW moves parameter storage
+            self.forward = torch.compile(self.model)
 
     def update_phase(self) -> torch.Tensor:
         """Clip, step, zero_grad; returns the total gradient norm before clipping."""
@@ -146,13 +160,26 @@ def evaluate_bpb(model: torch.nn.Module, windows: torch.Tensor, *, batch: int,
     return total_nll / targets * BITS_PER_NAT, targets
 
 
-def run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None = None,
-              log=print) -> dict:
-    """Train both arms interleaved, evaluate, write records; returns the comparison dict.
+def schedule_sha256(cfg: TrainConfig) -> str:
+    """SHA-256 of the learning rate of every update (repr of the floats, in order)."""
+    lrs = [cfg.lr * lr_factor(step, cfg.steps) for step in range(cfg.steps)]
+    return hashlib.sha256(repr(lrs).encode()).hexdigest()
 
-    The dict has `identical_final_hash` and, per arm, `update_ms` and `step_ms` (medians over
-    steps), `update_ms_mean`, `step_ms_mean`, `val_bpb`, `final_model_sha256`, `run_dir`.
+
+def run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None = None,
+              log=print, config_toml: str | None = None) -> dict:
+    """Train the arms interleaved, probe, evaluate, write records; returns the comparison dict.
+
+    Each arm's run directory holds `metadata.json` (written first), `curve.jsonl` and
+    `summary.json`, each written atomically, and an `INCOMPLETE` marker that is removed only
+    after the summary is written: a killed run stays marked incomplete. A run directory that
+    already exists is never reused.
+
+    The dict has `arms`, `identical_final_hash` and, per arm, `update_ms` and `step_ms` (medians
+    over steps), `val_bpb`, `test_bpb`, `final_model_sha256`, `run_dir` and the rest of the
+    summary.
     """
+    t_start = time.perf_counter()
     device = torch.device(cfg.device)
     precision = cfg.resolved_precision()
     if precision == "bf16":
@@ -160,21 +187,28 @@ def run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None = 
             return torch.autocast(device.type, dtype=torch.bfloat16)
     else:
         autocast = nullcontext
+    if not cfg.arms or len(set(cfg.arms)) != len(cfg.arms):
+        raise ValueError(f"arms must be distinct and at least one, got {cfg.arms}")
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
     run_root = Path(cfg.out) / f"{stamp}-{cfg.model}-seed{cfg.seed}"
     env = records.environment()
-    if not cfg.arms or len(set(cfg.arms)) != len(cfg.arms):
-        raise ValueError(f"arms must be distinct and at least one, got {cfg.arms}")
     arms = {name: Arm(name, cfg, device) for name in cfg.arms}
     first = arms[cfg.arms[0]]
-    # Fail now, not after training, if validation cannot run on this split and context.
-    val = eval_windows(corpus.splits["valid"], first.model.cfg.context, cfg.val_bytes)
+    context = first.model.cfg.context
+    # Fail now, not after training, if evaluation cannot run on these splits and context.
+    val = eval_windows(corpus.splits["valid"], context, cfg.val_bytes)
+    test = eval_windows(corpus.splits["test"], context, cfg.val_bytes)
+    tail = corpus.splits["train"][int(len(corpus.splits["train"]) * TRAIN_FRACTION):]
+    probe = eval_windows(tail, context, cfg.probe_bytes) if cfg.eval_every > 0 else None
     samplers = {name: WindowSampler(corpus.splits["train"], seed=cfg.seed,
-                                    batch_size=cfg.batch_size,
-                                    context=arms[name].model.cfg.context) for name in cfg.arms}
+                                    batch_size=cfg.batch_size, context=context)
+                for name in cfg.arms}
     n_params = sum(p.numel() for p in first.model.parameters())
     n_tensors = len(list(first.model.parameters()))
     for name, arm in arms.items():
+        run_dir = run_root / name
+        run_dir.mkdir(parents=True, exist_ok=False)  # never reuse or overwrite a run
+        records.write_atomic(run_dir / "INCOMPLETE", "this run has not finished\n")
         meta = {
             "arm": name,
             "config": asdict(cfg),
@@ -187,15 +221,22 @@ def run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None = 
             "parameters": n_params,
             "tensors": n_tensors,
             "init_model_sha256": records.model_sha256(arm.model),
+            "schedule_sha256": schedule_sha256(cfg),
             "command": sys.argv,
         }
         if isinstance(arm.optimizer, cotangent.AdamW):
             meta["layout"] = arm.optimizer.layout_summary()
-        records.write_json(run_root / name / "metadata.json", meta)
+            meta["buckets"] = sum(layout["buckets"] for layout in meta["layout"])
+        records.write_json(run_dir / "metadata.json", meta)
+        if config_toml is not None:
+            records.write_atomic(run_dir / "config.toml", config_toml + "\n")
         arm.optimizer.zero_grad(set_to_none=True)
+    setup_s = time.perf_counter() - t_start
     log(f"training {cfg.model} ({n_params:,} parameters, {n_tensors} tensors) for {cfg.steps} "
         f"steps per arm on {device.type} in {precision}, arms interleaved: {', '.join(cfg.arms)}")
     curves: dict[str, list[dict]] = {name: [] for name in cfg.arms}
+    trained_s = {name: 0.0 for name in cfg.arms}
+    probes: dict[str, list[dict]] = {name: [] for name in cfg.arms}
     if show_progress is None:
         show_progress = sys.stderr.isatty()
     order = list(cfg.arms)
@@ -207,7 +248,7 @@ def run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None = 
             sync(device)
             t0 = time.perf_counter()
             with autocast():
-                logits = arm.model(batch[:, :-1])  # (B, T, 256)
+                logits = arm.forward(batch[:, :-1])  # (B, T, 256)
             loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
                                    batch[:, 1:].reshape(-1))
             loss.backward()
@@ -217,18 +258,29 @@ def run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None = 
             sync(device)
             t2 = time.perf_counter()
             arm.scheduler.step()
+            trained_s[name] += t2 - t0
             curves[name].append({
                 "step": step, "loss_bpb": loss.item() * BITS_PER_NAT, "lr": lr,
                 "grad_norm": total.item(), "step_s": t2 - t0, "update_s": t2 - t1,
             })
+            if probe is not None and (step + 1) % cfg.eval_every == 0:
+                bpb, _ = evaluate_bpb(arm.model, probe, batch=cfg.eval_batch, device=device,
+                                      autocast=autocast)
+                record = {"probe": len(probes[name]), "step": step + 1, "probe_bpb": bpb,
+                          "training_s": trained_s[name],
+                          "elapsed_s": time.perf_counter() - t_start}
+                probes[name].append(record)
+                curves[name].append(record)
         order.reverse()
     result: dict = {}
     for name, arm in arms.items():
-        bpb, targets = evaluate_bpb(arm.model, val, batch=cfg.eval_batch, device=device,
-                                    autocast=autocast)
-        curve = curves[name]
-        step_s = [r["step_s"] for r in curve]
-        update_s = [r["update_s"] for r in curve]
+        val_bpb, val_targets = evaluate_bpb(arm.model, val, batch=cfg.eval_batch,
+                                            device=device, autocast=autocast)
+        test_bpb, test_targets = evaluate_bpb(arm.model, test, batch=cfg.eval_batch,
+                                              device=device, autocast=autocast)
+        steps = [r for r in curves[name] if "loss_bpb" in r]
+        step_s = [r["step_s"] for r in steps]
+        update_s = [r["update_s"] for r in steps]
         summary = {
             "arm": name,
             "steps": cfg.steps,
@@ -236,16 +288,24 @@ def run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None = 
             "step_ms": 1e3 * statistics.median(step_s),
             "update_ms_mean": 1e3 * statistics.fmean(update_s),
             "step_ms_mean": 1e3 * statistics.fmean(step_s),
+            "setup_s": setup_s,
             "training_s": sum(step_s),
             "update_s": sum(update_s),
-            "final_loss_bpb": curve[-1]["loss_bpb"],
-            "val_bpb": bpb,
-            "val_targets": targets,
+            "total_s": time.perf_counter() - t_start,
+            "probes": probes[name],
+            "final_loss_bpb": steps[-1]["loss_bpb"],
+            "val_bpb": val_bpb,
+            "val_targets": val_targets,
+            "test_bpb": test_bpb,
+            "test_targets": test_targets,
             "final_model_sha256": records.model_sha256(arm.model),
+            "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
             "run_dir": str(run_root / name),
         }
-        records.write_jsonl(run_root / name / "curve.jsonl", curve)
-        records.write_json(run_root / name / "summary.json", summary)
+        run_dir = run_root / name
+        records.write_jsonl(run_dir / "curve.jsonl", curves[name])
+        records.write_json(run_dir / "summary.json", summary)
+        (run_dir / "INCOMPLETE").unlink()  # only now is the run complete
         result[name] = summary
     result["arms"] = list(cfg.arms)
     result["identical_final_hash"] = len(
@@ -263,11 +323,12 @@ def _device_name(device: torch.device) -> str:
 def format_comparison(result: dict) -> str:
     """Human-readable comparison table of `run_train`'s result."""
     arms = result["arms"]
-    lines = [f"{'arm':<19} {'update_ms':>10} {'step_ms':>9} {'val_bpb':>9}  final_model_sha256"]
+    lines = [f"{'arm':<19} {'update_ms':>10} {'step_ms':>9} {'val_bpb':>8} {'test_bpb':>8}  "
+             "final_model_sha256"]
     for name in arms:
         r = result[name]
         lines.append(f"{name:<19} {r['update_ms']:>10.2f} {r['step_ms']:>9.1f} "
-                     f"{r['val_bpb']:>9.4f}  {r['final_model_sha256']}")
+                     f"{r['val_bpb']:>8.4f} {r['test_bpb']:>8.4f}  {r['final_model_sha256']}")
     base = result[arms[0]]
     lines.append(f"identical final model SHA-256: {'yes' if result['identical_final_hash'] else 'NO'}")
     for name in arms[1:]:
@@ -281,7 +342,7 @@ def format_comparison(result: dict) -> str:
 
 def result_json(result: dict) -> str:
     """One-line JSON of the comparison (the last line of `cotangent train --json`)."""
-    keys = ("update_ms", "step_ms", "val_bpb", "final_model_sha256", "run_dir")
+    keys = ("update_ms", "step_ms", "val_bpb", "test_bpb", "final_model_sha256", "run_dir")
     obj = {"identical_final_hash": result["identical_final_hash"]}
     obj.update({name: {k: result[name][k] for k in keys} for name in result["arms"]})
     return json.dumps(obj, sort_keys=True)
