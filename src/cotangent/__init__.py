@@ -4,6 +4,7 @@ Public API:
     AdamW: drop-in for ``clip_grad_norm_`` + ``torch.optim.AdamW`` over packed flat buffers.
     clip_grad_norm_, get_total_norm, clip_grads_with_norm_: drop-ins for the torch.nn.utils
         functions, with calibrated batched norms where gradients sit in a flat buffer.
+    verify: prove native == Cotangent bit for bit on your own model, step by step.
     ReferenceUpdate: the readable native path (clip_grad_norm_ + torch.optim.AdamW) it is tested
         against.
 """
@@ -11,7 +12,8 @@ Public API:
 from cotangent.clip import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
 from cotangent.optim import AdamW
 from cotangent.reference import ReferenceUpdate
+from cotangent.verify import verify
 
 __all__ = ["AdamW", "ReferenceUpdate", "clip_grad_norm_", "clip_grads_with_norm_",
-           "get_total_norm", "__version__"]
+           "get_total_norm", "verify", "__version__"]
 __version__ = "0.1.0"

@@ -1,0 +1,70 @@
+"""`cotangent.verify` and `cotangent verify`: pass on real cases, fail loudly on a broken update."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import cotangent
+from cotangent import norms
+from cotangent.harness import cli
+from cotangent.harness.verify_suite import lm_loss, suite_model
+from cotangent.verify import ulp_distance
+
+
+def _batches(n=3):
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 256, (2, 33), generator=gen) for _ in range(n)]
+
+
+def test_verify_passes_on_a_user_model():
+    report = cotangent.verify(suite_model("gated-gqa", False), lm_loss, _batches(), max_norm=0.1,
+                              lr=1e-3, fused=True)
+    assert report.passed and report.steps == 3 and report.checks > 100
+
+
+def test_verify_names_the_first_difference_when_the_update_is_broken(monkeypatch):
+    real = norms.clip_coefficient
+
+    def off_by_one_ulp(total, max_norm):
+        coef = real(total, max_norm)
+        return torch.nextafter(coef, torch.zeros_like(coef))
+
+    import cotangent.optim as optim
+
+    monkeypatch.setattr(optim, "clip_coefficient", off_by_one_ulp)
+    report = cotangent.verify(suite_model("transformer-small", False), lm_loss, _batches(),
+                              max_norm=0.1, lr=1e-3, fused=True)
+    assert not report.passed and report.steps == 1
+    message = report.failures[0]
+    assert message.startswith("step 0: clipped gradient ") and "first at flat index" in message
+    assert "ULP" in message
+
+
+def test_cli_verify_writes_a_report_and_fails_on_injection(tmp_path, monkeypatch, capsys):
+    out = tmp_path / "verify.json"
+    assert cli.main(["verify", "--steps", "4", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["passed"] and report["steps"] >= 96 and len(report["cases"]) == 25
+    assert any(c["compiled"] for c in report["cases"])
+    import cotangent.optim as optim
+
+    monkeypatch.setattr(optim, "clip_coefficient",
+                        lambda t, m: torch.nextafter(norms.clip_coefficient(t, m),
+                                                     torch.tensor(0.0)))
+    assert cli.main(["verify", "--steps", "1", "--no-compile"]) == 1
+    assert "FAILED" in capsys.readouterr().out
+
+
+def test_ulp_distance():
+    a = torch.tensor([1.0, -0.0, 0.0, -1.0])
+    b = torch.tensor([1.0, 0.0, 0.0, -1.0])
+    assert ulp_distance(a, b).tolist() == [0, 1, 0, 0]
+    one = torch.tensor([1.0])
+    assert ulp_distance(one, torch.nextafter(one, torch.tensor([2.0]))).tolist() == [1]
+    neg = torch.tensor([-1.0])
+    assert ulp_distance(neg, torch.nextafter(neg, torch.tensor([-2.0]))).tolist() == [1]
+    with pytest.raises(ValueError, match="unknown arm"):
+        cotangent.verify(suite_model("causal-conv", False), lm_loss, [], arm="nope")
