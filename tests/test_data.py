@@ -119,3 +119,38 @@ def test_embedded_corpus_is_real_python_source():
     assert b"def " in corpus.splits["train"][:100_000]
     assert "SHA-256" in corpus.note and corpus.sources["train"].sha256 == D.sha256_bytes(
         corpus.splits["train"])
+
+
+@pytest.mark.skipif(not SHARED.is_dir(), reason="WikiText-2 not available")
+def test_fetch_from_a_file_url_verifies_hashes(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for split in D.SPLITS:
+        (src / f"{split}.txt").write_bytes(D.read_bytes(SHARED / f"{split}.txt.xz"))
+    paths = D.fetch_wikitext2(tmp_path / "dest", src.as_uri(), log=lambda *_: None)
+    assert sorted(paths) == sorted(D.SPLITS)
+    corpus = D.load_wikitext2(tmp_path / "dest")
+    assert all(s.known for s in corpus.sources.values())
+    # a second fetch keeps the verified files
+    lines = []
+    D.fetch_wikitext2(tmp_path / "dest", (tmp_path / "nowhere").as_uri(), log=lines.append)
+    assert all("present, SHA-256 ok" in line for line in lines)
+
+
+def test_fetch_rejects_a_wrong_hash_and_keeps_nothing(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    for split in D.SPLITS:
+        (src / f"{split}.txt").write_bytes(PAYLOAD[split])
+    with pytest.raises(ValueError, match="train.txt: SHA-256 .* is not WikiText-2's train"):
+        D.fetch_wikitext2(tmp_path / "dest", src.as_uri(), log=lambda *_: None)
+    assert not any((tmp_path / "dest").iterdir())
+    with pytest.raises(OSError, match="download of"):
+        D.fetch_wikitext2(tmp_path / "dest2", (tmp_path / "missing").as_uri())
+
+
+def test_info_names_files_hashes_and_unknowns(tmp_path):
+    _write_splits(tmp_path, {s: f"{s}.txt" for s in D.SPLITS}, PAYLOAD)
+    text = "\n".join(D.describe(tmp_path))
+    assert "UNKNOWN" in text and D.sha256_bytes(PAYLOAD["train"]) in text
+    assert "standard-library" in "\n".join(D.describe(None))

@@ -278,6 +278,30 @@ def cmd_verify(args) -> int:
     return 0 if result["passed"] else 1
 
 
+def _data_parser(sub) -> None:
+    p = sub.add_parser("data", help="fetch or inspect the WikiText-2 files")
+    dsub = p.add_subparsers(dest="data_command", required=True)
+    f = dsub.add_parser("fetch", help="download WikiText-2 (tokenized v1), verifying SHA-256")
+    f.add_argument("dataset", choices=["wikitext-2"])
+    f.add_argument("--dest", default="data/wikitext-2", help="directory to write (default "
+                   "data/wikitext-2)")
+    f.add_argument("--base-url", default=None, help="where the three files are (default: the "
+                   "public pytorch/examples copy); file:// URLs work")
+    i = dsub.add_parser("info", help="show which corpus would be used, from where, and hashes")
+    i.add_argument("--data-dir", default=None, help=f"default: ${DATA_ENV}")
+
+
+def cmd_data(args) -> int:
+    from cotangent.harness import data
+
+    if args.data_command == "fetch":
+        data.fetch_wikitext2(args.dest, args.base_url or data.WIKITEXT2_URL)
+        print(f"use it with: cotangent train --data-dir {args.dest}")
+        return 0
+    print("\n".join(data.describe(args.data_dir or os.environ.get(DATA_ENV))))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cotangent", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -286,11 +310,12 @@ def main(argv: list[str] | None = None) -> int:
     _bench_parser(sub)
     _calibrate_parser(sub)
     _verify_parser(sub)
+    _data_parser(sub)
     args = parser.parse_args(argv)
     try:
         return {"train": cmd_train, "bench": cmd_bench, "calibrate": cmd_calibrate,
-                "verify": cmd_verify}[args.command](args)
-    except (FileNotFoundError, ValueError) as exc:
+                "verify": cmd_verify, "data": cmd_data}[args.command](args)
+    except (OSError, ValueError) as exc:
         print(f"cotangent: error: {exc}", file=sys.stderr)
         return 2
 

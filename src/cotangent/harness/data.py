@@ -214,3 +214,70 @@ def eval_windows(data: bytes, context: int, max_bytes: int = 0) -> torch.Tensor:
 
 
 BITS_PER_NAT = 1.0 / math.log(2.0)
+
+
+# The canonical public copy of tokenized WikiText-2 (v1), as pytorch/examples ships it; the
+# SHA-256 of each file is checked against KNOWN_SHA256 before it is kept.
+WIKITEXT2_URL = ("https://raw.githubusercontent.com/pytorch/examples/main/"
+                 "word_language_model/data/wikitext-2/")
+
+
+def fetch_wikitext2(dest: str | os.PathLike, base_url: str = WIKITEXT2_URL, *,
+                    timeout_s: float = 60.0, log=print) -> dict[str, Path]:
+    """Download `train.txt`, `valid.txt` and `test.txt` from `base_url` into `dest`.
+
+    Each file is written to a temporary name, its SHA-256 checked against the known WikiText-2
+    hash of its split, then renamed into place; a file already present with the right hash is
+    kept. Returns {split: path}.
+    Raises:
+        ValueError: a downloaded file has the wrong SHA-256 (nothing is kept for it).
+        OSError: the download failed (names the URL).
+    """
+    import urllib.request
+
+    root = Path(dest)
+    root.mkdir(parents=True, exist_ok=True)
+    expected = {split: digest for digest, (name, split) in KNOWN_SHA256.items()
+                if name == "wikitext-2"}
+    paths = {}
+    for split in SPLITS:
+        target = root / f"{split}.txt"
+        if target.is_file() and sha256_bytes(target.read_bytes()) == expected[split]:
+            log(f"{target}: present, SHA-256 ok")
+            paths[split] = target
+            continue
+        url = base_url.rstrip("/") + f"/{split}.txt"
+        try:
+            with urllib.request.urlopen(url, timeout=timeout_s) as response:
+                data = response.read()
+        except OSError as exc:
+            raise OSError(f"download of {url} failed: {exc}") from exc
+        digest = sha256_bytes(data)
+        if digest != expected[split]:
+            raise ValueError(f"{url}: SHA-256 {digest} is not WikiText-2's {split} "
+                             f"({expected[split]}); not saved")
+        tmp = target.with_name(f".{target.name}.part")
+        tmp.write_bytes(data)
+        os.replace(tmp, target)
+        log(f"{target}: {len(data):,} bytes from {url}, SHA-256 ok")
+        paths[split] = target
+    return paths
+
+
+def describe(data_dir: str | os.PathLike | None) -> list[str]:
+    """Human-readable lines: which corpus would be used, from where, with what hashes."""
+    if not data_dir:
+        corpus = embedded_corpus()
+        return [f"no data directory: the {corpus.note}"] + [
+            f"  {s:<5} {src.n_bytes:>11,} B  sha256 {src.sha256}"
+            for s, src in corpus.sources.items()]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        corpus = load_wikitext2(data_dir)
+    lines = [f"{corpus.name} in {data_dir}"]
+    for split, src in corpus.sources.items():
+        status = "known" if src.known else "UNKNOWN (not a known WikiText-2 file)"
+        lines.append(f"  {split:<5} {src.n_bytes:>11,} B  sha256 {src.sha256}  {status}  "
+                     f"{src.path}")
+    lines += [f"  warning: {w.message}" for w in caught]
+    return lines
