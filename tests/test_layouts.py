@@ -49,6 +49,19 @@ def compare(m1, o1, m2, o2, what):
             assert_same_bits(s1[key], s2[key], f"{what}: {key} of {name}")
 
 
+def lockstep(m1, o1, m2, o2, steps, what, before_step=None):
+    """Train two models with their optimizers on the same inputs, comparing after each step."""
+    for step in range(steps):
+        if before_step:
+            before_step(step)
+        x = torch.randn(4, 8)
+        for m, o in ((m1, o1), (m2, o2)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            o.step()
+        compare(m1, o1, m2, o2, f"{what}, step {step}")
+
+
 def drive(make_model, *, steps=5, max_norm=0.05, groups=None, loss_fn=None, impl="fused",
           opt_kw=None, between=None, ours_kw=None):
     """Run native and cotangent side by side; returns (models, optimizers) after `steps`."""
@@ -308,12 +321,7 @@ def test_state_dict_round_trip_then_identical_training(direction):
     m2 = copy.deepcopy(m1)
     a = torch.optim.AdamW(m1.parameters(), fused=True, **HP)
     b = cotangent.AdamW(m2.parameters(), fused=True, **HP)
-    for _ in range(3):  # both train 3 steps (identically)
-        x = torch.randn(4, 8)
-        for m, o in ((m1, a), (m2, b)):
-            o.zero_grad()
-            m(x).square().mean().backward()
-            o.step()
+    lockstep(m1, a, m2, b, 3, "before saving")
     src = a if direction == "native->cotangent" else b
     buf = io.BytesIO()
     torch.save({"model": (m1 if src is a else m2).state_dict(), "opt": src.state_dict()}, buf)
@@ -329,13 +337,7 @@ def test_state_dict_round_trip_then_identical_training(direction):
                                                                            fused=True, **HP))
     reference.load_state_dict(ckpt["opt"])
     resumed.load_state_dict(ckpt_copy["opt"])
-    for step in range(3):
-        x = torch.randn(4, 8)
-        for m, o in ((m3, reference), (m4, resumed)):
-            o.zero_grad()
-            m(x).square().mean().backward()
-            o.step()
-        compare(m3, reference, m4, resumed, f"after resume, step {step}")
+    lockstep(m3, reference, m4, resumed, 3, "after resume")
 
 
 def test_bad_input_raises_and_changes_nothing():
@@ -625,16 +627,13 @@ def test_step_pre_hooks_see_clipped_gradients_like_native_code():
 
 def test_cleared_state_starts_fresh_like_native():
     m1, m2, o1, o2 = _pair()
-    for step in range(4):
+
+    def clear_at_two(step):
         if step == 2:
             o1.state.clear()
             o2.state.clear()
-        x = torch.randn(5, 8)
-        for m, o in ((m1, o1), (m2, o2)):
-            o.zero_grad()
-            m(x).square().sum().backward()
-            o.step()
-        compare(m1, o1, m2, o2, f"step {step}")
+
+    lockstep(m1, o1, m2, o2, 4, "state cleared at step 2", before_step=clear_at_two)
 
 
 def test_replacing_grad_data_is_handled():
