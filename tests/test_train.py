@@ -141,3 +141,11 @@ def test_a_killed_run_stays_marked_incomplete(tmp_path):
         assert (run_dir / "INCOMPLETE").exists()
         assert not (run_dir / "summary.json").exists()
         json.loads((run_dir / "metadata.json").read_text())  # complete, valid JSON (atomic)
+
+
+def test_compiled_model_arms_end_identical(tmp_path, capsys):
+    args = ["train", "--model", "tiny-transformer", "--steps", "3", "--compile", "--val-bytes",
+            "4096", "--out", str(tmp_path), "--arms", "native,cotangent", "--json"]
+    assert cli.main(args) == 0
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert result["identical_final_hash"] is True
