@@ -89,7 +89,8 @@ def verify(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], 
         max_norm: clipping threshold (None: no clipping).
         arm: "cotangent" (batched norms + packing), "packing-only" or "batched-norms-only".
         autocast_dtype: run forward passes under `torch.autocast` with this dtype.
-        compile: `torch.compile` both copies (after the optimizers are built).
+        compile: `torch.compile` both copies (after the optimizers are built), under
+            `torch.use_deterministic_algorithms(True)` for the duration of the call.
         stop_at_first: stop at the first step with a difference.
         **adamw_kwargs: `torch.optim.AdamW` arguments (lr, betas, weight_decay, fused, ...).
     Raises:
@@ -97,6 +98,24 @@ def verify(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], 
     """
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; known: {', '.join(ARMS)}")
+    if compile:
+        # inductor's CPU embedding backward accumulates in a thread-dependent order: two
+        # compiled copies of one native model differ unless deterministic mode is on.
+        previous = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True)
+        try:
+            return _verify(model, loss_fn, batches, max_norm=max_norm, arm=arm,
+                           autocast_dtype=autocast_dtype, compile=True,
+                           stop_at_first=stop_at_first, **adamw_kwargs)
+        finally:
+            torch.use_deterministic_algorithms(previous)
+    return _verify(model, loss_fn, batches, max_norm=max_norm, arm=arm,
+                   autocast_dtype=autocast_dtype, compile=False, stop_at_first=stop_at_first,
+                   **adamw_kwargs)
+
+
+def _verify(model, loss_fn, batches, *, max_norm, arm, autocast_dtype, compile, stop_at_first,
+            **adamw_kwargs) -> VerifyReport:
     native_model, our_model = copy.deepcopy(model), copy.deepcopy(model)
     native_params, our_params = list(native_model.parameters()), list(our_model.parameters())
     native = ReferenceUpdate(native_params, max_norm=max_norm, **adamw_kwargs)

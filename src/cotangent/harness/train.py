@@ -168,6 +168,25 @@ def schedule_sha256(cfg: TrainConfig) -> str:
 
 def run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None = None,
               log=print, config_toml: str | None = None) -> dict:
+    """Run `_run_train`; with `compile`, under `torch.use_deterministic_algorithms(True)`.
+
+    Why: inductor's CPU code for the embedding backward accumulates in an order that depends
+    on thread scheduling, so two compiled copies of the same native model gave different
+    gradients here (2 threads); deterministic mode makes it reproducible, so the arms can be
+    compared bit for bit.
+    """
+    previous = torch.are_deterministic_algorithms_enabled()
+    try:
+        if cfg.compile:
+            torch.use_deterministic_algorithms(True)
+        return _run_train(cfg, corpus, show_progress=show_progress, log=log,
+                          config_toml=config_toml)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, log,
+               config_toml: str | None) -> dict:
     """Train the arms interleaved, probe, evaluate, write records; returns the comparison dict.
 
     Each arm's run directory holds `metadata.json` (written first), `curve.jsonl` and
@@ -222,6 +241,7 @@ def run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None = 
             "tensors": n_tensors,
             "init_model_sha256": records.model_sha256(arm.model),
             "schedule_sha256": schedule_sha256(cfg),
+            "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
             "command": sys.argv,
         }
         if isinstance(arm.optimizer, cotangent.AdamW):
