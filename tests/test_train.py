@@ -149,3 +149,23 @@ def test_compiled_model_arms_end_identical(tmp_path, capsys):
     assert cli.main(args) == 0
     result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert result["identical_final_hash"] is True
+
+
+@pytest.mark.parametrize("override,message", [
+    ("betas=[0.9]", "betas must be two numbers"),
+    ("betas=[0.9, 0.9, 0.9]", "betas must be two numbers"),
+    ('device="tpu"', "device must be cpu, cuda or mps"),
+    ("seed=-1", "seed must be in"),
+    ("lr=-0.1", "lr must be >= 0"),
+])
+def test_bad_settings_are_one_line_errors(override, message, tmp_path, capsys):
+    assert cli.main(["train", "--model", "tiny", "--out", str(tmp_path), "--set", override]) == 2
+    assert message in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # refused before any run directory exists
+
+
+def test_config_syntax_error_names_the_file(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("steps = = 3\n")
+    assert cli.main(["train", "--config", str(bad)]) == 2
+    assert "bad.toml: not valid TOML" in capsys.readouterr().err

@@ -1,7 +1,8 @@
 """cotangent: a bitwise-exact fast update phase (gradient clipping + AdamW) for PyTorch.
 
 Commands: `train` (native vs Cotangent on a byte-level language model), `bench` (update-phase
-benchmark), `calibrate` (show the bitwise calibration verdicts)."""
+benchmark), `calibrate` (show the bitwise calibration verdicts), `verify` (the built-in bitwise
+suite), `data` (fetch or inspect WikiText-2)."""
 
 from __future__ import annotations
 
@@ -70,8 +71,11 @@ def resolve_train_config(args) -> TrainConfig:
     values = dataclasses.asdict(TrainConfig())
     defaults = dict(values)
     if args.config:
-        with open(args.config, "rb") as f:
-            values.update(tomllib.load(f))
+        try:
+            with open(args.config, "rb") as f:
+                values.update(tomllib.load(f))
+        except tomllib.TOMLDecodeError as exc:
+            raise ValueError(f"{args.config}: not valid TOML ({exc})") from None
     flags = {"model": args.model, "arms": args.arms, "steps": args.steps, "seed": args.seed,
              "batch_size": args.batch_size, "device": args.device, "precision": args.precision,
              "compile": args.compile, "eval_every": args.eval_every, "val_bytes": args.val_bytes,
@@ -92,6 +96,8 @@ def resolve_train_config(args) -> TrainConfig:
         value = values[key]
         if isinstance(default, tuple):
             value = tuple(value.split(",")) if isinstance(value, str) else tuple(value)
+            value = tuple(v.strip() if isinstance(v, str) else v for v in value
+                          if not (isinstance(v, str) and not v.strip()))
         elif isinstance(default, bool) or isinstance(value, bool):
             if type(value) is not type(default):
                 raise ValueError(f"{key} must be {type(default).__name__}, got {value!r}")
@@ -136,6 +142,16 @@ def cmd_train(args) -> int:
         raise ValueError(f"unknown arm(s) {', '.join(unknown) or '(none)'}; known: {', '.join(ARMS)}")
     if cfg.model not in MODELS:
         raise ValueError(f"unknown model {cfg.model!r}; known: {', '.join(sorted(MODELS))}")
+    if (len(cfg.betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool)
+                                       and 0 <= b < 1 for b in cfg.betas)):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {list(cfg.betas)}")
+    if cfg.device not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device must be cpu, cuda or mps, got {cfg.device!r}")
+    if not 0 <= cfg.seed < 2**63 - 100_000:
+        raise ValueError(f"seed must be in [0, 2**63 - 100000), got {cfg.seed}")
+    for field in ("lr", "eps", "weight_decay", "max_norm"):
+        if not getattr(cfg, field) >= 0:
+            raise ValueError(f"{field} must be >= 0, got {getattr(cfg, field)}")
     for field, low in (("steps", 1), ("batch_size", 1), ("val_bytes", 0), ("eval_every", 0),
                        ("probe_bytes", 1), ("eval_batch", 1)):
         if getattr(cfg, field) < low:
@@ -186,6 +202,8 @@ def cmd_bench(args) -> int:
                                                              if i not in bench.IMPLS]
     if unknown:
         raise ValueError(f"unknown shape or implementation: {', '.join(unknown)}")
+    if not shapes or not impls:
+        raise ValueError("--shapes and --impls must each name at least one")
     if args.repeats < 1 or args.warmup < 0:
         raise ValueError("--repeats must be >= 1 and --warmup >= 0")
     _check_device(args.device)
@@ -237,7 +255,13 @@ def cmd_calibrate(args) -> int:
               f"batched norms; AdamW in {calls['calls']} list elements for "
               f"{calls['parameters']} parameters")
     rows = calibration.table()
-    print(f"cache: {calibration.cache_path() or 'off (memory only)'}")
+    path = calibration.cache_path()
+    if path is None:
+        print("cache: off (memory only)")
+    elif path.is_file():
+        print(f"cache: {path}")
+    else:
+        print(f"cache: {path} could not be written: verdicts stay in memory for this process")
     for r in rows:
         print(f"  {'yes' if r['verdict'] else 'no ':<4}{r['kind']:<20}{' '.join(r['args'])}  "
               f"[{r['machine']}, torch {r['torch']}, {r['threads']} threads]")
@@ -265,6 +289,9 @@ def cmd_verify(args) -> int:
 
     if args.steps < 1:
         raise ValueError("--steps must be >= 1")
+    if args.json is not None and (not args.json or not os.path.isdir(
+            os.path.dirname(os.path.abspath(args.json)))):
+        raise ValueError(f"--json {args.json!r}: not a file path in an existing directory")
     print("verify: native vs cotangent, byte for byte, on CPU")
     result = run_suite(steps=args.steps, full_width=args.full_width,
                        compile_check=not args.no_compile)
@@ -295,6 +322,8 @@ def cmd_data(args) -> int:
     from cotangent.harness import data
 
     if args.data_command == "fetch":
+        if args.base_url is not None and not args.base_url.strip():
+            raise ValueError("--base-url is empty")
         data.fetch_wikitext2(args.dest, args.base_url or data.WIKITEXT2_URL)
         print(f"use it with: cotangent train --data-dir {args.dest}")
         return 0
@@ -315,6 +344,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"train": cmd_train, "bench": cmd_bench, "calibrate": cmd_calibrate,
                 "verify": cmd_verify, "data": cmd_data}[args.command](args)
+    except KeyboardInterrupt:
+        print("cotangent: interrupted (run directories of an unfinished run keep their "
+              "INCOMPLETE marker)", file=sys.stderr)
+        return 130
     except (OSError, ValueError) as exc:
         print(f"cotangent: error: {exc}", file=sys.stderr)
         return 2

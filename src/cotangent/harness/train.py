@@ -350,7 +350,11 @@ def format_comparison(result: dict) -> str:
         lines.append(f"{name:<19} {r['update_ms']:>10.2f} {r['step_ms']:>9.1f} "
                      f"{r['val_bpb']:>8.4f} {r['test_bpb']:>8.4f}  {r['final_model_sha256']}")
     base = result[arms[0]]
-    lines.append(f"identical final model SHA-256: {'yes' if result['identical_final_hash'] else 'NO'}")
+    if len(arms) == 1:
+        lines.append("one arm: no comparison")
+    else:
+        lines.append("identical final model SHA-256: "
+                     f"{'yes' if result['identical_final_hash'] else 'NO'}")
     for name in arms[1:]:
         r = result[name]
         lines.append(f"{name} / {arms[0]} (medians per step): update phase "
