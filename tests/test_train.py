@@ -94,6 +94,7 @@ def test_records_are_complete(tmp_path, capsys):
     assert cli.main(args) == 0
     for run_dir in _run_dirs(tmp_path):
         assert not (run_dir / "INCOMPLETE").exists()
+        assert not (run_dir / "curve.partial.jsonl").exists()
         meta = json.loads((run_dir / "metadata.json").read_text())
         for key in ("config", "arm", "seed", "environment", "device_name", "data",
                     "init_model_sha256", "schedule_sha256", "parameters", "tensors"):
@@ -126,9 +127,13 @@ def test_a_killed_run_stays_marked_incomplete(tmp_path):
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 120
-        while time.time() < deadline and len(list(tmp_path.glob("*/*/metadata.json"))) < 2:
+
+        def curves_started() -> bool:
+            files = list(tmp_path.glob("*/*/curve.partial.jsonl"))
+            return len(files) == 2 and all(f.read_text().count("\n") >= 1 for f in files)
+
+        while time.time() < deadline and not curves_started():
             time.sleep(0.2)
-        time.sleep(1.0)
         assert proc.poll() is None, "the run ended before it could be killed"
         proc.send_signal(signal.SIGKILL)
         proc.wait(timeout=30)
@@ -140,6 +145,8 @@ def test_a_killed_run_stays_marked_incomplete(tmp_path):
     for run_dir in dirs:
         assert (run_dir / "INCOMPLETE").exists()
         assert not (run_dir / "summary.json").exists()
+        rows = (run_dir / "curve.partial.jsonl").read_text().splitlines()
+        assert rows and json.loads(rows[0])["step"] == 0  # the curve so far survives the kill
         json.loads((run_dir / "metadata.json").read_text())  # complete, valid JSON (atomic)
 
 

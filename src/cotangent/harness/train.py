@@ -255,6 +255,16 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
     log(f"training {cfg.model} ({n_params:,} parameters, {n_tensors} tensors) for {cfg.steps} "
         f"steps per arm on {device.type} in {precision}, arms interleaved: {', '.join(cfg.arms)}")
     curves: dict[str, list[dict]] = {name: [] for name in cfg.arms}
+    # Rows are also appended (one flushed line each) to curve.partial.jsonl, so a killed run
+    # keeps its curve; the finished run replaces it by curve.jsonl, written atomically.
+    partial = {name: open(run_root / name / "curve.partial.jsonl", "a", encoding="utf-8")
+               for name in cfg.arms}
+
+    def record(name: str, row: dict) -> None:
+        curves[name].append(row)
+        partial[name].write(json.dumps(row, sort_keys=True) + "\n")
+        partial[name].flush()
+
     trained_s = {name: 0.0 for name in cfg.arms}
     probes: dict[str, list[dict]] = {name: [] for name in cfg.arms}
     if show_progress is None:
@@ -279,18 +289,18 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
             t2 = time.perf_counter()
             arm.scheduler.step()
             trained_s[name] += t2 - t0
-            curves[name].append({
+            record(name, {
                 "step": step, "loss_bpb": loss.item() * BITS_PER_NAT, "lr": lr,
                 "grad_norm": total.item(), "step_s": t2 - t0, "update_s": t2 - t1,
             })
             if probe is not None and (step + 1) % cfg.eval_every == 0:
                 bpb, _ = evaluate_bpb(arm.model, probe, batch=cfg.eval_batch, device=device,
                                       autocast=autocast)
-                record = {"probe": len(probes[name]), "step": step + 1, "probe_bpb": bpb,
-                          "training_s": trained_s[name],
-                          "elapsed_s": time.perf_counter() - t_start}
-                probes[name].append(record)
-                curves[name].append(record)
+                probe_row = {"probe": len(probes[name]), "step": step + 1, "probe_bpb": bpb,
+                             "training_s": trained_s[name],
+                             "elapsed_s": time.perf_counter() - t_start}
+                probes[name].append(probe_row)
+                record(name, probe_row)
         order.reverse()
     result: dict = {}
     for name, arm in arms.items():
@@ -323,7 +333,9 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
             "run_dir": str(run_root / name),
         }
         run_dir = run_root / name
+        partial[name].close()
         records.write_jsonl(run_dir / "curve.jsonl", curves[name])
+        (run_dir / "curve.partial.jsonl").unlink()
         records.write_json(run_dir / "summary.json", summary)
         (run_dir / "INCOMPLETE").unlink()  # only now is the run complete
         result[name] = summary
