@@ -19,7 +19,13 @@ import torch
 from torch import Tensor
 
 from cotangent import _compat
-from cotangent.norms import calibrate_bucket, clip_coefficient, native_tensor_norms, total_norm
+from cotangent.norms import (
+    calibrate_bucket,
+    clip_coefficient,
+    multiply_is_identity,
+    native_tensor_norms,
+    total_norm,
+)
 
 
 def _row_runs(grads: list[Tensor]) -> list[tuple[int, int, int]]:
@@ -110,8 +116,7 @@ def clip_grads_with_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float
     for device, _, indices in _compat.group_by_device_and_dtype(grads):
         group = [grads[i] for i in indices]
         coef_dev = coef.to(device)
-        # On CPU, reading the coefficient costs no device sync, and x * 1.0 == x bit for bit.
-        if device.type == "cpu" and coef_dev.item() == 1.0:
+        if multiply_is_identity(coef_dev):
             continue
         if _compat.foreach_norm_is_used(group, device, foreach):  # same branch as native's mul
             _compat.foreach_mul_(group, coef_dev)

@@ -244,6 +244,8 @@ def clip_coefficient(total: Tensor, max_norm: float) -> Tensor:
     return torch.clamp(clip_coef, max=1.0)
 
 
-def bucket_summary(buckets: list[Bucket]) -> list[tuple[int, int, bool]]:
-    """(numel, rows, batched) per bucket, for records and reports."""
-    return [(b.numel, b.rows, b.batched) for b in buckets]
+def multiply_is_identity(coef: Tensor) -> bool:
+    """True when multiplying by `coef` may be skipped: it is exactly 1.0 (x * 1.0 == x bit for
+    bit) and it lives on the CPU, where reading it costs no device sync. On accelerators the
+    multiply always runs, as native's does, so no host sync is added."""
+    return coef.device.type == "cpu" and coef.item() == 1.0

@@ -18,6 +18,7 @@ from cotangent.norms import (
     calibrate_layout,
     calibrate_scale,
     clip_coefficient,
+    multiply_is_identity,
     norm_program,
     run_norm_program,
     total_norm,
@@ -232,7 +233,8 @@ class AdamW(torch.optim.AdamW):
                     "them (tie modules by sharing one Parameter object instead)")
         order = getattr(self, "_clip_order_params", None)
         if order is not None:
-            missing = [slot for slot, p in enumerate(params) if id(p) not in {id(q) for q in order}]
+            listed = {id(q) for q in order}
+            missing = [slot for slot, p in enumerate(params) if id(p) not in listed]
             if missing:
                 raise ValueError(f"clip_order lacks optimizer parameter(s) {missing}; it must "
                                  "list every parameter the optimizer updates")
@@ -657,8 +659,7 @@ class AdamW(torch.optim.AdamW):
         for li, _, slots in plan.clip_groups:
             layout = self._layouts[li]
             coef_dev = coef.to(layout.device)
-            # On CPU reading the coefficient costs no device sync, and x * 1.0 == x bit for bit.
-            if layout.device.type == "cpu" and coef_dev.item() == 1.0:
+            if multiply_is_identity(coef_dev):
                 continue
             key = (li, coef_dev.dtype)
             if key not in self._scale_ok:  # probe once per buffer and coefficient dtype

@@ -130,25 +130,13 @@ def plan_layouts(params: list[Tensor]) -> list[FlatLayout]:
             n = p.numel()
             contiguous = p.is_contiguous()
             row_stride = _round_up(n, align)
-            seg = Segment(slot, 0, tuple(p.shape), tuple(p.stride()), n, contiguous)
+            seg = Segment(slot, offset, tuple(p.shape), tuple(p.stride()), n, contiguous)
             last = buckets[-1] if buckets else None
-            if (
-                last is not None
-                and contiguous
-                and last.segments[0].contiguous
-                and last.numel == n
-            ):
-                seg = Segment(slot, last.offset + last.rows * row_stride, *_rest(seg))
-                last.segments.append(seg)
-                offset = seg.offset + row_stride
+            if last is not None and contiguous and last.segments[0].contiguous and last.numel == n:
+                last.segments.append(seg)  # the next row of the bucket ends at `offset`
             else:
-                seg = Segment(slot, offset, *_rest(seg))
                 buckets.append(Bucket(n, row_stride, offset, [seg]))
-                offset += row_stride
+            offset += row_stride
         segments = [s for b in buckets for s in b.segments]
         layouts.append(FlatLayout(device, dtype, offset, buckets, segments))
     return layouts
-
-
-def _rest(seg: Segment) -> tuple:
-    return (seg.shape, seg.stride, seg.numel, seg.contiguous)

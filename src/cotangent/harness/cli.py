@@ -234,8 +234,6 @@ def _calibrate_parser(sub) -> None:
 
 
 def cmd_calibrate(args) -> int:
-    import json
-
     import torch
 
     import cotangent
