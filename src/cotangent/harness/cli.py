@@ -2,7 +2,9 @@
 
 Commands: `train` (native vs Cotangent on a byte-level language model), `bench` (update-phase
 benchmark), `calibrate` (show the bitwise calibration verdicts), `verify` (the built-in bitwise
-suite), `data` (fetch or inspect WikiText-2)."""
+suite), `data` (fetch or inspect WikiText-2), `campaign freeze|run|status` (paired-seed
+campaigns), `analyze` (their statistics), `audit` (re-check them, standard library only),
+`report` (figures and report)."""
 
 from __future__ import annotations
 
@@ -18,9 +20,12 @@ from cotangent.harness.model import MODELS
 from cotangent.harness.train import (
     ARMS,
     TrainConfig,
+    check_device,
     format_comparison,
+    format_config,
     result_json,
     run_train,
+    validate_config,
 )
 
 DATA_ENV = "COTANGENT_DATA_DIR"
@@ -112,54 +117,10 @@ def resolve_train_config(args) -> TrainConfig:
     return TrainConfig(**values)
 
 
-def format_config(cfg: TrainConfig) -> str:
-    """The resolved config as TOML lines (loadable again with --config)."""
-    lines = []
-    for key, value in dataclasses.asdict(cfg).items():
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, (tuple, list)):
-            text = json.dumps(list(value))
-        else:
-            text = json.dumps(value)
-        lines.append(f"{key} = {text}")
-    return "\n".join(lines)
-
-
-def _check_device(name: str) -> None:
-    import torch
-
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: this torch build sees no CUDA device")
-    if name == "mps" and not torch.backends.mps.is_available():
-        raise ValueError("--device mps: this torch build sees no MPS device")
-
-
 def cmd_train(args) -> int:
     cfg = resolve_train_config(args)
-    unknown = [a for a in cfg.arms if a not in ARMS]
-    if unknown or not cfg.arms:
-        raise ValueError(f"unknown arm(s) {', '.join(unknown) or '(none)'}; known: {', '.join(ARMS)}")
-    if cfg.model not in MODELS:
-        raise ValueError(f"unknown model {cfg.model!r}; known: {', '.join(sorted(MODELS))}")
-    if (len(cfg.betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool)
-                                       and 0 <= b < 1 for b in cfg.betas)):
-        raise ValueError(f"betas must be two numbers in [0, 1), got {list(cfg.betas)}")
-    if cfg.device not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"device must be cpu, cuda or mps, got {cfg.device!r}")
-    if not 0 <= cfg.seed < 2**63 - 100_000:
-        raise ValueError(f"seed must be in [0, 2**63 - 100000), got {cfg.seed}")
-    for field in ("lr", "eps", "weight_decay", "max_norm"):
-        if not getattr(cfg, field) >= 0:
-            raise ValueError(f"{field} must be >= 0, got {getattr(cfg, field)}")
-    for field, low in (("steps", 1), ("batch_size", 1), ("val_bytes", 0), ("eval_every", 0),
-                       ("probe_bytes", 1), ("eval_batch", 1)):
-        if getattr(cfg, field) < low:
-            raise ValueError(f"{field} must be >= {low}, got {getattr(cfg, field)}")
-    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
-        raise ValueError(f"out {cfg.out} exists and is not a directory")
-    cfg.resolved_precision()
-    _check_device(cfg.device)
+    validate_config(cfg)
+    check_device(cfg.device)
     data_dir = args.data_dir or os.environ.get(DATA_ENV)
     if data_dir:
         corpus = load_wikitext2(data_dir)
@@ -206,7 +167,7 @@ def cmd_bench(args) -> int:
         raise ValueError("--shapes and --impls must each name at least one")
     if args.repeats < 1 or args.warmup < 0:
         raise ValueError("--repeats must be >= 1 and --warmup >= 0")
-    _check_device(args.device)
+    check_device(args.device)
     print(f"update-phase benchmark on {args.device}: {len(shapes)} shapes x {len(impls)} native "
           f"implementations, {args.repeats} repeats (+{args.warmup} warm-up), interleaved")
     result = bench.run_bench(shapes, impls, repeats=args.repeats, warmup=args.warmup,
@@ -329,6 +290,102 @@ def cmd_data(args) -> int:
     return 0
 
 
+def _campaign_parser(sub) -> None:
+    p = sub.add_parser(
+        "campaign", help="paired-seed campaigns: freeze a protocol, run its jobs",
+        description="A protocol (TOML; see protocols/) is frozen with its SHA-256 and the code "
+                    "and data fingerprints before any job runs; `run` then executes every job "
+                    "(one model, seed and arm of `cotangent train`) in the frozen order, each in "
+                    "a fresh process, and can be resumed after a crash or Ctrl-C.")
+    csub = p.add_subparsers(dest="campaign_command", required=True)
+    f = csub.add_parser("freeze", help="validate a protocol and freeze it into a campaign dir")
+    f.add_argument("protocol", help="protocol TOML file")
+    f.add_argument("--out", default=None, help="campaign directory (default campaigns/<name>)")
+    f.add_argument("--data-dir", default=None,
+                   help=f"WikiText-2 directory (default ${DATA_ENV}; if unset, the embedded corpus)")
+    r = csub.add_parser("run", help="run (or resume) every unfinished job of a campaign")
+    r.add_argument("campaign", help="campaign directory written by `campaign freeze`")
+    r.add_argument("--data-dir", default=None,
+                   help="where the data are now (default: the frozen path); hashes must match")
+    r.add_argument("--retry-failed", action="store_true",
+                   help="run failed jobs again as new attempts (their failures stay recorded)")
+    r.add_argument("--max-jobs", type=int, default=None, help="stop after this many jobs")
+    s = csub.add_parser("status", help="count done, failed and pending jobs")
+    s.add_argument("campaign")
+
+
+def cmd_campaign(args) -> int:
+    from pathlib import Path
+
+    from cotangent.harness import campaign
+
+    if args.campaign_command == "freeze":
+        campaign.freeze(args.protocol, args.out, args.data_dir or os.environ.get(DATA_ENV))
+        return 0
+    if args.campaign_command == "status":
+        print("\n".join(campaign.status_lines(Path(args.campaign))))
+        return 0
+    if args.max_jobs is not None and args.max_jobs < 1:
+        raise ValueError("--max-jobs must be >= 1")
+    counts = campaign.run_campaign(Path(args.campaign), data_dir=args.data_dir,
+                                   retry_failed=args.retry_failed, max_jobs=args.max_jobs)
+    if counts["pending"] == 0:
+        print(f"next: cotangent analyze {args.campaign}")
+    return 0 if counts["failed"] == 0 else 1
+
+
+def _analyze_parser(sub) -> None:
+    p = sub.add_parser(
+        "analyze", help="paired statistics of a finished campaign",
+        description="Per pair: time-to-target (censored when not reached), fixed-budget "
+                    "training-time and update-phase reductions, test BPB difference, identical "
+                    "final hash; paired Student-t intervals at the protocol's level, "
+                    "non-inferiority, 2x2 factorial contrasts, seed-bootstrap cross-check. "
+                    "Writes RUNS/analysis/{results.json,pairs.csv,runs.csv,manifest.json}.")
+    p.add_argument("runs", metavar="RUNS", help="campaign directory")
+
+
+def cmd_analyze(args) -> int:
+    from pathlib import Path
+
+    from cotangent.harness.analysis import analyze, format_results
+
+    print(format_results(analyze(Path(args.runs))))
+    return 0
+
+
+def _audit_parser(sub) -> None:
+    p = sub.add_parser(
+        "audit", help="re-check a campaign's records and statistics (standard library only)",
+        description="Verify every record's SHA-256 against the manifests, the job set against "
+                    "the frozen protocol, shared init/schedule hashes, step-time sums, and "
+                    "recompute every interval; the same as `python3 src/cotangent/audit.py RUNS`.")
+    p.add_argument("runs", metavar="RUNS", help="campaign directory (after `cotangent analyze`)")
+
+
+def cmd_audit(args) -> int:
+    from cotangent import audit
+
+    return audit.main([args.runs])
+
+
+def _report_parser(sub) -> None:
+    p = sub.add_parser(
+        "report", help="figures and a Markdown/HTML report of an analysed campaign",
+        description="Writes RUNS/report/: five PNG figures, report.md, a self-contained "
+                    "report.html and a manifest.")
+    p.add_argument("runs", metavar="RUNS", help="campaign directory (after `cotangent analyze`)")
+
+
+def cmd_report(args) -> int:
+    from pathlib import Path
+
+    from cotangent.harness.report import build_report
+
+    build_report(Path(args.runs))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cotangent", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -338,10 +395,15 @@ def main(argv: list[str] | None = None) -> int:
     _calibrate_parser(sub)
     _verify_parser(sub)
     _data_parser(sub)
+    _campaign_parser(sub)
+    _analyze_parser(sub)
+    _audit_parser(sub)
+    _report_parser(sub)
     args = parser.parse_args(argv)
     try:
         return {"train": cmd_train, "bench": cmd_bench, "calibrate": cmd_calibrate,
-                "verify": cmd_verify, "data": cmd_data}[args.command](args)
+                "verify": cmd_verify, "data": cmd_data, "campaign": cmd_campaign,
+                "analyze": cmd_analyze, "audit": cmd_audit, "report": cmd_report}[args.command](args)
     except KeyboardInterrupt:
         print("cotangent: interrupted (run directories of an unfinished run keep their "
               "INCOMPLETE marker)", file=sys.stderr)

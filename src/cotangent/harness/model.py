@@ -68,6 +68,9 @@ MODELS: dict[str, ModelConfig] = {
                              ffn_hidden=1024),
     # 3,746,816 parameters in 53 tensors.
     "causal-conv": ModelConfig(family="causal-conv", width=256, n_layer=6),
+    # 862,464 parameters in 37 tensors: transformer-small at half the width and a quarter of the
+    # context, for the 15-minute CPU campaign (protocols/cpu-quick.toml).
+    "transformer-quick": ModelConfig(context=64, width=128, n_layer=4, n_head=4),
     # About 50M parameters, for the update-phase benchmark.
     "transformer-50m": ModelConfig(width=768, n_layer=7, n_head=12),
     # Tiny variants for tests (fast even in BF16 autocast on a CPU).

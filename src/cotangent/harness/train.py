@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import resource
 import statistics
 import sys
@@ -44,7 +45,7 @@ from cotangent.harness.data import (
     eval_windows,
 )
 from cotangent.factorial import BatchedNormsOnly
-from cotangent.harness.model import build_model
+from cotangent.harness.model import MODELS, build_model
 
 ARMS = ("native", "cotangent", "batched-norms-only", "packing-only")
 DEFAULT_ARMS = ("native", "cotangent")
@@ -80,6 +81,48 @@ class TrainConfig:
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"precision must be auto, fp32 or bf16, not {self.precision!r}")
         return self.precision
+
+
+def validate_config(cfg: TrainConfig) -> None:
+    """Check every setting of `cfg` before anything is built or written.
+
+    Raises:
+        ValueError: naming the first bad setting (unknown arm or model, betas outside [0, 1),
+            unknown device or precision, negative lr/eps/weight_decay/max_norm, a count below
+            its minimum, or an `out` path that is a file).
+    """
+    unknown = [a for a in cfg.arms if a not in ARMS]
+    if unknown or not cfg.arms:
+        raise ValueError(f"unknown arm(s) {', '.join(unknown) or '(none)'}; known: {', '.join(ARMS)}")
+    if len(set(cfg.arms)) != len(cfg.arms):
+        raise ValueError(f"arms must be distinct, got {list(cfg.arms)}")
+    if cfg.model not in MODELS:
+        raise ValueError(f"unknown model {cfg.model!r}; known: {', '.join(sorted(MODELS))}")
+    if (len(cfg.betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool)
+                                       and 0 <= b < 1 for b in cfg.betas)):
+        raise ValueError(f"betas must be two numbers in [0, 1), got {list(cfg.betas)}")
+    if cfg.device not in ("cpu", "cuda", "mps"):
+        raise ValueError(f"device must be cpu, cuda or mps, got {cfg.device!r}")
+    if not 0 <= cfg.seed < 2**63 - 100_000:
+        raise ValueError(f"seed must be in [0, 2**63 - 100000), got {cfg.seed}")
+    for field in ("lr", "eps", "weight_decay", "max_norm"):
+        if not getattr(cfg, field) >= 0:
+            raise ValueError(f"{field} must be >= 0, got {getattr(cfg, field)}")
+    for field, low in (("steps", 1), ("batch_size", 1), ("val_bytes", 0), ("eval_every", 0),
+                       ("probe_bytes", 1), ("eval_batch", 1)):
+        if getattr(cfg, field) < low:
+            raise ValueError(f"{field} must be >= {low}, got {getattr(cfg, field)}")
+    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise ValueError(f"out {cfg.out} exists and is not a directory")
+    cfg.resolved_precision()
+
+
+def check_device(name: str) -> None:
+    """Raise ValueError when this torch build cannot see device type `name`."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this torch build sees no CUDA device")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("--device mps: this torch build sees no MPS device")
 
 
 def warmup_steps(steps: int) -> int:
@@ -350,6 +393,20 @@ def _device_name(device: torch.device) -> str:
         return torch.cuda.get_device_name(device)
     import platform
     return platform.processor() or platform.machine()
+
+
+def format_config(cfg: TrainConfig) -> str:
+    """The resolved config as TOML lines (loadable again with --config)."""
+    lines = []
+    for key, value in asdict(cfg).items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (tuple, list)):
+            text = json.dumps(list(value))
+        else:
+            text = json.dumps(value)
+        lines.append(f"{key} = {text}")
+    return "\n".join(lines)
 
 
 def format_comparison(result: dict) -> str:

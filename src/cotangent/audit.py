@@ -1,0 +1,570 @@
+"""Audit a Cotangent campaign from its records alone, with the Python standard library only.
+
+    python3 src/cotangent/audit.py RUNS        (no install, no torch/numpy/scipy)
+    cotangent audit RUNS                       (the same code)
+
+Exit status 0 only when every check passes; 1 when any fails (each failure names the file);
+2 when RUNS is not an analysed campaign directory. Checks:
+
+1. Integrity: every file listed in analysis/manifest.json (and report/manifest.json, if the
+   report exists) has the listed SHA-256 and size; no listed file is missing; no file exists
+   that no manifest lists.
+2. Protocol: protocol.toml's SHA-256 is freeze.json's; the frozen job set is exactly
+   models x seeds x arms of the protocol, each once; the job directories are those jobs.
+3. Runs: each job has one deciding attempt (done or failed); a done attempt holds exactly one
+   run record, whose metadata names the job's model, seed, arm, steps and probe cadence, the
+   frozen code SHA-256 and torch version, and the frozen data SHA-256s; summary.json's
+   training_s and update_s equal the sums of curve.jsonl's step_s and update_s; the curve has
+   one row per step and the summary's probes are the curve's.
+4. Pairs: all arms of a (model, seed) block share the initial-model and LR-schedule hashes.
+5. Numbers: runs.csv, pairs.csv and results.json are recomputed from the records: per-run
+   time-to-target, per-pair reductions and quality differences, and every paired Student-t
+   interval (this file's own t quantile, from the regularized incomplete beta function) and
+   non-inferiority decision, to 1e-9 relative agreement. Bootstrap intervals depend on numpy's
+   generator, so for them the audit checks n, the mean, and low <= high inside the range of
+   the paired values (where every resampled mean lies).
+
+Definitions are those of `cotangent.harness.analysis` (its docstring is copied into
+results.json as "definitions").
+"""
+
+from __future__ import annotations
+
+import csv
+import hashlib
+import json
+import math
+import statistics
+import sys
+import tomllib
+from pathlib import Path
+
+RTOL = 1e-9
+FACTORIAL_ARMS = ("native", "batched-norms-only", "packing-only", "cotangent")
+
+
+# ----------------------------------------------------------------------------- t quantile
+
+def _betacf(a: float, b: float, x: float) -> float:
+    """Continued fraction of the incomplete beta function (modified Lentz's method;
+    Abramowitz & Stegun 26.5.8), for x < (a + 1) / (a + b + 2)."""
+    tiny = 1e-300
+    c, d = 1.0, 1.0 - (a + b) * x / (a + 1.0)
+    d = 1.0 / (d if abs(d) > tiny else tiny)
+    h = d
+    for m in range(1, 10_000):
+        m2 = 2 * m
+        for num in (m * (b - m) * x / ((a + m2 - 1.0) * (a + m2)),
+                    -(a + m) * (a + b + m) * x / ((a + m2) * (a + m2 + 1.0))):
+            d = 1.0 + num * d
+            d = 1.0 / (d if abs(d) > tiny else tiny)
+            c = 1.0 + num / c
+            c = c if abs(c) > tiny else tiny
+            h *= d * c
+        if abs(d * c - 1.0) < 1e-16:
+            return h
+    raise ArithmeticError("incomplete beta continued fraction did not converge")
+
+
+def betainc(a: float, b: float, x: float) -> float:
+    """Regularized incomplete beta function I_x(a, b) for a, b > 0 and 0 <= x <= 1."""
+    if x <= 0.0:
+        return 0.0
+    if x >= 1.0:
+        return 1.0
+    log_front = (math.lgamma(a + b) - math.lgamma(a) - math.lgamma(b) + a * math.log(x)
+                 + b * math.log1p(-x))
+    if x < (a + 1.0) / (a + b + 2.0):
+        return math.exp(log_front) * _betacf(a, b, x) / a
+    return 1.0 - math.exp(log_front) * _betacf(b, a, 1.0 - x) / b
+
+
+def t_upper_tail(t: float, df: float) -> float:
+    """P(T > t) for Student's t with `df` degrees of freedom, t >= 0."""
+    return 0.5 * betainc(df / 2.0, 0.5, df / (df + t * t))
+
+
+def t_quantile(p: float, df: float) -> float:
+    """The p-quantile of Student's t (p in (0.5, 1)), by bisection on the upper tail to full
+    double precision."""
+    if not 0.5 < p < 1.0 or df <= 0:
+        raise ValueError(f"t_quantile needs 0.5 < p < 1 and df > 0, got p={p}, df={df}")
+    tail = 1.0 - p
+    low, high = 0.0, 1.0
+    while t_upper_tail(high, df) > tail:
+        high *= 2.0
+    for _ in range(200):
+        mid = 0.5 * (low + high)
+        if mid in (low, high):
+            break
+        if t_upper_tail(mid, df) > tail:
+            low = mid
+        else:
+            high = mid
+    return 0.5 * (low + high)
+
+
+def t_interval(values: list[float], level: float) -> dict:
+    """Paired Student-t interval: mean +- t_{(1+level)/2, n-1} * sd / sqrt(n)."""
+    n = len(values)
+    mean = statistics.fmean(values)
+    sd = statistics.stdev(values)
+    half = t_quantile((1.0 + level) / 2.0, n - 1) * sd / math.sqrt(n)
+    return {"n": n, "mean": mean, "sd": sd, "low": mean - half, "high": mean + half,
+            "level": level}
+
+
+# ----------------------------------------------------------------------------- the audit
+
+class Audit:
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.failures: list[str] = []
+        self.checks = 0
+        self.context = "."  # the file being interpreted, named if it cannot be
+
+    def fail(self, file: str, message: str) -> None:
+        self.failures.append(f"{file}: {message}")
+
+    def check(self, ok: bool, file: str, message: str) -> bool:
+        self.checks += 1
+        if not ok:
+            self.fail(file, message)
+        return ok
+
+    def close(self, a, b, file: str, what: str, scale: float = 0.0) -> bool:
+        """a (recorded) agrees with b (recomputed): equal, or both numbers within RTOL."""
+        self.checks += 1
+        if isinstance(a, bool) or isinstance(b, bool) or a is None or b is None \
+                or isinstance(a, str) or isinstance(b, str):
+            ok = a == b and type(a) is type(b)
+        elif isinstance(a, (int, float)) and isinstance(b, (int, float)):
+            ok = (a == b) or (math.isfinite(a) and math.isfinite(b) and abs(a - b) <= RTOL * max(
+                abs(a), abs(b), scale))
+        else:
+            ok = False
+        if not ok:
+            self.fail(file, f"{what} = {a!r}, recomputed {b!r}")
+        return ok
+
+    def load_json(self, rel: str):
+        self.context = rel
+        try:
+            return json.loads((self.root / rel).read_text(encoding="utf-8"))
+        except FileNotFoundError:
+            self.fail(rel, "missing")
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            self.fail(rel, f"not valid JSON ({exc})")
+        return None
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_integrity(a: Audit) -> None:
+    manifests = ["analysis/manifest.json"]
+    if (a.root / "report/manifest.json").exists():
+        manifests.append("report/manifest.json")
+    listed: dict[str, str] = {}
+    for rel in manifests:
+        manifest = a.load_json(rel)
+        if not isinstance(manifest, dict) or not isinstance(manifest.get("files"), dict):
+            a.fail(rel, "no 'files' table")
+            continue
+        for name, entry in manifest["files"].items():
+            listed[name] = rel
+            path = a.root / name
+            if not path.is_file():
+                a.fail(name, f"listed in {rel} but missing")
+                continue
+            a.check(path.stat().st_size == entry.get("bytes"), name,
+                    f"size {path.stat().st_size} differs from {rel} ({entry.get('bytes')})")
+            a.check(_sha256(path) == entry.get("sha256"), name,
+                    f"SHA-256 differs from the one in {rel} (file changed)")
+    for path in sorted(a.root.rglob("*")):
+        rel = path.relative_to(a.root).as_posix()
+        if path.is_file() and rel not in listed and rel not in manifests:
+            a.fail(rel, "not listed in any manifest (added after the analysis)")
+
+
+def _arm_dirs(attempt: Path) -> list[Path]:
+    return sorted(p.parent for p in attempt.glob("*/*/metadata.json"))
+
+
+def load_runs(a: Audit, protocol: dict, frozen: dict) -> dict:
+    """Check the records of every job; return {job id: run facts} of the done jobs, and
+    mark failed jobs with None."""
+    jobs = {j["id"]: j for j in frozen["jobs"]}
+    jobs_dir = a.root / "jobs"
+    present = {p.name for p in jobs_dir.iterdir()} if jobs_dir.is_dir() else set()
+    for extra in sorted(present - set(jobs)):
+        a.fail(f"jobs/{extra}", "a job directory that is not in the frozen job list")
+    runs: dict[str, dict | None] = {}
+    for job_id, job in jobs.items():
+        attempts = sorted((p for p in (jobs_dir / job_id).glob("attempt-*") if p.is_dir()),
+                          key=lambda p: int(p.name.split("-")[1]))
+        deciding = None
+        for attempt in attempts:
+            rel = f"{attempt.relative_to(a.root).as_posix()}/status.json"
+            status = a.load_json(rel)
+            if status is None:
+                continue
+            a.check(status.get("job") == job_id, rel, f"names job {status.get('job')!r}")
+            if status.get("state") in ("done", "failed"):
+                deciding = (attempt, status, rel)
+            elif status.get("state") != "interrupted":
+                a.fail(rel, f"state {status.get('state')!r} (a finished campaign has only "
+                            "done, failed and interrupted attempts)")
+            if status.get("state") != "done" and len(_arm_dirs(attempt)) > 1:
+                a.fail(rel, "more than one run record in one attempt")
+        if deciding is None:
+            a.fail(f"jobs/{job_id}", "no done or failed attempt: the job never finished")
+            continue
+        attempt, status, status_rel = deciding
+        if status["state"] == "failed":
+            runs[job_id] = None
+            continue
+        arm_dirs = _arm_dirs(attempt)
+        run_rel = status.get("run_dir")
+        if not a.check([d.relative_to(a.root).as_posix() for d in arm_dirs] == [run_rel],
+                       status_rel, f"run_dir {run_rel!r} is not the attempt's only run record "
+                                   f"({[d.relative_to(a.root).as_posix() for d in arm_dirs]})"):
+            continue
+        runs[job_id] = load_run(a, job, run_rel, protocol, frozen)
+    return runs
+
+
+def load_run(a: Audit, job: dict, run_rel: str, protocol: dict, frozen: dict) -> dict | None:
+    meta = a.load_json(f"{run_rel}/metadata.json")
+    summary = a.load_json(f"{run_rel}/summary.json")
+    curve_rel = f"{run_rel}/curve.jsonl"
+    a.context = curve_rel
+    try:
+        curve = [json.loads(line) for line in
+                 (a.root / curve_rel).read_text(encoding="utf-8").splitlines()]
+    except FileNotFoundError:
+        a.fail(curve_rel, "missing")
+        return None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        a.fail(curve_rel, f"not valid JSON lines ({exc})")
+        return None
+    if meta is None or summary is None:
+        return None
+    m = f"{run_rel}/metadata.json"
+    s = f"{run_rel}/summary.json"
+    cfg = meta.get("config", {})
+    for key, want in (("model", job["model"]), ("seed", job["seed"]), ("arms", [job["arm"]]),
+                      ("steps", protocol["steps"]), ("eval_every", protocol["eval_every"])):
+        a.check(cfg.get(key) == want, m, f"config {key} = {cfg.get(key)!r}, the job says {want!r}")
+    for key, value in protocol.get("train", {}).items():
+        a.check(cfg.get(key) == value, m, f"config {key} = {cfg.get(key)!r}, the protocol's "
+                                          f"[train] says {value!r}")
+    env = meta.get("environment", {})
+    a.check(env.get("code_sha256") == frozen["code"]["cotangent_sha256"], m,
+            "code SHA-256 differs from the frozen one")
+    a.check(env.get("torch") == frozen["code"]["torch"], m,
+            f"torch {env.get('torch')} differs from the frozen {frozen['code']['torch']}")
+    splits = {k: v.get("sha256") for k, v in meta.get("data", {}).get("splits", {}).items()}
+    a.check(splits == frozen["data"]["splits"], m, "data SHA-256s differ from the frozen ones")
+    steps = [r for r in curve if "loss_bpb" in r]
+    probes = [r for r in curve if "probe_bpb" in r]
+    a.check([r.get("step") for r in steps] == list(range(protocol["steps"])), curve_rel,
+            f"{len(steps)} step rows, the protocol has {protocol['steps']} steps")
+    a.close(summary.get("training_s"), sum(r["step_s"] for r in steps), s,
+            "training_s vs the sum of curve step_s")
+    a.close(summary.get("update_s"), sum(r["update_s"] for r in steps), s,
+            "update_s vs the sum of curve update_s")
+    a.check(summary.get("probes") == probes, s, "probes differ from curve.jsonl's probe rows")
+    a.check(summary.get("arm") == job["arm"] and meta.get("arm") == job["arm"], s,
+            f"arm is not {job['arm']}")
+    target = protocol["target"][job["model"]]
+    ttt = next((float(p["training_s"]) for p in probes if p["probe_bpb"] <= target), None)
+    return {
+        "job": job["id"], "model": job["model"], "seed": job["seed"], "arm": job["arm"],
+        "run_dir": run_rel, "steps": summary.get("steps"),
+        "training_s": summary.get("training_s"), "update_s": summary.get("update_s"),
+        "update_ms_median": summary.get("update_ms"), "step_ms_median": summary.get("step_ms"),
+        "time_to_target_s": ttt, "test_bpb": summary.get("test_bpb"),
+        "val_bpb": summary.get("val_bpb"),
+        "final_model_sha256": summary.get("final_model_sha256"),
+        "init_model_sha256": meta.get("init_model_sha256"),
+        "schedule_sha256": meta.get("schedule_sha256"), "metadata": m,
+    }
+
+
+def _parse_cell(text: str):
+    if text == "":
+        return None
+    if text in ("true", "false"):
+        return text == "true"
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        return text
+
+
+def read_csv(a: Audit, rel: str) -> list[dict] | None:
+    a.context = rel
+    try:
+        with open(a.root / rel, newline="", encoding="utf-8") as f:
+            return [{k: _parse_cell(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    except FileNotFoundError:
+        a.fail(rel, "missing")
+    except (UnicodeDecodeError, csv.Error) as exc:
+        a.fail(rel, f"not valid CSV ({exc})")
+    return None
+
+
+def reduction(candidate: float, baseline: float) -> float:
+    return 1.0 - candidate / baseline
+
+
+def make_pair(b: dict, c: dict) -> dict:
+    tb, tc = b["time_to_target_s"], c["time_to_target_s"]
+    censored = {(False, False): "none", (True, False): "baseline", (False, True): "candidate",
+                (True, True): "both"}[(tb is None, tc is None)]
+    return {
+        "model": b["model"], "seed": b["seed"], "baseline": b["arm"], "candidate": c["arm"],
+        "baseline_training_s": b["training_s"], "candidate_training_s": c["training_s"],
+        "baseline_update_s": b["update_s"], "candidate_update_s": c["update_s"],
+        "baseline_time_to_target_s": tb, "candidate_time_to_target_s": tc, "censored": censored,
+        "baseline_test_bpb": b["test_bpb"], "candidate_test_bpb": c["test_bpb"],
+        "training_time_reduction": reduction(c["training_s"], b["training_s"]),
+        "update_phase_reduction": reduction(c["update_s"], b["update_s"]),
+        "time_to_target_reduction": None if censored != "none" else reduction(tc, tb),
+        "quality_difference_bpb": c["test_bpb"] - b["test_bpb"],
+        "identical_final_hash": b["final_model_sha256"] == c["final_model_sha256"],
+    }
+
+
+def check_summary(a: Audit, recorded: dict, values: list[float], level: float, where: str) -> None:
+    """One {n, t, bootstrap} block of results.json against the paired values."""
+    f = "analysis/results.json"
+    if not isinstance(recorded, dict):
+        a.fail(f, f"{where}: missing")
+        return
+    a.close(recorded.get("n"), len(values), f, f"{where}.n")
+    if len(values) < 2:
+        a.check(recorded.get("t") is None and recorded.get("bootstrap") is None, f,
+                f"{where}: an interval from fewer than 2 pairs")
+        return
+    t, boot = recorded.get("t"), recorded.get("bootstrap")
+    if not isinstance(t, dict) or not isinstance(boot, dict):
+        a.fail(f, f"{where}: t or bootstrap interval missing")
+        return
+    mine = t_interval(values, level)
+    scale = abs(mine["mean"]) + abs(mine["high"] - mine["mean"])
+    for key in ("n", "mean", "sd", "low", "high", "level"):
+        a.close(t.get(key), mine[key], f, f"{where}.t.{key}", scale)
+    a.close(boot.get("n"), len(values), f, f"{where}.bootstrap.n")
+    a.close(boot.get("mean"), mine["mean"], f, f"{where}.bootstrap.mean", scale)
+    lo, hi = min(values), max(values)
+    slack = RTOL * max(abs(lo), abs(hi))
+    a.check(isinstance(boot.get("low"), (int, float)) and isinstance(boot.get("high"), (int, float))
+            and lo - slack <= boot["low"] <= boot["high"] <= hi + slack, f,
+            f"{where}.bootstrap [{boot.get('low')}, {boot.get('high')}] is not an interval "
+            f"inside the paired values' range [{lo}, {hi}]")
+
+
+def audit(root: Path) -> Audit:
+    """Run every check on the campaign directory `root`; the failures are in `.failures`.
+    Records too damaged to interpret stop the audit with a failure naming the file."""
+    a = Audit(root)
+    try:
+        _audit(a)
+    except Exception as exc:  # noqa: BLE001 - malformed records must fail, not crash
+        a.fail(a.context, f"cannot be interpreted ({type(exc).__name__}: {exc}); the audit "
+                          "stopped here")
+    return a
+
+
+def _audit(a: Audit) -> None:
+    root = a.root
+    check_integrity(a)
+    frozen = a.load_json("freeze.json")
+    try:
+        raw = (root / "protocol.toml").read_bytes()
+        p = tomllib.loads(raw.decode("utf-8"))
+    except FileNotFoundError:
+        a.fail("protocol.toml", "missing")
+        return
+    except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        a.fail("protocol.toml", f"not valid TOML ({exc})")
+        return
+    if frozen is None:
+        return
+    a.check(hashlib.sha256(raw).hexdigest() == frozen.get("protocol_sha256"), "protocol.toml",
+            "SHA-256 differs from freeze.json's protocol_sha256")
+    models, arms, seeds = p["models"], p["arms"], p["seeds"]
+    target = p["target_bpb"]
+    protocol = {"steps": p["steps"], "eval_every": p["eval_every"], "train": p.get("train", {}),
+                "target": {m: float(target[m] if isinstance(target, dict) else target)
+                           for m in models}}
+    level, margin = float(p["level"]), float(p["margin_bpb"])
+    expected = sorted((m, s, arm) for m in models for s in seeds for arm in arms)
+    got = sorted((j["model"], j["seed"], j["arm"]) for j in frozen.get("jobs", []))
+    a.check(got == expected, "freeze.json", "the frozen job set is not models x seeds x arms "
+                                            "of protocol.toml, each once")
+    runs = load_runs(a, protocol, frozen)
+    done = {(r["model"], r["seed"], r["arm"]): r for r in runs.values() if r}
+    # Pairs (blocks) share the initial model and the LR schedule.
+    for m in models:
+        for s in seeds:
+            block = [done[(m, s, arm)] for arm in arms if (m, s, arm) in done]
+            for key in ("init_model_sha256", "schedule_sha256"):
+                for r in block[1:]:
+                    a.check(r[key] == block[0][key], r["metadata"],
+                            f"{key} differs from {block[0]['metadata']} (same model and seed)")
+    # runs.csv
+    rows = read_csv(a, "analysis/runs.csv")
+    if rows is not None:
+        by_job = {r.get("job"): r for r in rows}
+        a.check(len(by_job) == len(rows) == len(frozen["jobs"]) and set(by_job) == {
+            j["id"] for j in frozen["jobs"]}, "analysis/runs.csv",
+            "its rows are not exactly the frozen jobs")
+        for job in frozen["jobs"]:
+            row = by_job.get(job["id"])
+            if row is None:
+                continue
+            run = runs.get(job["id"])
+            a.check(row.get("state") == ("done" if run else "failed"), "analysis/runs.csv",
+                    f"{job['id']}: state {row.get('state')!r}")
+            for key in ("index", "block", "position", "model", "seed", "arm"):
+                a.close(row.get(key), job[key], "analysis/runs.csv", f"{job['id']}.{key}")
+            if run:
+                for key in ("run_dir", "steps", "training_s", "update_s", "update_ms_median",
+                            "step_ms_median", "time_to_target_s", "test_bpb", "val_bpb",
+                            "final_model_sha256", "init_model_sha256", "schedule_sha256"):
+                    a.close(row.get(key), run[key], "analysis/runs.csv", f"{job['id']}.{key}")
+    # pairs.csv and results.json
+    baseline = arms[0]
+    pairs = []
+    results = a.load_json("analysis/results.json")
+    comparisons = []
+    for m in models:
+        for cand in arms[1:]:
+            rows_mc = [make_pair(done[(m, s, baseline)], done[(m, s, cand)]) for s in seeds
+                       if (m, s, baseline) in done and (m, s, cand) in done]
+            pairs += rows_mc
+            comparisons.append((m, cand, rows_mc))
+    recorded_pairs = read_csv(a, "analysis/pairs.csv")
+    if recorded_pairs is not None:
+        a.check(len(recorded_pairs) == len(pairs), "analysis/pairs.csv",
+                f"{len(recorded_pairs)} rows, recomputed {len(pairs)} pairs")
+        for rec, mine in zip(recorded_pairs, pairs):
+            for key, value in mine.items():
+                a.close(rec.get(key), value, "analysis/pairs.csv",
+                        f"{mine['model']} seed {mine['seed']} {mine['candidate']}.{key}")
+    if results is None:
+        return
+    f = "analysis/results.json"
+    a.check(results.get("protocol_sha256") == frozen.get("protocol_sha256"), f,
+            "protocol_sha256 is not the frozen one")
+    a.check(results.get("jobs", {}).get("done") == len(done), f, "jobs.done miscounted")
+    a.check(sorted(results.get("jobs", {}).get("failed", [])) ==
+            sorted(j for j, r in runs.items() if r is None), f, "jobs.failed misreported")
+    recorded = results.get("comparisons", [])
+    if not a.check(len(recorded) == len(comparisons), f,
+                   f"{len(recorded)} comparisons, expected {len(comparisons)}"):
+        return
+    for rec, (m, cand, rows_mc) in zip(recorded, comparisons):
+        where = f"comparisons[{m}, {cand}]"
+        a.check(rec.get("model") == m and rec.get("candidate") == cand
+                and rec.get("baseline") == baseline, f, f"{where}: names another comparison")
+        a.close(rec.get("pairs"), len(rows_mc), f, f"{where}.pairs")
+        a.check(rec.get("missing_seeds") == [s for s in seeds if s not in
+                                             {r["seed"] for r in rows_mc}], f,
+                f"{where}.missing_seeds")
+        for metric in ("training_time_reduction", "update_phase_reduction"):
+            check_summary(a, rec.get(metric), [r[metric] for r in rows_mc], level,
+                          f"{where}.{metric}")
+        ttt = rec.get("time_to_target_reduction") or {}
+        check_summary(a, ttt, [r["time_to_target_reduction"] for r in rows_mc
+                               if r["censored"] == "none"], level,
+                      f"{where}.time_to_target_reduction")
+        a.check(ttt.get("censored_pairs") == {k: [r["seed"] for r in rows_mc
+                                                  if r["censored"] == k]
+                                              for k in ("baseline", "candidate", "both")}, f,
+                f"{where}.time_to_target_reduction.censored_pairs")
+        a.close(ttt.get("target_bpb"), protocol["target"][m], f, f"{where}.target_bpb")
+        q = rec.get("quality_difference_bpb") or {}
+        diffs = [r["quality_difference_bpb"] for r in rows_mc]
+        check_summary(a, q, diffs, level, f"{where}.quality_difference_bpb")
+        if len(diffs) >= 2:
+            a.close(q.get("margin_bpb"), margin, f, f"{where}.margin_bpb")
+            a.close(q.get("non_inferior"), t_interval(diffs, level)["high"] < margin, f,
+                    f"{where}.non_inferior")
+        ident = rec.get("identical_final_hash") or {}
+        a.close(ident.get("identical"), sum(r["identical_final_hash"] for r in rows_mc), f,
+                f"{where}.identical_final_hash")
+    check_factorial(a, results, models, arms, seeds, done, level)
+
+
+def check_factorial(a: Audit, results: dict, models, arms, seeds, done, level) -> None:
+    f = "analysis/results.json"
+    recorded = results.get("factorial", [])
+    if not (set(FACTORIAL_ARMS) <= set(arms) and arms[0] == "native"):
+        a.check(recorded == [], f, "factorial contrasts without the four factorial arms")
+        return
+    expected = [(m, metric, key) for m in models for metric, key in
+                (("training_time_reduction", "training_s"), ("update_phase_reduction", "update_s"))]
+    if not a.check(len(recorded) == len(expected), f, "factorial: wrong number of blocks"):
+        return
+    for rec, (m, metric, key) in zip(recorded, expected):
+        where = f"factorial[{m}, {metric}]"
+        ok = [s for s in seeds if all((m, s, arm) in done for arm in FACTORIAL_ARMS)]
+        a.check(rec.get("model") == m and rec.get("metric") == metric and rec.get("seeds") == ok,
+                f, f"{where}: model, metric or seeds differ")
+        red = {arm: [reduction(done[(m, s, arm)][key], done[(m, s, "native")][key]) for s in ok]
+               for arm in FACTORIAL_ARMS}
+        n, bn, p, b = ([0.0] * len(ok), red["batched-norms-only"], red["packing-only"],
+                       red["cotangent"])
+        contrasts = {
+            "norm_only": [y - x for x, y in zip(n, bn)],
+            "packing_only": [y - x for x, y in zip(n, p)],
+            "combined": [y - x for x, y in zip(n, b)],
+            "main_norms": [((bn[i] - n[i]) + (b[i] - p[i])) / 2 for i in range(len(ok))],
+            "main_packing": [((p[i] - n[i]) + (b[i] - bn[i])) / 2 for i in range(len(ok))],
+            "interaction": [b[i] - p[i] - bn[i] + n[i] for i in range(len(ok))],
+        }
+        got = rec.get("contrasts", {})
+        a.check(sorted(got) == sorted(contrasts), f, f"{where}: contrast names differ")
+        for name, values in contrasts.items():
+            c = got.get(name, {})
+            for i, (x, y) in enumerate(zip(c.get("values", []), values)):
+                a.close(x, y, f, f"{where}.{name}.values[{i}]")
+            a.check(len(c.get("values", [])) == len(values), f, f"{where}.{name}: value count")
+            check_summary(a, c, values, level, f"{where}.{name}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if len(argv) != 1 or argv[0].startswith("-"):
+        print("usage: audit.py RUNS   (a campaign directory after `cotangent analyze`)",
+              file=sys.stderr)
+        return 2
+    root = Path(argv[0])
+    if not (root / "freeze.json").is_file() or not (root / "analysis").is_dir():
+        print(f"audit: {root} is not an analysed campaign (needs freeze.json and analysis/)",
+              file=sys.stderr)
+        return 2
+    a = audit(root)
+    for line in a.failures:
+        print(f"FAIL {line}")
+    verdict = "clean" if not a.failures else f"{len(a.failures)} failure(s)"
+    print(f"audit of {root}: {a.checks} checks, {verdict} (Python {sys.version.split()[0]}, "
+          "standard library only)")
+    return 0 if not a.failures else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

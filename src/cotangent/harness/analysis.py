@@ -1,0 +1,266 @@
+"""`cotangent analyze RUNS`: paired-seed statistics of a finished campaign.
+
+Per run (one job's record): training time T (`summary.json` training_s, the sum of every
+step's forward + backward + update seconds), update-phase time U (update_s, the sum of the
+update phases), test BPB, final model hash, and time-to-target: the run's training seconds at
+the first probe (`curve.jsonl`) whose probe BPB is <= the protocol's target for that model, no
+interpolation; a run that never reaches it is censored (empty), never dropped.
+
+Per pair (same model and seed, baseline arm vs one candidate arm):
+    training_time_reduction   1 - T_candidate / T_baseline (fixed budget: same number of steps)
+    update_phase_reduction    1 - U_candidate / U_baseline
+    time_to_target_reduction  1 - TTT_candidate / TTT_baseline, when both reached the target
+    quality_difference_bpb    test BPB candidate - baseline (non-inferiority against the margin)
+    identical_final_hash      both runs ended with the same model SHA-256
+
+Each is summarised by a paired Student-t interval at the protocol's level and a seed-bootstrap
+percentile interval (scipy) as a cross-check; `cotangent.harness.stats` has the formulas. With
+the four factorial arms, the 2x2 contrasts are computed on the per-seed reductions relative to
+native (native's own reduction is 0): norm-only, packing-only, combined, both main effects and
+the interaction, each with its intervals.
+
+Outputs, in RUNS/analysis/: results.json, pairs.csv, runs.csv and manifest.json, which lists the
+SHA-256 and size of every file of the campaign (records, logs, statuses, the frozen protocol and
+these outputs) for `cotangent audit`.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+from cotangent.harness import records, stats
+from cotangent.harness.campaign import Protocol, job_state, load_frozen, sha256_file
+
+ANALYSIS = "analysis"
+REPORT = "report"
+MANIFEST = "manifest.json"
+FACTORIAL_ARMS = ("native", "batched-norms-only", "packing-only", "cotangent")
+RUN_COLUMNS = ("job", "index", "block", "position", "model", "seed", "arm", "state", "run_dir",
+               "steps", "training_s", "update_s", "update_ms_median", "step_ms_median",
+               "target_bpb", "time_to_target_s", "test_bpb", "val_bpb", "final_model_sha256",
+               "init_model_sha256", "schedule_sha256")
+PAIR_METRICS = ("training_time_reduction", "update_phase_reduction",
+                "time_to_target_reduction", "quality_difference_bpb")
+PAIR_COLUMNS = ("model", "seed", "baseline", "candidate", "baseline_training_s",
+                "candidate_training_s", "baseline_update_s", "candidate_update_s",
+                "baseline_time_to_target_s", "candidate_time_to_target_s", "censored",
+                "baseline_test_bpb", "candidate_test_bpb") + PAIR_METRICS + (
+                "identical_final_hash",)
+
+
+def read_run(campaign: Path, job: dict, protocol: Protocol) -> dict:
+    """One job's row of runs.csv (state 'failed' or 'pending' rows carry no measurements)."""
+    state, attempt = job_state(campaign, job)
+    row = {k: job[k] for k in ("index", "block", "position", "model", "seed", "arm")}
+    row.update(job=job["id"], state=state, target_bpb=protocol.target_bpb[job["model"]])
+    if state != "done":
+        return row
+    status = json.loads((attempt / "status.json").read_text(encoding="utf-8"))
+    run_dir = campaign / status["run_dir"]
+    meta = json.loads((run_dir / "metadata.json").read_text(encoding="utf-8"))
+    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+    curve = [json.loads(line) for line in
+             (run_dir / "curve.jsonl").read_text(encoding="utf-8").splitlines()]
+    probes = [r for r in curve if "probe_bpb" in r]
+    ttt = stats.time_to_target(probes, row["target_bpb"], time_key="training_s")
+    row.update(run_dir=status["run_dir"], steps=summary["steps"],
+               training_s=summary["training_s"], update_s=summary["update_s"],
+               update_ms_median=summary["update_ms"], step_ms_median=summary["step_ms"],
+               time_to_target_s=ttt, test_bpb=summary["test_bpb"], val_bpb=summary["val_bpb"],
+               final_model_sha256=summary["final_model_sha256"],
+               init_model_sha256=meta["init_model_sha256"],
+               schedule_sha256=meta["schedule_sha256"])
+    return row
+
+
+def _pair(base: dict, cand: dict) -> dict:
+    tb, tc = base["time_to_target_s"], cand["time_to_target_s"]
+    censored = {(False, False): "none", (True, False): "baseline", (False, True): "candidate",
+                (True, True): "both"}[(tb is None, tc is None)]
+    return {
+        "model": base["model"], "seed": base["seed"], "baseline": base["arm"],
+        "candidate": cand["arm"],
+        "baseline_training_s": base["training_s"], "candidate_training_s": cand["training_s"],
+        "baseline_update_s": base["update_s"], "candidate_update_s": cand["update_s"],
+        "baseline_time_to_target_s": tb, "candidate_time_to_target_s": tc, "censored": censored,
+        "baseline_test_bpb": base["test_bpb"], "candidate_test_bpb": cand["test_bpb"],
+        "training_time_reduction": stats.reduction(cand["training_s"], base["training_s"]),
+        "update_phase_reduction": stats.reduction(cand["update_s"], base["update_s"]),
+        "time_to_target_reduction": None if censored != "none" else stats.reduction(tc, tb),
+        "quality_difference_bpb": cand["test_bpb"] - base["test_bpb"],
+        "identical_final_hash": base["final_model_sha256"] == cand["final_model_sha256"],
+    }
+
+
+def summarize(values: list[float], protocol: Protocol) -> dict:
+    """{n, t, bootstrap} for paired values; intervals are None (with a reason) below 2 pairs."""
+    if len(values) < 2:
+        return {"n": len(values), "t": None, "bootstrap": None,
+                "reason": f"{len(values)} usable pair(s); an interval needs at least 2"}
+    return {"n": len(values),
+            "t": stats.paired_t_interval(values, protocol.level).as_dict(),
+            "bootstrap": stats.bootstrap_interval(
+                values, protocol.level, resamples=protocol.bootstrap_resamples,
+                seed=protocol.shuffle_seed).as_dict()}
+
+
+def analyze(campaign: Path, *, log=print) -> dict:
+    """Analyse a campaign whose jobs have all finished; write the outputs; return results.
+
+    Raises:
+        ValueError: not a frozen campaign, or some jobs have not run yet (the message names
+            how many; finish them with `cotangent campaign run`).
+    """
+    campaign = Path(campaign)
+    protocol, frozen = load_frozen(campaign)
+    runs = [read_run(campaign, job, protocol) for job in frozen["jobs"]]
+    pending = [r["job"] for r in runs if r["state"] == "pending"]
+    if pending:
+        raise ValueError(f"{len(pending)} of {len(runs)} jobs have not finished (first: "
+                         f"{pending[0]}); run `cotangent campaign run {campaign}` first")
+    done = {(r["model"], r["seed"], r["arm"]): r for r in runs if r["state"] == "done"}
+    baseline = protocol.arms[0]
+    pairs, comparisons = [], []
+    for model in protocol.models:
+        for cand in protocol.arms[1:]:
+            rows, missing = [], []
+            for seed in protocol.seeds:
+                b, c = done.get((model, seed, baseline)), done.get((model, seed, cand))
+                if b is None or c is None:
+                    missing.append(seed)
+                else:
+                    rows.append(_pair(b, c))
+            pairs += rows
+            ttt_rows = [p for p in rows if p["censored"] == "none"]
+            quality = summarize([p["quality_difference_bpb"] for p in rows], protocol)
+            if quality["t"] is not None:
+                quality["margin_bpb"] = protocol.margin_bpb
+                quality["non_inferior"] = quality["t"]["high"] < protocol.margin_bpb
+            comparisons.append({
+                "model": model, "baseline": baseline, "candidate": cand, "pairs": len(rows),
+                "missing_seeds": missing,
+                "training_time_reduction": summarize(
+                    [p["training_time_reduction"] for p in rows], protocol),
+                "update_phase_reduction": summarize(
+                    [p["update_phase_reduction"] for p in rows], protocol),
+                "time_to_target_reduction": {
+                    **summarize([p["time_to_target_reduction"] for p in ttt_rows], protocol),
+                    "target_bpb": protocol.target_bpb[model],
+                    "censored_pairs": {kind: [p["seed"] for p in rows if p["censored"] == kind]
+                                       for kind in ("baseline", "candidate", "both")}},
+                "quality_difference_bpb": quality,
+                "identical_final_hash": {"pairs": len(rows), "identical": sum(
+                    p["identical_final_hash"] for p in rows)},
+            })
+    factorial = []
+    if set(FACTORIAL_ARMS) <= set(protocol.arms) and baseline == "native":
+        for model in protocol.models:
+            seeds = [s for s in protocol.seeds
+                     if all((model, s, arm) in done for arm in FACTORIAL_ARMS)]
+            for metric, key in (("training_time_reduction", "training_s"),
+                                ("update_phase_reduction", "update_s")):
+                red = {arm: [stats.reduction(done[(model, s, arm)][key],
+                                             done[(model, s, "native")][key]) for s in seeds]
+                       for arm in FACTORIAL_ARMS}
+                contrasts = stats.factorial_contrasts([0.0] * len(seeds),
+                                                      red["batched-norms-only"],
+                                                      red["packing-only"], red["cotangent"])
+                factorial.append({"model": model, "metric": metric, "seeds": seeds,
+                                  "contrasts": {name: {"values": v, **summarize(v, protocol)}
+                                                for name, v in contrasts.items()}})
+    results = {
+        "campaign": protocol.name,
+        "protocol_sha256": frozen["protocol_sha256"],
+        "protocol": {"models": list(protocol.models), "arms": list(protocol.arms),
+                     "baseline": baseline, "seeds": list(protocol.seeds),
+                     "steps": protocol.steps, "eval_every": protocol.eval_every,
+                     "target_bpb": protocol.target_bpb, "level": protocol.level,
+                     "margin_bpb": protocol.margin_bpb, "design": protocol.design,
+                     "bootstrap_resamples": protocol.bootstrap_resamples,
+                     "bootstrap_seed": protocol.shuffle_seed},
+        "code": frozen["code"],
+        "data": frozen["data"],
+        "environment": frozen["environment"],
+        "jobs": {"total": len(runs), "done": len(done),
+                 "failed": [r["job"] for r in runs if r["state"] == "failed"]},
+        "comparisons": comparisons,
+        "factorial": factorial,
+        "definitions": __doc__,
+    }
+    out = campaign / ANALYSIS
+    out.mkdir(exist_ok=True)
+    records.write_json(out / "results.json", results)
+    records.write_atomic(out / "runs.csv", _csv(RUN_COLUMNS, runs))
+    records.write_atomic(out / "pairs.csv", _csv(PAIR_COLUMNS, pairs))
+    write_manifest(campaign, out / MANIFEST, exclude_dirs=(REPORT,))
+    log(f"analysed {len(done)} runs, {len(pairs)} pairs: {out}")
+    return results
+
+
+def _csv(columns: tuple[str, ...], rows: list[dict]) -> str:
+    """CSV text; floats as repr (round-trip exact), None as an empty field."""
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=columns, lineterminator="\n", extrasaction="ignore")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow({k: "" if row.get(k) is None else
+                         ("true" if row[k] is True else "false" if row[k] is False else row[k])
+                         for k in columns})
+    return buf.getvalue()
+
+
+def write_manifest(campaign: Path, path: Path, *, exclude_dirs: tuple[str, ...] = (),
+                   under: str | None = None) -> dict:
+    """Write `path`: {"files": {relative path: {sha256, bytes}}} over every file of the campaign
+    (or only those under `under`), except `path` itself and the directories `exclude_dirs`."""
+    files = {}
+    root = campaign / under if under else campaign
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(campaign).as_posix()
+        if not p.is_file() or p == path or rel.split("/")[0] in exclude_dirs:
+            continue
+        files[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
+    manifest = {"campaign": campaign.name, "files": files}
+    records.write_json(path, manifest)
+    return manifest
+
+
+def format_results(results: dict) -> str:
+    """Human-readable summary of `analyze`'s results (what the CLI prints)."""
+    level = results["protocol"]["level"]
+
+    def iv(s: dict, pct: bool = True) -> str:
+        if s["t"] is None:
+            return f"n={s['n']} (no interval)"
+        t, b = s["t"], s["bootstrap"]
+        f = (lambda x: f"{100 * x:+.1f}%") if pct else (lambda x: f"{x:+.4f}")
+        return (f"{f(t['mean'])} [{f(t['low'])}, {f(t['high'])}] (bootstrap "
+                f"[{f(b['low'])}, {f(b['high'])}], n={s['n']})")
+
+    lines = [f"campaign {results['campaign']}: {results['jobs']['done']}/"
+             f"{results['jobs']['total']} runs done, {level:.0%} paired t intervals"]
+    for c in results["comparisons"]:
+        ttt = c["time_to_target_reduction"]
+        cens = sum(len(v) for v in ttt["censored_pairs"].values())
+        q = c["quality_difference_bpb"]
+        lines += [
+            f"{c['model']}: {c['candidate']} vs {c['baseline']} ({c['pairs']} pairs"
+            + (f", missing seeds {c['missing_seeds']}" if c["missing_seeds"] else "") + ")",
+            f"  training-time reduction   {iv(c['training_time_reduction'])}",
+            f"  update-phase reduction    {iv(c['update_phase_reduction'])}",
+            f"  time-to-target reduction  {iv(ttt)}; target {ttt['target_bpb']} BPB, "
+            f"{cens} censored pair(s)",
+            f"  test BPB difference       {iv(q, pct=False)}"
+            + (f"; margin {q['margin_bpb']}: "
+               f"{'non-inferior' if q['non_inferior'] else 'NOT shown non-inferior'}"
+               if q["t"] is not None else ""),
+            f"  identical final hash      {c['identical_final_hash']['identical']}/"
+            f"{c['identical_final_hash']['pairs']} pairs"]
+    for f in results["factorial"]:
+        lines.append(f"{f['model']} factorial on {f['metric']} ({len(f['seeds'])} seeds):")
+        for name, s in f["contrasts"].items():
+            lines.append(f"  {name:<14}{iv(s)}")
+    return "\n".join(lines)

@@ -1,0 +1,543 @@
+"""Paired-seed campaigns: a protocol is frozen before any outcome exists, then run job by job.
+
+A protocol (TOML) names models, arms (the first is the baseline), seeds, steps, probe cadence,
+the quality target, the confidence level, the non-inferiority margin and a block design; any
+other `cotangent train` setting goes in its `[train]` table. One *block* is one (model, seed):
+every arm trains that seed once. One *job* is one (model, seed, arm) run of `cotangent train`
+with that single arm, in a fresh Python process, one at a time, so the arms of a block never
+share a process or compete for the cores.
+
+Designs (the order of the arms inside each block):
+    ab-ba   two arms; half the blocks run A then B, the other half B then A (balanced pairs).
+    latin   any number k of arms; block i runs the arms rotated by i mod k (a cyclic Latin
+            square: every arm takes every position equally often when the block count is a
+            multiple of k).
+The blocks are shuffled with `shuffle_seed` (`random.Random`), then the orientations are dealt
+out so that each model's blocks stay balanced. The job list is computed once, at freeze time,
+and stored in `freeze.json`.
+
+Campaign directory:
+    protocol.toml            the protocol, byte for byte as frozen
+    freeze.json              its SHA-256, the code and data fingerprints, the job list
+    jobs/<job>/attempt-<n>/  job.toml (the config given to `cotangent train`), log.txt (its
+                             output), status.json (running | done | failed | interrupted) and
+                             the run records `<time>-<model>-seed<s>/<arm>/`
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import tomllib
+from dataclasses import asdict, dataclass, fields
+from datetime import datetime, timezone
+from pathlib import Path
+
+from cotangent.harness import records
+from cotangent.harness.train import TrainConfig, check_device, format_config, validate_config
+
+DESIGNS = ("ab-ba", "latin")
+FREEZE = "freeze.json"
+PROTOCOL = "protocol.toml"
+STATES = ("running", "done", "failed", "interrupted")
+# Settings a protocol sets at its top level (or per job); `[train]` may not set them.
+_JOB_FIELDS = ("model", "seed", "arms", "steps", "eval_every", "out")
+
+
+@dataclass(frozen=True, kw_only=True)
+class Protocol:
+    """A parsed, validated campaign protocol (see the module docstring)."""
+
+    name: str
+    description: str
+    models: tuple[str, ...]
+    arms: tuple[str, ...]  # the first is the baseline
+    seeds: tuple[int, ...]
+    steps: int
+    eval_every: int  # probe cadence in updates; the time-to-target resolution
+    target_bpb: dict[str, float]  # per model: quality target on the probe BPB
+    level: float  # two-sided confidence level of every interval, e.g. 0.95
+    margin_bpb: float  # non-inferiority margin on candidate - baseline test BPB
+    design: str
+    shuffle_seed: int
+    bootstrap_resamples: int
+    train: dict  # further TrainConfig settings shared by every job
+
+    def job_config(self, job: dict, out: str) -> TrainConfig:
+        """The `cotangent train` configuration of one job (a single arm)."""
+        return TrainConfig(**{**self.train, "model": job["model"], "seed": job["seed"],
+                              "arms": (job["arm"],), "steps": self.steps,
+                              "eval_every": self.eval_every, "out": out})
+
+
+def parse_protocol(text: str, source: str = "protocol") -> Protocol:
+    """Parse and validate a protocol's TOML text.
+
+    Raises:
+        ValueError: naming `source` and the bad key: invalid TOML, a missing or unknown key,
+            a value of the wrong type or range, an arm count the design cannot balance, or a
+            `[train]` setting `cotangent train` would refuse.
+    """
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{source}: not valid TOML ({exc})") from None
+    known = {f.name for f in fields(Protocol)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ValueError(f"{source}: unknown key(s) {', '.join(unknown)}; known: "
+                         f"{', '.join(sorted(known))}")
+    raw.setdefault("description", "")
+    raw.setdefault("design", "latin")
+    raw.setdefault("shuffle_seed", 0)
+    raw.setdefault("bootstrap_resamples", 10_000)
+    raw.setdefault("train", {})
+    missing = sorted(known - set(raw))
+    if missing:
+        raise ValueError(f"{source}: missing key(s) {', '.join(missing)}")
+
+    def bad(key: str, want: str):
+        return ValueError(f"{source}: {key} must be {want}, got {raw[key]!r}")
+
+    def is_int(v) -> bool:
+        return isinstance(v, int) and not isinstance(v, bool)
+
+    def is_num(v) -> bool:
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+
+    if not isinstance(raw["name"], str) or not raw["name"] or "/" in raw["name"]:
+        raise bad("name", "a non-empty string without '/'")
+    if not isinstance(raw["description"], str):
+        raise bad("description", "a string")
+    for key in ("models", "arms"):
+        value = raw[key]
+        if (not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value)
+                or len(set(value)) != len(value)):
+            raise bad(key, "a non-empty list of distinct strings")
+    if len(raw["arms"]) < 2:
+        raise bad("arms", "at least two arms (the first is the baseline)")
+    seeds = raw["seeds"]
+    if (not isinstance(seeds, list) or len(seeds) < 2 or not all(is_int(s) for s in seeds)
+            or len(set(seeds)) != len(seeds)):
+        raise bad("seeds", "a list of at least two distinct integers (one block each)")
+    for key in ("steps", "eval_every", "bootstrap_resamples"):
+        if not is_int(raw[key]) or raw[key] < 1:
+            raise bad(key, "a positive integer")
+    if raw["eval_every"] > raw["steps"]:
+        raise bad("eval_every", f"at most steps ({raw['steps']}), or no probe would run")
+    if not is_int(raw["shuffle_seed"]):
+        raise bad("shuffle_seed", "an integer")
+    if not is_num(raw["level"]) or not 0 < raw["level"] < 1:
+        raise bad("level", "a number in (0, 1), e.g. 0.95")
+    if not is_num(raw["margin_bpb"]) or not raw["margin_bpb"] > 0:
+        raise bad("margin_bpb", "a positive number of bits per byte")
+    if raw["design"] not in DESIGNS:
+        raise bad("design", f"one of {', '.join(DESIGNS)}")
+    if raw["design"] == "ab-ba" and len(raw["arms"]) != 2:
+        raise bad("arms", "exactly two arms for design ab-ba (use latin for more)")
+    target = raw["target_bpb"]
+    if is_num(target):
+        target = {m: float(target) for m in raw["models"]}
+    elif isinstance(target, dict):
+        if set(target) != set(raw["models"]) or not all(is_num(v) for v in target.values()):
+            raise bad("target_bpb", "a number, or a table with one number per model")
+        target = {m: float(target[m]) for m in raw["models"]}
+    else:
+        raise bad("target_bpb", "a number, or a table with one number per model")
+    if not all(v > 0 for v in target.values()):
+        raise bad("target_bpb", "positive")
+    train = raw["train"]
+    if not isinstance(train, dict):
+        raise bad("train", "a table of cotangent train settings")
+    defaults = asdict(TrainConfig())
+    for key in train:
+        if key in _JOB_FIELDS:
+            raise ValueError(f"{source}: [train] may not set {key} (the protocol sets it)")
+        if key not in defaults:
+            raise ValueError(f"{source}: [train] unknown setting {key}; known: "
+                             f"{', '.join(k for k in defaults if k not in _JOB_FIELDS)}")
+        default = defaults[key]
+        value = train[key]
+        if isinstance(default, tuple):
+            if not isinstance(value, list):
+                raise ValueError(f"{source}: [train] {key} must be a list, got {value!r}")
+            train[key] = tuple(value)
+        elif type(value) is not type(default) and not (type(default) is float and is_int(value)):
+            raise ValueError(f"{source}: [train] {key} must be {type(default).__name__}, "
+                             f"got {value!r}")
+        elif type(default) is float:
+            train[key] = float(value)
+    protocol = Protocol(
+        name=raw["name"], description=raw["description"], models=tuple(raw["models"]),
+        arms=tuple(raw["arms"]), seeds=tuple(seeds), steps=raw["steps"],
+        eval_every=raw["eval_every"], target_bpb=target, level=float(raw["level"]),
+        margin_bpb=float(raw["margin_bpb"]), design=raw["design"],
+        shuffle_seed=raw["shuffle_seed"], bootstrap_resamples=raw["bootstrap_resamples"],
+        train=train)
+    for model in protocol.models:
+        for arm in protocol.arms:
+            try:
+                validate_config(protocol.job_config(
+                    {"model": model, "seed": protocol.seeds[0], "arm": arm}, "runs"))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{source}: {exc}") from None
+    return protocol
+
+
+def plan_jobs(protocol: Protocol) -> list[dict]:
+    """The frozen job order: shuffled blocks, arms inside a block in the design's order.
+
+    Each job: {id, index, block, position, model, seed, arm}; `position` is the arm's place
+    inside its block (0 = first).
+    """
+    blocks = [(m, s) for m in protocol.models for s in protocol.seeds]
+    rng = random.Random(protocol.shuffle_seed)
+    rng.shuffle(blocks)
+    k = len(protocol.arms)
+    rotation: dict[str, int] = {}
+    offsets = {}
+    for model in protocol.models:
+        # Deal the rotations 0..k-1 round-robin over this model's blocks, in a shuffled order.
+        count = sum(1 for m, _ in blocks if m == model)
+        deal = [i % k for i in range(count)]
+        rng.shuffle(deal)
+        offsets[model] = deal
+        rotation[model] = 0
+    jobs = []
+    for b, (model, seed) in enumerate(blocks):
+        shift = offsets[model][rotation[model]]
+        rotation[model] += 1
+        order = protocol.arms[shift:] + protocol.arms[:shift]
+        for position, arm in enumerate(order):
+            index = len(jobs)
+            jobs.append({"id": f"{index:03d}-{model}-seed{seed}-{arm}", "index": index,
+                         "block": b, "position": position, "model": model, "seed": seed,
+                         "arm": arm})
+    return jobs
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _load_corpus(data_dir: str | None):
+    from cotangent.harness.data import embedded_corpus, load_wikitext2
+
+    return load_wikitext2(data_dir) if data_dir else embedded_corpus()
+
+
+def code_fingerprint() -> dict:
+    """What must not change between freeze and run: Cotangent's sources and the torch build."""
+    import torch
+
+    return {"cotangent_sha256": records.code_fingerprint(), "torch": torch.__version__,
+            "torch_git": torch.version.git_version}
+
+
+def data_fingerprint(corpus) -> dict:
+    """Corpus name and the SHA-256 of each split."""
+    return {"name": corpus.name,
+            "splits": {s: src.sha256 for s, src in sorted(corpus.sources.items())}}
+
+
+def freeze(protocol_path: str, out: str | None, data_dir: str | None, *, log=print) -> Path:
+    """`cotangent campaign freeze`: validate the protocol, plan the jobs and write the campaign
+    directory's `protocol.toml` (the exact bytes) and `freeze.json`, before any job runs.
+
+    Raises:
+        ValueError: a bad protocol, or `out` already exists and is not empty.
+        OSError: the protocol or the data cannot be read.
+    """
+    raw = Path(protocol_path).read_bytes()
+    protocol = parse_protocol(raw.decode("utf-8"), protocol_path)
+    campaign = Path(out) if out else Path("campaigns") / protocol.name
+    if campaign.exists() and (not campaign.is_dir() or any(campaign.iterdir())):
+        raise ValueError(f"{campaign} already exists and is not empty: a frozen campaign is "
+                         "never re-frozen; pick another --out")
+    corpus = _load_corpus(data_dir)
+    jobs = plan_jobs(protocol)
+    frozen = {
+        "protocol_sha256": hashlib.sha256(raw).hexdigest(),
+        "protocol_source": str(protocol_path),
+        "frozen_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "code": code_fingerprint(),
+        "data": data_fingerprint(corpus),
+        "data_dir": None if data_dir is None else os.path.abspath(data_dir),
+        "environment": records.environment(),
+        "jobs": jobs,
+    }
+    campaign.mkdir(parents=True, exist_ok=True)
+    records.write_atomic(campaign / PROTOCOL, raw.decode("utf-8"))
+    if sha256_file(campaign / PROTOCOL) != frozen["protocol_sha256"]:
+        raise OSError(f"{campaign / PROTOCOL}: written bytes differ from {protocol_path}")
+    records.write_json(campaign / FREEZE, frozen)
+    log(f"froze {protocol.name}: {len(jobs)} jobs ({len(protocol.models)} models x "
+        f"{len(protocol.seeds)} seeds x {len(protocol.arms)} arms, design {protocol.design}) in "
+        f"{campaign}\nprotocol SHA-256 {frozen['protocol_sha256']}\ncode SHA-256 "
+        f"{frozen['code']['cotangent_sha256']} (torch {frozen['code']['torch']})\ndata: "
+        f"{corpus.name}, " + ", ".join(f"{s} {h[:12]}" for s, h in
+                                      frozen["data"]["splits"].items()))
+    return campaign
+
+
+def load_frozen(campaign: Path) -> tuple[Protocol, dict]:
+    """Read a campaign's frozen protocol and check it against `freeze.json`.
+
+    Raises:
+        ValueError: not a campaign directory, the protocol's bytes no longer match the frozen
+            SHA-256, or the stored job list differs from the protocol's plan.
+    """
+    freeze_path, protocol_path = campaign / FREEZE, campaign / PROTOCOL
+    if not freeze_path.is_file() or not protocol_path.is_file():
+        raise ValueError(f"{campaign}: not a frozen campaign (no {FREEZE} / {PROTOCOL}); run "
+                         "`cotangent campaign freeze PROTOCOL` first")
+    try:
+        frozen = json.loads(freeze_path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{freeze_path}: not valid JSON ({exc})") from None
+    digest = sha256_file(protocol_path)
+    if digest != frozen.get("protocol_sha256"):
+        raise ValueError(f"{protocol_path}: SHA-256 {digest} differs from the frozen "
+                         f"{frozen.get('protocol_sha256')}: the protocol changed after freezing")
+    protocol = parse_protocol(protocol_path.read_text(encoding="utf-8"), str(protocol_path))
+    if plan_jobs(protocol) != frozen.get("jobs"):
+        raise ValueError(f"{freeze_path}: its job list is not the protocol's plan (edited?)")
+    return protocol, frozen
+
+
+def _attempts(job_dir: Path) -> list[Path]:
+    if not job_dir.is_dir():
+        return []
+    found = [p for p in job_dir.iterdir() if p.is_dir() and p.name.startswith("attempt-")
+             and p.name[8:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[8:]))
+
+
+def read_status(attempt: Path) -> dict | None:
+    """An attempt's status.json, or None when it was never written."""
+    path = attempt / "status.json"
+    if not path.is_file():
+        return None
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def completed_run(attempt: Path, job: dict) -> Path | None:
+    """The finished run directory of this attempt (summary written, no INCOMPLETE marker)."""
+    found = [p.parent for p in attempt.glob(f"*/{job['arm']}/summary.json")
+             if not (p.parent / "INCOMPLETE").exists()]
+    return found[0] if len(found) == 1 else None
+
+
+def job_state(campaign: Path, job: dict) -> tuple[str, Path | None]:
+    """('done' | 'failed' | 'pending', the deciding attempt). A job is finished once an
+    attempt is done or failed; the latest such attempt decides (a failed job retried with
+    `--retry-failed` keeps its failed attempt as evidence). Interrupted attempts do not count."""
+    for attempt in reversed(_attempts(campaign / "jobs" / job["id"])):
+        status = read_status(attempt)
+        if status and status["state"] in ("done", "failed"):
+            return status["state"], attempt
+    return "pending", None
+
+
+def _utc() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+def _write_status(attempt: Path, job: dict, n: int, state: str, **extra) -> dict:
+    status = {"job": job["id"], "attempt": n, "state": state, **extra}
+    records.write_json(attempt / "status.json", status)
+    return status
+
+
+def _settle_unfinished(campaign: Path, job: dict, log) -> None:
+    """Attempts left 'running' (or without a status) by a runner that died: record them as
+    interrupted, or as done when the run had in fact finished, so nothing is lost or hidden."""
+    for attempt in _attempts(campaign / "jobs" / job["id"]):
+        status = read_status(attempt)
+        if status is not None and status["state"] != "running":
+            continue
+        n = int(attempt.name[8:])
+        run = completed_run(attempt, job)
+        base = dict(status or {})
+        base.pop("state", None), base.pop("job", None), base.pop("attempt", None)
+        if run is not None:
+            _write_status(attempt, job, n, "done", **base, ended_utc=_utc(),
+                          run_dir=run.relative_to(campaign).as_posix(),
+                          note="finished before the runner stopped; recorded on resume")
+            log(f"{job['id']}: attempt {n} had finished before the runner stopped: recorded as done")
+        else:
+            _write_status(attempt, job, n, "interrupted", **base, ended_utc=_utc(),
+                          reason="the runner stopped before this attempt finished")
+            log(f"{job['id']}: attempt {n} was interrupted (runner stopped); it stays as evidence "
+                "and the job runs again as a new attempt")
+
+
+def _format_s(seconds: float) -> str:
+    seconds = int(round(seconds))
+    return f"{seconds // 3600}h{seconds // 60 % 60:02d}m" if seconds >= 3600 else \
+        f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def run_campaign(campaign: Path, *, data_dir: str | None = None, retry_failed: bool = False,
+                 max_jobs: int | None = None, log=print) -> dict:
+    """`cotangent campaign run`: run every pending job in the frozen order, one at a time, each
+    in a fresh process (`python -m cotangent.harness.cli train --config job.toml`).
+
+    Refuses to start when the protocol, code or data fingerprints differ from the frozen ones.
+    Resumable: finished jobs (done or failed) are never re-run (failed ones only with
+    `retry_failed`, as a new attempt); an attempt cut short by Ctrl-C or a dead runner is
+    recorded as interrupted and the job gets a new attempt. `max_jobs` stops after that many
+    jobs (for tests and partial sessions). Returns counts {total, done, failed, pending}.
+
+    Raises:
+        ValueError: not a frozen campaign, or a fingerprint mismatch (the message says which).
+        KeyboardInterrupt: after recording the running attempt as interrupted.
+    """
+    campaign = Path(campaign)
+    protocol, frozen = load_frozen(campaign)
+    code = code_fingerprint()
+    if code != frozen["code"]:
+        diff = [k for k in code if code[k] != frozen["code"].get(k)]
+        raise ValueError(f"code differs from the frozen campaign ({', '.join(diff)}: now "
+                         + ", ".join(f"{code[k]}" for k in diff) + "; frozen "
+                         + ", ".join(f"{frozen['code'].get(k)}" for k in diff)
+                         + "): results would not be comparable; freeze a new campaign")
+    data_dir = data_dir if data_dir is not None else frozen["data_dir"]
+    data = data_fingerprint(_load_corpus(data_dir))
+    if data != frozen["data"]:
+        raise ValueError(f"data in {data_dir or 'the embedded corpus'} differ from the frozen "
+                         f"fingerprints ({data} vs {frozen['data']})")
+    check_device(protocol.train.get("device", "cpu"))
+    jobs = frozen["jobs"]
+    (campaign / "jobs").mkdir(exist_ok=True)
+    lock_path = campaign / ".lock"
+    lock = open(lock_path, "w")
+    try:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise ValueError(f"{campaign}: another `cotangent campaign run` is using it") from None
+        return _run_jobs(campaign, protocol, jobs, data_dir, retry_failed, max_jobs, log)
+    finally:
+        lock_path.unlink(missing_ok=True)
+        lock.close()
+
+
+def _run_jobs(campaign: Path, protocol: Protocol, jobs: list[dict], data_dir: str | None,
+              retry_failed: bool, max_jobs: int | None, log) -> dict:
+    for job in jobs:
+        _settle_unfinished(campaign, job, log)
+    states = {job["id"]: job_state(campaign, job)[0] for job in jobs}
+    total = len(jobs)
+    finished = sum(s != "pending" for s in states.values())
+    if retry_failed:
+        retry = [j for j in jobs if states[j["id"]] == "failed"]
+        if retry:
+            log(f"retrying {len(retry)} failed job(s) as new attempts: "
+                + ", ".join(j["id"] for j in retry))
+        for job in retry:
+            states[job["id"]] = "pending"
+            finished -= 1
+    log(f"campaign {protocol.name}: {total} jobs, {finished} finished, "
+        f"{total - finished} to run")
+    durations: list[float] = []
+    ran = 0
+    for job in jobs:
+        if states[job["id"]] != "pending":
+            continue
+        if max_jobs is not None and ran >= max_jobs:
+            break
+        state, wall_s = _run_one(campaign, protocol, job, data_dir, log)
+        states[job["id"]] = state
+        ran += 1
+        finished += 1
+        durations.append(wall_s)
+        eta = sum(durations) / len(durations) * (total - finished)
+        log(f"[{finished}/{total}] {job['id']}: {state} in {wall_s:.1f} s; "
+            f"ETA {_format_s(eta)}")
+    counts = {"total": total, "done": sum(s == "done" for s in states.values()),
+              "failed": sum(s == "failed" for s in states.values()),
+              "pending": sum(s == "pending" for s in states.values())}
+    failed = [j for j, s in states.items() if s == "failed"]
+    log(f"campaign {protocol.name}: {counts['done']} done, {counts['failed']} failed, "
+        f"{counts['pending']} pending" + (f"; failed: {', '.join(failed)}" if failed else ""))
+    return counts
+
+
+def job_command(campaign: Path, attempt: str, data_dir: str | None) -> list[str]:
+    """The fresh process of one job, run with the campaign directory as working directory."""
+    command = [sys.executable, "-m", "cotangent.harness.cli", "train", "--config",
+               f"{attempt}/job.toml"]
+    if data_dir:
+        command += ["--data-dir", os.path.relpath(os.path.abspath(data_dir), campaign)]
+    return command
+
+
+def _run_one(campaign: Path, protocol: Protocol, job: dict, data_dir: str | None,
+             log) -> tuple[str, float]:
+    job_dir = campaign / "jobs" / job["id"]
+    n = len(_attempts(job_dir)) + 1
+    attempt = job_dir / f"attempt-{n}"
+    attempt.mkdir(parents=True, exist_ok=False)
+    rel = attempt.relative_to(campaign).as_posix()
+    records.write_atomic(attempt / "job.toml",
+                         format_config(protocol.job_config(job, rel)) + "\n")
+    command = job_command(campaign, rel, data_dir)
+    started = _utc()
+    _write_status(attempt, job, n, "running", started_utc=started, command=command)
+    t0 = time.perf_counter()
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    with open(attempt / "log.txt", "w", encoding="utf-8") as out:
+        proc = subprocess.Popen(command, cwd=campaign, stdout=out, stderr=subprocess.STDOUT,
+                                env=env)
+        try:
+            rc = proc.wait()
+        except KeyboardInterrupt:
+            # The child got the same SIGINT from the terminal; give it time to stop cleanly.
+            try:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=30)
+            except (subprocess.TimeoutExpired, KeyboardInterrupt):
+                proc.kill()
+                proc.wait()
+            _write_status(attempt, job, n, "interrupted", started_utc=started, command=command,
+                          ended_utc=_utc(), wall_s=time.perf_counter() - t0,
+                          returncode=proc.returncode, reason="Ctrl-C (KeyboardInterrupt)")
+            log(f"{job['id']}: interrupted; it runs again as attempt {n + 1} when you resume "
+                f"(`cotangent campaign run {campaign}`)")
+            raise
+    wall_s = time.perf_counter() - t0
+    run = completed_run(attempt, job)
+    common = dict(started_utc=started, command=command, ended_utc=_utc(), wall_s=wall_s,
+                  returncode=rc)
+    if rc == 0 and run is not None:
+        _write_status(attempt, job, n, "done", **common,
+                      run_dir=run.relative_to(campaign).as_posix())
+        return "done", wall_s
+    tail = (attempt / "log.txt").read_text(encoding="utf-8", errors="replace").splitlines()[-15:]
+    reason = (f"exit status {rc}" if rc != 0 else "exit status 0 but no finished run record")
+    _write_status(attempt, job, n, "failed", **common, reason=reason, log_tail=tail)
+    log(f"{job['id']}: FAILED ({reason}); log: {attempt / 'log.txt'}")
+    return "failed", wall_s
+
+
+def status_lines(campaign: Path) -> list[str]:
+    """`cotangent campaign status`: one line per job state count and each unfinished job."""
+    protocol, frozen = load_frozen(Path(campaign))
+    states = [(job, job_state(Path(campaign), job)) for job in frozen["jobs"]]
+    counts = {s: sum(1 for _, (st, _) in states if st == s) for s in ("done", "failed", "pending")}
+    lines = [f"campaign {protocol.name}: {len(states)} jobs: {counts['done']} done, "
+             f"{counts['failed']} failed, {counts['pending']} pending"]
+    lines += [f"  {st:<8}{job['id']}" for job, (st, _) in states if st != "done"]
+    return lines

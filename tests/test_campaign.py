@@ -1,0 +1,493 @@
+"""Campaigns end to end: protocol validation, freeze, run (resume, failures), analyze, audit
+(clean, and failing on each kind of tampering), report (deterministic figures)."""
+
+from __future__ import annotations
+
+import ast
+import collections
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from scipy import stats as scipy_stats
+
+from cotangent import audit
+from cotangent.harness import analysis, campaign, report, stats
+
+ROOT = Path(__file__).resolve().parents[1]
+AUDIT_PY = ROOT / "src" / "cotangent" / "audit.py"
+
+TINY = """
+name = "tiny"
+models = ["tiny-transformer"]
+arms = {arms}
+seeds = {seeds}
+steps = 12
+eval_every = 4
+target_bpb = 7.9
+level = 0.9
+margin_bpb = 0.01
+design = "{design}"
+shuffle_seed = 3
+bootstrap_resamples = 500
+
+[train]
+val_bytes = 2048
+probe_bytes = 1024
+eval_batch = 8
+"""
+FACTORIAL = '["native", "cotangent", "batched-norms-only", "packing-only"]'
+
+
+def write_protocol(tmp: Path, *, arms: str = FACTORIAL, seeds: str = "[0, 1]",
+                   design: str = "latin") -> Path:
+    path = tmp / "protocol.toml"
+    path.write_text(TINY.format(arms=arms, seeds=seeds, design=design))
+    return path
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory) -> Path:
+    """A frozen, run, analysed and reported 4-arm campaign (embedded corpus)."""
+    tmp = tmp_path_factory.mktemp("campaign")
+    camp = campaign.freeze(str(write_protocol(tmp)), str(tmp / "c"), None, log=lambda *_: None)
+    counts = campaign.run_campaign(camp, log=lambda *_: None)
+    assert counts == {"total": 8, "done": 8, "failed": 0, "pending": 0}
+    analysis.analyze(camp, log=lambda *_: None)
+    report.build_report(camp, log=lambda *_: None)
+    return camp
+
+
+def audit_lines(path: Path) -> tuple[int, list[str]]:
+    a = audit.audit(path)
+    return (0 if not a.failures else 1), a.failures
+
+
+# ---------------------------------------------------------------- protocol and plan
+
+@pytest.mark.parametrize("edit, message", [
+    ("unknown_key = 1", "unknown key(s) unknown_key"),
+    ('design = "ab-ba"', "exactly two arms for design ab-ba"),
+    ("level = 1.5", "level must be a number in (0, 1)"),
+    ("margin_bpb = 0", "margin_bpb must be a positive number"),
+    ("eval_every = 13", "eval_every must be at most steps"),
+    ("seeds = [1, 1]", "seeds must be a list of at least two distinct integers"),
+    ("target_bpb = {other = 3.0}", "target_bpb must be a number, or a table"),
+])
+def test_protocol_errors_name_the_key(tmp_path, edit, message):
+    text = write_protocol(tmp_path).read_text()
+    key = edit.split(" =")[0]
+    lines = [line for line in text.splitlines() if not line.startswith(key + " ")]
+    lines.insert(1, edit)
+    with pytest.raises(ValueError) as info:
+        campaign.parse_protocol("\n".join(lines), "p.toml")
+    assert message in str(info.value) and "p.toml" in str(info.value)
+
+
+@pytest.mark.parametrize("train, message", [
+    ("model = 'tiny'", "[train] may not set model"),
+    ("steps = 3", "[train] may not set steps"),
+    ("nonsense = 3", "[train] unknown setting nonsense"),
+    ("batch_size = 'x'", "[train] batch_size must be int"),
+    ("batch_size = 0", "batch_size must be >= 1"),
+])
+def test_protocol_train_table_is_checked(tmp_path, train, message):
+    text = write_protocol(tmp_path).read_text() + train + "\n"
+    with pytest.raises(ValueError, match=None) as info:
+        campaign.parse_protocol(text, "p.toml")
+    assert message in str(info.value)
+
+
+def test_shipped_protocols_parse_and_balance():
+    for name, jobs, arms in (("cpu-quick", 32, 4), ("paper-v6", 96, 2)):
+        path = ROOT / "protocols" / f"{name}.toml"
+        protocol = campaign.parse_protocol(path.read_text(), str(path))
+        plan = campaign.plan_jobs(protocol)
+        assert len(plan) == jobs and len({j["id"] for j in plan}) == jobs
+        # every arm takes every position inside a block equally often, per model
+        for model in protocol.models:
+            counts = collections.Counter((j["arm"], j["position"]) for j in plan
+                                         if j["model"] == model)
+            assert set(counts.values()) == {len(protocol.seeds) // arms}, counts
+        # blocks are contiguous: a block's arms run one after another
+        assert [j["block"] for j in plan] == sorted(j["block"] for j in plan)
+    assert protocol.level == 0.99 and protocol.steps == 1200
+
+
+# ---------------------------------------------------------------- statistics
+
+@pytest.mark.parametrize("df", [1, 2, 3, 5, 7, 11, 30, 100])
+@pytest.mark.parametrize("level", [0.8, 0.9, 0.95, 0.99, 0.999])
+def test_audit_t_quantile_matches_scipy(df, level):
+    p = (1 + level) / 2
+    assert audit.t_quantile(p, df) == pytest.approx(scipy_stats.t.ppf(p, df), rel=1e-12)
+
+
+def test_audit_t_quantile_hand_values():
+    # Exact closed forms: df=1 is Cauchy (tan), df=2 has
+    # t = (2p - 1) * sqrt(2 / (1 - (2p - 1)^2)).
+    assert audit.t_quantile(0.975, 1) == pytest.approx(12.706204736174698, rel=1e-12)
+    import math
+    for p in (0.6, 0.9, 0.995):
+        assert audit.t_quantile(p, 1) == pytest.approx(math.tan(math.pi * (p - 0.5)), rel=1e-12)
+        q = 2 * p - 1
+        assert audit.t_quantile(p, 2) == pytest.approx(q * math.sqrt(2 / (1 - q * q)), rel=1e-12)
+
+
+def test_audit_interval_agrees_with_stats_module():
+    values = [0.12, 0.08, 0.15, 0.11, 0.09, 0.13, 0.10, 0.14]
+    mine = audit.t_interval(values, 0.95)
+    ref = stats.paired_t_interval(values, 0.95)
+    for key in ("mean", "sd", "low", "high"):
+        assert mine[key] == pytest.approx(getattr(ref, key), rel=1e-12)
+
+
+# ---------------------------------------------------------------- end to end
+
+def test_campaign_end_to_end(finished):
+    frozen = json.loads((finished / "freeze.json").read_text())
+    assert frozen["protocol_sha256"] == hashlib.sha256(
+        (finished / "protocol.toml").read_bytes()).hexdigest()
+    results = json.loads((finished / "analysis" / "results.json").read_text())
+    assert [c["candidate"] for c in results["comparisons"]] == [
+        "cotangent", "batched-norms-only", "packing-only"]
+    for c in results["comparisons"]:
+        assert c["pairs"] == 2 and c["identical_final_hash"] == {"pairs": 2, "identical": 2}
+        q = c["quality_difference_bpb"]
+        # identical arithmetic: every test BPB difference is exactly 0.0
+        assert q["t"]["mean"] == 0.0 and q["t"]["high"] == 0.0 and q["non_inferior"] is True
+    assert {f["metric"] for f in results["factorial"]} == {"training_time_reduction",
+                                                          "update_phase_reduction"}
+    for f in results["factorial"]:
+        assert set(f["contrasts"]) == set(stats.CONTRASTS)
+    pairs = (finished / "analysis" / "pairs.csv").read_text().splitlines()
+    assert len(pairs) == 1 + 3 * 2
+    runs = (finished / "analysis" / "runs.csv").read_text().splitlines()
+    assert len(runs) == 1 + 8
+    manifest = json.loads((finished / "analysis" / "manifest.json").read_text())
+    assert "analysis/results.json" in manifest["files"]
+    assert "protocol.toml" in manifest["files"] and "freeze.json" in manifest["files"]
+    assert sorted(p.name for p in (finished / "report").iterdir()) == sorted([
+        "fig-curves.png", "fig-factorial.png", "fig-quality.png", "fig-reductions.png",
+        "fig-update-ms.png", "manifest.json", "report.html", "report.md"])
+    assert "data:image/png;base64," in (finished / "report" / "report.html").read_text()
+    assert results["protocol_sha256"] in (finished / "report" / "report.md").read_text()
+
+
+def test_time_to_target_is_the_first_crossing_probe_or_censored(finished):
+    import csv
+
+    with open(finished / "analysis" / "runs.csv") as f:
+        runs = list(csv.DictReader(f))
+    seen_censored = seen_crossed = False
+    for r in runs:
+        curve = [json.loads(line) for line in
+                 (finished / r["run_dir"] / "curve.jsonl").read_text().splitlines()]
+        probes = [p for p in curve if "probe_bpb" in p]
+        assert [p["step"] for p in probes] == [4, 8, 12]
+        crossing = [p for p in probes if p["probe_bpb"] <= 7.9]
+        if crossing:
+            seen_crossed = True
+            assert float(r["time_to_target_s"]) == crossing[0]["training_s"]
+        else:
+            seen_censored = True
+            assert r["time_to_target_s"] == ""
+    assert seen_crossed or seen_censored
+
+
+def test_audit_clean_standalone_with_a_bare_interpreter(finished):
+    # -I (isolated) and -S (no site-packages): no torch, numpy or scipy can be imported.
+    proc = subprocess.run([sys.executable, "-I", "-S", str(AUDIT_PY), str(finished)],
+                          capture_output=True, text=True, cwd="/")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "clean" in proc.stdout and "FAIL" not in proc.stdout
+
+
+def test_audit_imports_only_the_standard_library():
+    tree = ast.parse(AUDIT_PY.read_text())
+    modules = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            modules |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            assert node.level == 0, "relative import in audit.py"
+            modules.add(node.module.split(".")[0])
+    assert modules and modules <= set(sys.stdlib_module_names) | {"__future__"}, modules
+
+
+def test_figures_have_deterministic_bytes(finished, tmp_path):
+    copy = tmp_path / "c"
+    shutil.copytree(finished, copy)
+    report.build_report(copy, log=lambda *_: None)
+    for png in sorted((finished / "report").glob("*.png")):
+        assert (copy / "report" / png.name).read_bytes() == png.read_bytes(), png.name
+
+
+def _copy(finished: Path, tmp: Path) -> Path:
+    copy = tmp / "c"
+    shutil.copytree(finished, copy)
+    return copy
+
+
+def _rehash(camp: Path, rel: str) -> None:
+    """Update the manifest entry of `rel` (a forger who also rewrites the manifest)."""
+    path = camp / "analysis" / "manifest.json"
+    manifest = json.loads(path.read_text())
+    data = (camp / rel).read_bytes()
+    manifest["files"][rel] = {"sha256": hashlib.sha256(data).hexdigest(), "bytes": len(data)}
+    path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
+
+
+def test_audit_fails_on_one_changed_byte_in_any_file(finished, tmp_path):
+    camp = _copy(finished, tmp_path)
+    files = sorted(p for p in camp.rglob("*") if p.is_file())
+    assert len(files) > 50
+    for path in files:
+        rel = path.relative_to(camp).as_posix()
+        original = path.read_bytes()
+        changed = bytearray(original)
+        changed[len(changed) // 2] ^= 0x01
+        path.write_bytes(bytes(changed))
+        rc, failures = audit_lines(camp)
+        path.write_bytes(original)
+        assert rc == 1 and any(rel in line for line in failures), (rel, failures[:3])
+    assert audit_lines(camp) == (0, [])
+
+
+def test_audit_names_a_removed_file(finished, tmp_path):
+    camp = _copy(finished, tmp_path)
+    victim = next(camp.glob("jobs/*/attempt-1/*/*/curve.jsonl"))
+    victim.unlink()
+    rc, failures = audit_lines(camp)
+    assert rc == 1 and any(victim.relative_to(camp).as_posix() in f and "missing" in f
+                           for f in failures)
+
+
+def test_audit_names_an_extra_run(finished, tmp_path):
+    camp = _copy(finished, tmp_path)
+    run = next(camp.glob("jobs/000-*/attempt-1/*"))
+    extra = run.parent / (run.name + "-again")
+    shutil.copytree(run, extra)
+    rc, failures = audit_lines(camp)
+    assert rc == 1 and any(extra.relative_to(camp).as_posix() in f for f in failures)
+    # also re-listed in the manifest by a forger: the attempt now holds two run records
+    for p in extra.rglob("*"):
+        if p.is_file():
+            _rehash(camp, p.relative_to(camp).as_posix())
+    rc, failures = audit_lines(camp)
+    assert rc == 1 and any("status.json" in f and "only run record" in f for f in failures)
+
+
+def test_audit_recomputes_an_edited_number_even_with_a_forged_manifest(finished, tmp_path):
+    camp = _copy(finished, tmp_path)
+    results = json.loads((camp / "analysis" / "results.json").read_text())
+    t = results["comparisons"][0]["training_time_reduction"]["t"]
+    t["high"] = t["high"] * (1 + 1e-6)
+    (camp / "analysis" / "results.json").write_text(json.dumps(results, indent=2, sort_keys=True))
+    _rehash(camp, "analysis/results.json")
+    rc, failures = audit_lines(camp)
+    assert rc == 1 and any(f.startswith("analysis/results.json") and "t.high" in f
+                           for f in failures), failures
+
+
+def test_audit_names_a_mismatched_init_hash(finished, tmp_path):
+    camp = _copy(finished, tmp_path)
+    meta_path = sorted(camp.glob("jobs/*/attempt-1/*/*/metadata.json"))[3]
+    meta = json.loads(meta_path.read_text())
+    meta["init_model_sha256"] = "0" * 64
+    meta_path.write_text(json.dumps(meta, indent=2, sort_keys=True) + "\n")
+    rel = meta_path.relative_to(camp).as_posix()
+    _rehash(camp, rel)
+    rc, failures = audit_lines(camp)
+    assert rc == 1 and any("init_model_sha256 differs" in f and
+                           (rel in f or "runs.csv" in f) for f in failures), failures
+
+
+def test_audit_names_an_extra_job_in_runs_csv_and_an_edited_step_time(finished, tmp_path):
+    camp = _copy(finished, tmp_path)
+    runs = camp / "analysis" / "runs.csv"
+    lines = runs.read_text().splitlines()
+    runs.write_text("\n".join(lines + [lines[-1].replace(",", "-x,", 1)]) + "\n")
+    _rehash(camp, "analysis/runs.csv")
+    curve = next(camp.glob("jobs/*/attempt-1/*/*/curve.jsonl"))
+    rows = curve.read_text().splitlines()
+    first = json.loads(rows[0])
+    first["step_s"] *= 2
+    curve.write_text("\n".join([json.dumps(first, sort_keys=True)] + rows[1:]) + "\n")
+    _rehash(camp, curve.relative_to(camp).as_posix())
+    rc, failures = audit_lines(camp)
+    summary = curve.parent / "summary.json"
+    assert rc == 1
+    assert any(f.startswith("analysis/runs.csv") and "not exactly the frozen jobs" in f
+               for f in failures), failures
+    assert any(f.startswith(summary.relative_to(camp).as_posix()) and "training_s" in f
+               for f in failures), failures
+
+
+def test_audit_names_a_changed_job_set(finished, tmp_path):
+    camp = _copy(finished, tmp_path)
+    frozen = json.loads((camp / "freeze.json").read_text())
+    frozen["jobs"] = frozen["jobs"][:-1]
+    (camp / "freeze.json").write_text(json.dumps(frozen, indent=2, sort_keys=True) + "\n")
+    _rehash(camp, "freeze.json")
+    rc, failures = audit_lines(camp)
+    assert rc == 1 and any(f.startswith("freeze.json") and "job set" in f for f in failures)
+
+
+def test_audit_usage_errors(tmp_path):
+    assert audit.main([str(tmp_path)]) == 2
+    assert audit.main([]) == 2
+
+
+# ---------------------------------------------------------------- freeze and run guards
+
+def test_freeze_refuses_a_used_directory_and_run_refuses_changed_fingerprints(tmp_path):
+    proto = write_protocol(tmp_path, arms='["native", "cotangent"]', design="ab-ba")
+    camp = campaign.freeze(str(proto), str(tmp_path / "c"), None, log=lambda *_: None)
+    with pytest.raises(ValueError, match="already exists and is not empty"):
+        campaign.freeze(str(proto), str(camp), None, log=lambda *_: None)
+    frozen_bytes = (camp / "freeze.json").read_bytes()
+    # the protocol changed after freezing
+    (camp / "protocol.toml").write_text((camp / "protocol.toml").read_text() + "\n")
+    with pytest.raises(ValueError, match="protocol changed after freezing"):
+        campaign.run_campaign(camp, log=lambda *_: None)
+    (camp / "protocol.toml").write_bytes(proto.read_bytes())
+    # the code changed after freezing
+    frozen = json.loads(frozen_bytes)
+    frozen["code"]["cotangent_sha256"] = "1" * 64
+    (camp / "freeze.json").write_text(json.dumps(frozen))
+    with pytest.raises(ValueError, match="code differs from the frozen campaign"):
+        campaign.run_campaign(camp, log=lambda *_: None)
+    # the data changed (frozen on the embedded corpus, run on a different corpus)
+    frozen = json.loads(frozen_bytes)
+    frozen["data"]["splits"]["train"] = "2" * 64
+    (camp / "freeze.json").write_text(json.dumps(frozen))
+    with pytest.raises(ValueError, match="differ from the frozen fingerprints"):
+        campaign.run_campaign(camp, log=lambda *_: None)
+    # an edited job list
+    frozen = json.loads(frozen_bytes)
+    frozen["jobs"].reverse()
+    (camp / "freeze.json").write_text(json.dumps(frozen))
+    with pytest.raises(ValueError, match="job list is not the protocol's plan"):
+        campaign.run_campaign(camp, log=lambda *_: None)
+    assert not (camp / "jobs").exists()
+
+
+def _wait_for(predicate, timeout: float = 120.0) -> None:
+    end = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > end:
+            raise AssertionError("timed out")
+        time.sleep(0.05)
+
+
+def _states(camp: Path) -> dict[str, list[str]]:
+    out = {}
+    for job_dir in sorted((camp / "jobs").iterdir()):
+        out[job_dir.name] = [json.loads((a / "status.json").read_text())["state"]
+                             for a in campaign._attempts(job_dir)]
+    return out
+
+
+def test_resume_after_ctrl_c_and_a_killed_runner(tmp_path):
+    proto = write_protocol(tmp_path, arms='["native", "cotangent"]', design="ab-ba")
+    camp = campaign.freeze(str(proto), str(tmp_path / "c"), None, log=lambda *_: None)
+    jobs = json.loads((camp / "freeze.json").read_text())["jobs"]
+    cmd = [sys.executable, "-m", "cotangent.harness.cli", "campaign", "run", str(camp)]
+
+    def running(index: int):
+        status = camp / "jobs" / jobs[index]["id"] / "attempt-1" / "status.json"
+        return lambda: status.exists() and json.loads(status.read_text())["state"] == "running"
+
+    # 1. Ctrl-C while the second job runs: the runner records it as interrupted, exits 130.
+    runner = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True)
+    _wait_for(running(1))
+    time.sleep(0.5)
+    os.killpg(runner.pid, signal.SIGINT)  # what a terminal's Ctrl-C sends to the group
+    out, _ = runner.communicate(timeout=120)
+    assert runner.returncode == 130, out
+    assert "runs again as attempt 2" in out
+    states = _states(camp)
+    assert states[jobs[0]["id"]] == ["done"] and states[jobs[1]["id"]] == ["interrupted"]
+    reason = json.loads((camp / "jobs" / jobs[1]["id"] / "attempt-1" / "status.json").read_text())
+    assert "Ctrl-C" in reason["reason"]
+    # 2. SIGKILL the whole runner (no chance to record anything) during the third job.
+    runner = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)
+    _wait_for(running(2))
+    os.killpg(runner.pid, signal.SIGKILL)
+    runner.wait()
+    assert _states(camp)[jobs[2]["id"]] == ["running"]
+    # 3. Resume: the dead attempt is recorded as interrupted, nothing finished runs again.
+    lines = []
+    counts = campaign.run_campaign(camp, log=lines.append)
+    assert counts == {"total": 4, "done": 4, "failed": 0, "pending": 0}
+    assert any("runner stopped" in line for line in lines)
+    states = _states(camp)
+    assert states[jobs[0]["id"]] == ["done"]
+    assert states[jobs[1]["id"]] == ["interrupted", "done"]
+    assert states[jobs[2]["id"]] == ["interrupted", "done"]
+    assert states[jobs[3]["id"]] == ["done"]
+    # 4. Running again does nothing; the interrupted attempts stay as evidence and audit clean.
+    assert campaign.run_campaign(camp, log=lambda *_: None)["done"] == 4
+    assert all(len(v) == len(states[k]) for k, v in _states(camp).items())
+    analysis.analyze(camp, log=lambda *_: None)
+    assert audit_lines(camp) == (0, [])
+
+
+def test_failed_jobs_are_recorded_never_silently_rerun(tmp_path, monkeypatch):
+    proto = write_protocol(tmp_path, arms='["native", "cotangent"]', design="ab-ba",
+                           seeds="[0, 1, 2]")
+    camp = campaign.freeze(str(proto), str(tmp_path / "c"), None, log=lambda *_: None)
+    jobs = json.loads((camp / "freeze.json").read_text())["jobs"]
+    victim = jobs[1]["id"]
+    real = campaign.job_command
+
+    def failing(campaign_dir, attempt, data_dir):
+        if victim in attempt:
+            return [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"]
+        return real(campaign_dir, attempt, data_dir)
+
+    monkeypatch.setattr(campaign, "job_command", failing)
+    counts = campaign.run_campaign(camp, log=lambda *_: None)
+    assert counts == {"total": 6, "done": 5, "failed": 1, "pending": 0}
+    status = json.loads((camp / "jobs" / victim / "attempt-1" / "status.json").read_text())
+    assert status["state"] == "failed" and status["returncode"] == 3
+    assert status["log_tail"] == ["boom"]
+    assert campaign.run_campaign(camp, log=lambda *_: None)["failed"] == 1  # not re-run
+    assert len(campaign._attempts(camp / "jobs" / victim)) == 1
+    results = analysis.analyze(camp, log=lambda *_: None)
+    assert results["jobs"]["failed"] == [victim]
+    seed = jobs[1]["seed"]
+    assert results["comparisons"][0]["missing_seeds"] == [seed]
+    assert results["comparisons"][0]["pairs"] == 2
+    assert audit_lines(camp) == (0, [])
+    # --retry-failed: a new attempt; the failed one stays as evidence
+    monkeypatch.setattr(campaign, "job_command", real)
+    counts = campaign.run_campaign(camp, retry_failed=True, log=lambda *_: None)
+    assert counts["done"] == 6 and counts["failed"] == 0
+    assert [json.loads((a / "status.json").read_text())["state"] for a in
+            campaign._attempts(camp / "jobs" / victim)] == ["failed", "done"]
+
+
+def test_analyze_refuses_unfinished_campaigns(tmp_path):
+    proto = write_protocol(tmp_path, arms='["native", "cotangent"]', design="ab-ba")
+    camp = campaign.freeze(str(proto), str(tmp_path / "c"), None, log=lambda *_: None)
+    with pytest.raises(ValueError, match="4 of 4 jobs have not finished"):
+        analysis.analyze(camp, log=lambda *_: None)
+
+
+def test_committed_cpu_quick_results_audit_clean():
+    camp = ROOT / "results" / "cpu-quick"
+    assert (camp / "analysis" / "results.json").is_file(), "results/cpu-quick is committed"
+    proc = subprocess.run([sys.executable, "-I", "-S", str(AUDIT_PY), str(camp)],
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout[-2000:]
