@@ -272,7 +272,7 @@ def test_audit_names_a_removed_file(finished, tmp_path):
 
 def test_audit_names_an_extra_run(finished, tmp_path):
     camp = _copy(finished, tmp_path)
-    run = next(camp.glob("jobs/000-*/attempt-1/*"))
+    run = next(p for p in camp.glob("jobs/000-*/attempt-1/*") if p.is_dir())
     extra = run.parent / (run.name + "-again")
     shutil.copytree(run, extra)
     rc, failures = audit_lines(camp)
