@@ -117,6 +117,8 @@ def t_interval(values: list[float], level: float) -> dict:
 # ----------------------------------------------------------------------------- the audit
 
 class Audit:
+    """Collects failures (each naming a file) and counts the checks made."""
+
     def __init__(self, root: Path) -> None:
         self.root = root
         self.failures: list[str] = []
@@ -167,6 +169,7 @@ def _sha256(path: Path) -> str:
 
 
 def check_integrity(a: Audit) -> None:
+    """Check 1: every file against the manifests; nothing missing, nothing unlisted."""
     manifests = ["analysis/manifest.json"]
     if (a.root / "report/manifest.json").exists():
         manifests.append("report/manifest.json")
@@ -240,6 +243,7 @@ def load_runs(a: Audit, protocol: dict, frozen: dict) -> dict:
 
 
 def load_run(a: Audit, job: dict, run_rel: str, protocol: dict, frozen: dict) -> dict | None:
+    """Check 3 for one done job's run record; returns the numbers runs.csv should hold."""
     meta = a.load_json(f"{run_rel}/metadata.json")
     summary = a.load_json(f"{run_rel}/summary.json")
     curve_rel = f"{run_rel}/curve.jsonl"
@@ -313,6 +317,7 @@ def _parse_cell(text: str):
 
 
 def read_csv(a: Audit, rel: str) -> list[dict] | None:
+    """Rows of a CSV file with numbers, booleans and empty cells (None) parsed back."""
     a.context = rel
     try:
         with open(a.root / rel, newline="", encoding="utf-8") as f:
@@ -325,10 +330,12 @@ def read_csv(a: Audit, rel: str) -> list[dict] | None:
 
 
 def reduction(candidate: float, baseline: float) -> float:
+    """1 - candidate / baseline."""
     return 1.0 - candidate / baseline
 
 
 def make_pair(b: dict, c: dict) -> dict:
+    """One pairs.csv row recomputed from two runs (see cotangent.harness.analysis)."""
     tb, tc = b["time_to_target_s"], c["time_to_target_s"]
     censored = {(False, False): "none", (True, False): "baseline", (False, True): "candidate",
                 (True, True): "both"}[(tb is None, tc is None)]
@@ -510,6 +517,7 @@ def _audit(a: Audit) -> None:
 
 
 def check_factorial(a: Audit, results: dict, models, arms, seeds, done, level) -> None:
+    """The 2x2 factorial contrasts of results.json, recomputed per model and metric."""
     f = "analysis/results.json"
     recorded = results.get("factorial", [])
     if not (set(FACTORIAL_ARMS) <= set(arms) and arms[0] == "native"):
@@ -547,6 +555,7 @@ def check_factorial(a: Audit, results: dict, models, arms, seeds, done, level) -
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Command line: `audit.py RUNS`; exit 0 clean, 1 failures, 2 usage error."""
     argv = sys.argv[1:] if argv is None else argv
     if len(argv) != 1 or argv[0].startswith("-"):
         print("usage: audit.py RUNS   (a campaign directory after `cotangent analyze`)",

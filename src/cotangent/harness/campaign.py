@@ -224,6 +224,7 @@ def plan_jobs(protocol: Protocol) -> list[dict]:
 
 
 def sha256_file(path: Path) -> str:
+    """SHA-256 (hex) of a file's bytes, read in 1 MiB chunks."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         for chunk in iter(lambda: f.read(1 << 20), b""):

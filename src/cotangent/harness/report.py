@@ -49,6 +49,7 @@ def _colour(arm: str) -> str:
 
 
 def fig_reductions(results: dict, path: Path) -> None:
+    """Forest plot of every comparison's reductions (%, positive = candidate faster)."""
     rows = [(f"{c['model']}: {c['candidate']}\n{label}", c[key], c["candidate"])
             for c in results["comparisons"] for key, label in METRICS]
     fig, ax = plt.subplots(figsize=(7.5, 0.42 * len(rows) + 1.4))
@@ -72,6 +73,7 @@ def fig_reductions(results: dict, path: Path) -> None:
 
 
 def fig_quality(results: dict, pairs: list[dict], path: Path) -> None:
+    """Test BPB differences (candidate - baseline): per-pair ticks, t interval, margin line."""
     comps = results["comparisons"]
     margin = results["protocol"]["margin_bpb"]
     fig, ax = plt.subplots(figsize=(7.5, 0.5 * len(comps) + 1.4))
@@ -100,6 +102,7 @@ def fig_quality(results: dict, pairs: list[dict], path: Path) -> None:
 
 
 def fig_curves(campaign: Path, results: dict, runs: list[dict], path: Path) -> None:
+    """Probe BPB against the run's training seconds, every run, one panel per model."""
     models = results["protocol"]["models"]
     fig, axes = plt.subplots(1, len(models), figsize=(5.5 * len(models), 3.8), squeeze=False)
     for ax, model in zip(axes[0], models):
@@ -126,6 +129,7 @@ def fig_curves(campaign: Path, results: dict, runs: list[dict], path: Path) -> N
 
 
 def fig_factorial(results: dict, path: Path) -> bool:
+    """Bars of the factorial contrasts with t intervals; False (no file) without them."""
     blocks = results["factorial"]
     if not blocks:
         return False
@@ -152,6 +156,7 @@ def fig_factorial(results: dict, path: Path) -> bool:
 
 
 def fig_update_ms(results: dict, runs: list[dict], path: Path) -> None:
+    """Median update-phase ms per step of every run, grouped by model and arm."""
     models, arms = results["protocol"]["models"], results["protocol"]["arms"]
     fig, ax = plt.subplots(figsize=(max(5.0, 1.1 * len(models) * len(arms)), 3.6))
     labels = []
