@@ -456,26 +456,57 @@ def test_failed_jobs_are_recorded_never_silently_rerun(tmp_path, monkeypatch):
             return [sys.executable, "-c", "import sys; print('boom'); sys.exit(3)"]
         return real(campaign_dir, attempt, data_dir)
 
-    monkeypatch.setattr(campaign, "job_command", failing)
+    # A run that finishes on other data than the frozen is a failure too.
+    other = tmp_path / "other-data"
+    other.mkdir()
+    for split in ("train", "valid", "test"):
+        (other / f"{split}.txt").write_bytes(bytes(range(256)) * 64)
+    wrong_data = jobs[3]["id"]
+
+    def failing_or_other_data(campaign_dir, attempt, data_dir):
+        if wrong_data in attempt:
+            return real(campaign_dir, attempt, str(other))
+        return failing(campaign_dir, attempt, data_dir)
+
+    monkeypatch.setattr(campaign, "job_command", failing_or_other_data)
+    # A data directory in the environment must not leak into the jobs (frozen: embedded).
+    monkeypatch.setenv("COTANGENT_DATA_DIR", str(other))
     counts = campaign.run_campaign(camp, log=lambda *_: None)
-    assert counts == {"total": 6, "done": 5, "failed": 1, "pending": 0}
+    assert counts == {"total": 6, "done": 4, "failed": 2, "pending": 0}
     status = json.loads((camp / "jobs" / victim / "attempt-1" / "status.json").read_text())
     assert status["state"] == "failed" and status["returncode"] == 3
     assert status["log_tail"] == ["boom"]
-    assert campaign.run_campaign(camp, log=lambda *_: None)["failed"] == 1  # not re-run
-    assert len(campaign._attempts(camp / "jobs" / victim)) == 1
+    status = json.loads((camp / "jobs" / wrong_data / "attempt-1" / "status.json").read_text())
+    assert status["state"] == "failed" and status["returncode"] == 0
+    assert status["reason"] == "the run read other data than the frozen fingerprints"
+    assert campaign.run_campaign(camp, log=lambda *_: None)["failed"] == 2  # not re-run
+    assert [len(campaign._attempts(camp / "jobs" / j)) for j in (victim, wrong_data)] == [1, 1]
     results = analysis.analyze(camp, log=lambda *_: None)
-    assert results["jobs"]["failed"] == [victim]
-    seed = jobs[1]["seed"]
-    assert results["comparisons"][0]["missing_seeds"] == [seed]
-    assert results["comparisons"][0]["pairs"] == 2
+    assert sorted(results["jobs"]["failed"]) == sorted([victim, wrong_data])
+    missing = sorted({jobs[1]["seed"], jobs[3]["seed"]})
+    assert results["comparisons"][0]["missing_seeds"] == missing
+    assert results["comparisons"][0]["pairs"] == 3 - len(missing)
     assert audit_lines(camp) == (0, [])
-    # --retry-failed: a new attempt; the failed one stays as evidence
+    # --retry-failed: new attempts; the failed ones stay as evidence
     monkeypatch.setattr(campaign, "job_command", real)
     counts = campaign.run_campaign(camp, retry_failed=True, log=lambda *_: None)
     assert counts["done"] == 6 and counts["failed"] == 0
-    assert [json.loads((a / "status.json").read_text())["state"] for a in
-            campaign._attempts(camp / "jobs" / victim)] == ["failed", "done"]
+    for job in (victim, wrong_data):
+        assert [json.loads((a / "status.json").read_text())["state"] for a in
+                campaign._attempts(camp / "jobs" / job)] == ["failed", "done"]
+
+
+def test_a_second_runner_is_refused_and_leaves_the_lock(tmp_path):
+    import fcntl
+
+    proto = write_protocol(tmp_path, arms='["native", "cotangent"]', design="ab-ba")
+    camp = campaign.freeze(str(proto), str(tmp_path / "c"), None, log=lambda *_: None)
+    with open(camp / ".lock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(ValueError, match="another `cotangent campaign run` is using it"):
+            campaign.run_campaign(camp, log=lambda *_: None)
+        assert (camp / ".lock").exists()
+    assert not any((camp / "jobs").iterdir())
 
 
 def test_analyze_refuses_unfinished_campaigns(tmp_path):

@@ -41,6 +41,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from cotangent.harness import records
+from cotangent.harness.data import DATA_ENV
 from cotangent.harness.train import TrainConfig, check_device, format_config, validate_config
 
 DESIGNS = ("ab-ba", "latin")
@@ -420,23 +421,22 @@ def run_campaign(campaign: Path, *, data_dir: str | None = None, retry_failed: b
         raise ValueError(f"data in {data_dir or 'the embedded corpus'} differ from the frozen "
                          f"fingerprints ({data} vs {frozen['data']})")
     check_device(protocol.train.get("device", "cpu"))
-    jobs = frozen["jobs"]
     (campaign / "jobs").mkdir(exist_ok=True)
     lock_path = campaign / ".lock"
-    lock = open(lock_path, "w")
-    try:
+    with open(lock_path, "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ValueError(f"{campaign}: another `cotangent campaign run` is using it") from None
-        return _run_jobs(campaign, protocol, jobs, data_dir, retry_failed, max_jobs, log)
-    finally:
-        lock_path.unlink(missing_ok=True)
-        lock.close()
+        try:
+            return _run_jobs(campaign, protocol, frozen, data_dir, retry_failed, max_jobs, log)
+        finally:
+            lock_path.unlink(missing_ok=True)  # only the holder removes it
 
 
-def _run_jobs(campaign: Path, protocol: Protocol, jobs: list[dict], data_dir: str | None,
+def _run_jobs(campaign: Path, protocol: Protocol, frozen: dict, data_dir: str | None,
               retry_failed: bool, max_jobs: int | None, log) -> dict:
+    jobs = frozen["jobs"]
     for job in jobs:
         _settle_unfinished(campaign, job, log)
     states = {job["id"]: job_state(campaign, job)[0] for job in jobs}
@@ -459,7 +459,7 @@ def _run_jobs(campaign: Path, protocol: Protocol, jobs: list[dict], data_dir: st
             continue
         if max_jobs is not None and ran >= max_jobs:
             break
-        state, wall_s = _run_one(campaign, protocol, job, data_dir, log)
+        state, wall_s = _run_one(campaign, protocol, job, data_dir, frozen, log)
         states[job["id"]] = state
         ran += 1
         finished += 1
@@ -485,8 +485,20 @@ def job_command(campaign: Path, attempt: str, data_dir: str | None) -> list[str]
     return command
 
 
+def _fingerprint_mismatch(run: Path, frozen: dict) -> str | None:
+    """Why a finished run does not count (it used other code or data than the frozen), or
+    None when its metadata carries the frozen fingerprints."""
+    meta = json.loads((run / "metadata.json").read_text(encoding="utf-8"))
+    data = {s: v["sha256"] for s, v in sorted(meta["data"]["splits"].items())}
+    if data != frozen["data"]["splits"]:
+        return "the run read other data than the frozen fingerprints"
+    if meta["environment"]["code_sha256"] != frozen["code"]["cotangent_sha256"]:
+        return "the run used other code than the frozen fingerprint"
+    return None
+
+
 def _run_one(campaign: Path, protocol: Protocol, job: dict, data_dir: str | None,
-             log) -> tuple[str, float]:
+             frozen: dict, log) -> tuple[str, float]:
     job_dir = campaign / "jobs" / job["id"]
     n = len(_attempts(job_dir)) + 1
     attempt = job_dir / f"attempt-{n}"
@@ -499,6 +511,9 @@ def _run_one(campaign: Path, protocol: Protocol, job: dict, data_dir: str | None
     _write_status(attempt, job, n, "running", started_utc=started, command=command)
     t0 = time.perf_counter()
     env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # The job reads exactly the frozen data: its --data-dir, or (none) the embedded corpus,
+    # never a directory that happens to be in the environment.
+    env.pop(DATA_ENV, None)
     with open(attempt / "log.txt", "w", encoding="utf-8") as out:
         proc = subprocess.Popen(command, cwd=campaign, stdout=out, stderr=subprocess.STDOUT,
                                 env=env)
@@ -522,12 +537,14 @@ def _run_one(campaign: Path, protocol: Protocol, job: dict, data_dir: str | None
     run = completed_run(attempt, job)
     common = dict(started_utc=started, command=command, ended_utc=_utc(), wall_s=wall_s,
                   returncode=rc)
-    if rc == 0 and run is not None:
+    mismatch = _fingerprint_mismatch(run, frozen) if run is not None else None
+    if rc == 0 and run is not None and mismatch is None:
         _write_status(attempt, job, n, "done", **common,
                       run_dir=run.relative_to(campaign).as_posix())
         return "done", wall_s
     tail = (attempt / "log.txt").read_text(encoding="utf-8", errors="replace").splitlines()[-15:]
-    reason = (f"exit status {rc}" if rc != 0 else "exit status 0 but no finished run record")
+    reason = (f"exit status {rc}" if rc != 0 else mismatch if mismatch is not None
+              else "exit status 0 but no finished run record")
     _write_status(attempt, job, n, "failed", **common, reason=reason, log_tail=tail)
     log(f"{job['id']}: FAILED ({reason}); log: {attempt / 'log.txt'}")
     return "failed", wall_s

@@ -15,7 +15,7 @@ import os
 import sys
 import tomllib
 
-from cotangent.harness.data import embedded_corpus, load_wikitext2
+from cotangent.harness.data import DATA_ENV, embedded_corpus, load_wikitext2
 from cotangent.harness.model import MODELS
 from cotangent.harness.train import (
     ARMS,
@@ -28,7 +28,6 @@ from cotangent.harness.train import (
     validate_config,
 )
 
-DATA_ENV = "COTANGENT_DATA_DIR"
 
 
 def _train_parser(sub) -> None:

@@ -42,6 +42,7 @@ FILE_NAMES: dict[str, tuple[str, ...]] = {
     split: (f"{split}.txt", f"wiki.{split}.tokens", f"wiki.{split}.raw") for split in SPLITS
 }
 
+DATA_ENV = "COTANGENT_DATA_DIR"  # the WikiText-2 directory when no --data-dir is given
 TRAIN_FRACTION = 0.95  # training windows come from the first 95% of train (the rest: probes)
 
 
