@@ -75,7 +75,11 @@ def audit_lines(path: Path) -> tuple[int, list[str]]:
 @pytest.mark.parametrize("edit, message", [
     ("unknown_key = 1", "unknown key(s) unknown_key"),
     ('design = "ab-ba"', "exactly two arms for design ab-ba"),
-    ("level = 1.5", "level must be a number in (0, 1)"),
+    ("level = 1.5", "level must be a number in [0.5, 1)"),
+    ("margin_bpb = inf", "margin_bpb must be a positive number"),
+    ('name = ".."', "name must be a directory name"),
+    ("seeds = [0, -1]", "seed must be in [0, 2**63 - 100000), got -1"),
+    ("bootstrap_resamples = 1000000000000", "bootstrap_resamples must be an integer from 1"),
     ("margin_bpb = 0", "margin_bpb must be a positive number"),
     ("eval_every = 13", "eval_every must be at most steps"),
     ("seeds = [1, 1]", "seeds must be a list of at least two distinct integers"),
@@ -341,6 +345,91 @@ def test_audit_names_a_changed_job_set(finished, tmp_path):
     assert rc == 1 and any(f.startswith("freeze.json") and "job set" in f for f in failures)
 
 
+def _edit_json(camp: Path, rel: str, edit) -> None:
+    path = camp / rel
+    obj = json.loads(path.read_text())
+    edit(obj)
+    path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+    _rehash(camp, rel)
+
+
+def _first(camp: Path, pattern: str) -> str:
+    return sorted(camp.glob(pattern))[0].relative_to(camp).as_posix()
+
+
+@pytest.mark.parametrize("kind", ["threads", "update_ms", "protocol_level", "attempt_number",
+                                  "interrupted_holds_finished_run", "second_done_attempt",
+                                  "identical_pairs", "incomplete_marker", "lr_in_config"])
+def test_audit_catches_consistent_forgeries(finished, tmp_path, kind):
+    """Edits whose manifest entries were updated too: the cross-checks must still fail."""
+    camp = _copy(finished, tmp_path)
+    meta = _first(camp, "jobs/*/attempt-1/*/*/metadata.json")
+    run = meta.rsplit("/", 1)[0]
+    status = run.rsplit("/", 2)[0] + "/status.json"
+    expect = meta
+    if kind == "threads":
+        _edit_json(camp, meta, lambda m: m["environment"].update(threads=64))
+    elif kind == "update_ms":
+        _edit_json(camp, f"{run}/summary.json", lambda m: m.update(update_ms=m["update_ms"] / 10))
+        expect = f"{run}/summary.json"
+    elif kind == "protocol_level":
+        _edit_json(camp, "analysis/results.json", lambda m: m["protocol"].update(level=0.99))
+        expect = "analysis/results.json"
+    elif kind == "attempt_number":
+        _edit_json(camp, status, lambda m: m.update(attempt=7))
+        expect = status
+    elif kind == "interrupted_holds_finished_run":
+        _edit_json(camp, status, lambda m: m.update(state="interrupted"))
+        expect = status
+    elif kind == "second_done_attempt":
+        src = camp / status.rsplit("/", 1)[0]
+        dst = src.parent / "attempt-2"
+        shutil.copytree(src, dst)
+        for p in dst.rglob("*"):
+            if p.is_file():
+                _rehash(camp, p.relative_to(camp).as_posix())
+        _edit_json(camp, dst.relative_to(camp).as_posix() + "/status.json",
+                   lambda m: m.update(attempt=2))
+        expect = dst.relative_to(camp).as_posix() + "/status.json"
+    elif kind == "identical_pairs":
+        _edit_json(camp, "analysis/results.json",
+                   lambda m: m["comparisons"][0]["identical_final_hash"].update(pairs=77))
+        expect = "analysis/results.json"
+    elif kind == "incomplete_marker":
+        (camp / run / "INCOMPLETE").write_text("x")
+        _rehash(camp, f"{run}/INCOMPLETE")
+        expect = status
+    elif kind == "lr_in_config":
+        path = camp / run / "config.toml"
+        path.write_text(path.read_text().replace("lr = 0.001", "lr = 0.002"))
+        _rehash(camp, f"{run}/config.toml")
+        expect = f"{run}/config.toml"
+    rc, failures = audit_lines(camp)
+    assert rc == 1 and any(f.startswith(expect) for f in failures), failures
+
+
+def test_audit_finds_a_stale_report(finished, tmp_path):
+    camp = _copy(finished, tmp_path)
+    results = json.loads((camp / "analysis" / "results.json").read_text())
+    (camp / "analysis" / "results.json").write_text(json.dumps(results, indent=1))
+    _rehash(camp, "analysis/results.json")
+    rc, failures = audit_lines(camp)
+    assert rc == 1 and any(f.startswith("report/manifest.json") and "stale" in f
+                           for f in failures), failures
+
+
+@pytest.mark.parametrize("rel, content", [
+    ("freeze.json", "[1, 2]"),
+    ("analysis/results.json", "[1]"),
+])
+def test_audit_names_a_malformed_file(finished, tmp_path, rel, content):
+    camp = _copy(finished, tmp_path)
+    (camp / rel).write_text(content)
+    _rehash(camp, rel)
+    rc, failures = audit_lines(camp)
+    assert rc == 1 and any(f.startswith(rel) for f in failures), failures
+
+
 def test_audit_usage_errors(tmp_path):
     assert audit.main([str(tmp_path)]) == 2
     assert audit.main([]) == 2
@@ -392,7 +481,7 @@ def _states(camp: Path) -> dict[str, list[str]]:
     out = {}
     for job_dir in sorted((camp / "jobs").iterdir()):
         out[job_dir.name] = [json.loads((a / "status.json").read_text())["state"]
-                             for a in campaign._attempts(job_dir)]
+                             for a in campaign.attempt_dirs(job_dir)]
     return out
 
 
@@ -419,13 +508,30 @@ def test_resume_after_ctrl_c_and_a_killed_runner(tmp_path):
     assert states[jobs[0]["id"]] == ["done"] and states[jobs[1]["id"]] == ["interrupted"]
     reason = json.loads((camp / "jobs" / jobs[1]["id"] / "attempt-1" / "status.json").read_text())
     assert "Ctrl-C" in reason["reason"]
-    # 2. SIGKILL the whole runner (no chance to record anything) during the third job.
+    # 2. SIGKILL the runner alone (no chance to record anything) during the third job: its
+    #    job must not survive it and keep training beside the resumed one.
     runner = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL,
                               stderr=subprocess.DEVNULL)
     _wait_for(running(2))
-    os.killpg(runner.pid, signal.SIGKILL)
+    status = camp / "jobs" / jobs[2]["id"] / "attempt-1" / "status.json"
+    _wait_for(lambda: "pid" in json.loads(status.read_text()))
+    child = json.loads(status.read_text())["pid"]
+    os.kill(runner.pid, signal.SIGKILL)
     runner.wait()
+
+    def gone() -> bool:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    _wait_for(gone, timeout=10)  # PR_SET_PDEATHSIG: the job died with its runner
     assert _states(camp)[jobs[2]["id"]] == ["running"]
+    assert any(jobs[2]["id"] in line and "attempt-1 running" in line
+               for line in campaign.status_lines(camp))
+    with pytest.raises(ValueError, match="marked running but no runner is active"):
+        analysis.analyze(camp, log=lambda *_: None)
     # 3. Resume: the dead attempt is recorded as interrupted, nothing finished runs again.
     lines = []
     counts = campaign.run_campaign(camp, log=lines.append)
@@ -480,7 +586,7 @@ def test_failed_jobs_are_recorded_never_silently_rerun(tmp_path, monkeypatch):
     assert status["state"] == "failed" and status["returncode"] == 0
     assert status["reason"] == "the run read other data than the frozen fingerprints"
     assert campaign.run_campaign(camp, log=lambda *_: None)["failed"] == 2  # not re-run
-    assert [len(campaign._attempts(camp / "jobs" / j)) for j in (victim, wrong_data)] == [1, 1]
+    assert [len(campaign.attempt_dirs(camp / "jobs" / j)) for j in (victim, wrong_data)] == [1, 1]
     results = analysis.analyze(camp, log=lambda *_: None)
     assert sorted(results["jobs"]["failed"]) == sorted([victim, wrong_data])
     missing = sorted({jobs[1]["seed"], jobs[3]["seed"]})
@@ -493,20 +599,47 @@ def test_failed_jobs_are_recorded_never_silently_rerun(tmp_path, monkeypatch):
     assert counts["done"] == 6 and counts["failed"] == 0
     for job in (victim, wrong_data):
         assert [json.loads((a / "status.json").read_text())["state"] for a in
-                campaign._attempts(camp / "jobs" / job)] == ["failed", "done"]
+                campaign.attempt_dirs(camp / "jobs" / job)] == ["failed", "done"]
 
 
-def test_a_second_runner_is_refused_and_leaves_the_lock(tmp_path):
+def test_a_second_runner_and_analyze_are_refused_while_one_is_active(tmp_path):
     import fcntl
 
     proto = write_protocol(tmp_path, arms='["native", "cotangent"]', design="ab-ba")
     camp = campaign.freeze(str(proto), str(tmp_path / "c"), None, log=lambda *_: None)
     with open(camp / ".lock", "a") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        with pytest.raises(ValueError, match="another `cotangent campaign run` is using it"):
+        with pytest.raises(ValueError, match="another `cotangent campaign run`, or a job"):
             campaign.run_campaign(camp, log=lambda *_: None)
         assert (camp / ".lock").exists()
+        assert campaign.runner_active(camp)
+        assert "a runner is active" in campaign.status_lines(camp)[0]
+        with pytest.raises(ValueError, match="still active"):
+            analysis.analyze(camp, log=lambda *_: None)
+    assert not campaign.runner_active(camp)
     assert not any((camp / "jobs").iterdir())
+
+
+def test_run_refuses_another_thread_count(tmp_path):
+    import torch
+
+    proto = write_protocol(tmp_path, arms='["native", "cotangent"]', design="ab-ba")
+    camp = campaign.freeze(str(proto), str(tmp_path / "c"), None, log=lambda *_: None)
+    frozen = json.loads((camp / "freeze.json").read_text())
+    assert frozen["machine"]["threads"] == torch.get_num_threads()
+    assert frozen["balanced"] is True
+    frozen["machine"]["threads"] += 1
+    (camp / "freeze.json").write_text(json.dumps(frozen))
+    with pytest.raises(ValueError, match="this machine differs from the frozen campaign's"):
+        campaign.run_campaign(camp, log=lambda *_: None)
+
+
+def test_freeze_warns_about_an_unbalanced_design(tmp_path):
+    lines = []
+    proto = write_protocol(tmp_path, seeds="[0, 1, 2]")
+    camp = campaign.freeze(str(proto), str(tmp_path / "c"), None, log=lines.append)
+    assert any("cannot be balanced (use a multiple of 4 seeds)" in line for line in lines)
+    assert json.loads((camp / "freeze.json").read_text())["balanced"] is False
 
 
 def test_analyze_refuses_unfinished_campaigns(tmp_path):

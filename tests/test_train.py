@@ -163,7 +163,8 @@ def test_compiled_model_arms_end_identical(tmp_path, capsys):
     ("betas=[0.9, 0.9, 0.9]", "betas must be two numbers"),
     ('device="tpu"', "device must be cpu, cuda or mps"),
     ("seed=-1", "seed must be in"),
-    ("lr=-0.1", "lr must be >= 0"),
+    ("lr=-0.1", "lr must be finite and >= 0"),
+    ("lr=inf", "lr must be finite and >= 0"),
 ])
 def test_bad_settings_are_one_line_errors(override, message, tmp_path, capsys):
     assert cli.main(["train", "--model", "tiny", "--out", str(tmp_path), "--set", override]) == 2

@@ -37,6 +37,7 @@ import math
 import statistics
 import sys
 import tomllib
+from datetime import datetime
 from pathlib import Path
 
 RTOL = 1e-9
@@ -150,14 +151,20 @@ class Audit:
         return ok
 
     def load_json(self, rel: str):
+        """The JSON object in `rel`, or None after a failure naming it."""
         self.context = rel
         try:
-            return json.loads((self.root / rel).read_text(encoding="utf-8"))
+            obj = json.loads((self.root / rel).read_text(encoding="utf-8"))
         except FileNotFoundError:
             self.fail(rel, "missing")
+            return None
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             self.fail(rel, f"not valid JSON ({exc})")
-        return None
+            return None
+        if not isinstance(obj, dict):
+            self.fail(rel, f"not a JSON object ({type(obj).__name__})")
+            return None
+        return obj
 
 
 def _sha256(path: Path) -> str:
@@ -191,8 +198,19 @@ def check_integrity(a: Audit) -> None:
                     f"SHA-256 differs from the one in {rel} (file changed)")
     for path in sorted(a.root.rglob("*")):
         rel = path.relative_to(a.root).as_posix()
-        if path.is_file() and rel not in listed and rel not in manifests:
+        if path.is_file() and rel not in listed and rel not in manifests and rel != ".lock":
             a.fail(rel, "not listed in any manifest (added after the analysis)")
+    if len(manifests) == 2:
+        report = a.load_json("report/manifest.json") or {}
+        built = report.get("built_from")
+        names = ("analysis/results.json", "analysis/runs.csv", "analysis/pairs.csv")
+        if not isinstance(built, dict) or sorted(built) != sorted(names):
+            a.fail("report/manifest.json", "does not say which analysis the report shows")
+        else:
+            for name in names:
+                a.check((a.root / name).is_file() and _sha256(a.root / name) == built[name],
+                        "report/manifest.json", f"the report was built from another {name} "
+                                                "(stale: run `cotangent report` again)")
 
 
 def _arm_dirs(attempt: Path) -> list[Path]:
@@ -208,9 +226,16 @@ def load_runs(a: Audit, protocol: dict, frozen: dict) -> dict:
     for extra in sorted(present - set(jobs)):
         a.fail(f"jobs/{extra}", "a job directory that is not in the frozen job list")
     runs: dict[str, dict | None] = {}
+    periods = []  # (start, end, status file) of every attempt: one job at a time
     for job_id, job in jobs.items():
-        attempts = sorted((p for p in (jobs_dir / job_id).glob("attempt-*") if p.is_dir()),
-                          key=lambda p: int(p.name.split("-")[1]))
+        job_dir = jobs_dir / job_id
+        entries = sorted(job_dir.iterdir()) if job_dir.is_dir() else []
+        for entry in entries:
+            if not (entry.is_dir() and entry.name.startswith("attempt-")
+                    and entry.name[8:].isdigit()):
+                a.fail(entry.relative_to(a.root).as_posix(), "not an attempt directory")
+        attempts = sorted((p for p in entries if p.is_dir() and p.name.startswith("attempt-")
+                           and p.name[8:].isdigit()), key=lambda p: int(p.name[8:]))
         deciding = None
         for attempt in attempts:
             rel = f"{attempt.relative_to(a.root).as_posix()}/status.json"
@@ -218,13 +243,28 @@ def load_runs(a: Audit, protocol: dict, frozen: dict) -> dict:
             if status is None:
                 continue
             a.check(status.get("job") == job_id, rel, f"names job {status.get('job')!r}")
-            if status.get("state") in ("done", "failed"):
+            a.check(status.get("attempt") == int(attempt.name[8:]), rel,
+                    f"says attempt {status.get('attempt')!r}")
+            state = status.get("state")
+            finished = [d for d in _arm_dirs(attempt) if (d / "summary.json").is_file()
+                        and not (d / "INCOMPLETE").exists()]
+            if state in ("done", "failed"):
+                if deciding is not None and "done" in (state, deciding[1].get("state")):
+                    a.fail(rel, f"a second finished attempt after {deciding[2]} (a job runs "
+                                "until it is done or failed, once)")
                 deciding = (attempt, status, rel)
-            elif status.get("state") != "interrupted":
-                a.fail(rel, f"state {status.get('state')!r} (a finished campaign has only "
-                            "done, failed and interrupted attempts)")
-            if status.get("state") != "done" and len(_arm_dirs(attempt)) > 1:
+            elif state == "interrupted":
+                a.check(not finished, rel, "an interrupted attempt holds a finished run record")
+            else:
+                a.fail(rel, f"state {state!r} (a finished campaign has only done, failed and "
+                            "interrupted attempts)")
+            if state != "done" and len(_arm_dirs(attempt)) > 1:
                 a.fail(rel, "more than one run record in one attempt")
+            try:
+                periods.append((datetime.fromisoformat(status["started_utc"]),
+                                datetime.fromisoformat(status["ended_utc"]), rel))
+            except (KeyError, TypeError, ValueError):
+                a.fail(rel, "no valid started_utc / ended_utc")
         if deciding is None:
             a.fail(f"jobs/{job_id}", "no done or failed attempt: the job never finished")
             continue
@@ -239,6 +279,12 @@ def load_runs(a: Audit, protocol: dict, frozen: dict) -> dict:
                                    f"({[d.relative_to(a.root).as_posix() for d in arm_dirs]})"):
             continue
         runs[job_id] = load_run(a, job, run_rel, protocol, frozen)
+        a.check(not (a.root / run_rel / "INCOMPLETE").exists()
+                and not (a.root / run_rel / "curve.partial.jsonl").exists(), status_rel,
+                f"its run {run_rel} is marked incomplete")
+    periods.sort()
+    for (_, end, rel), (start, _, nxt) in zip(periods, periods[1:]):
+        a.check(start >= end, nxt, f"started before {rel} ended: two jobs ran at once")
     return runs
 
 
@@ -275,8 +321,33 @@ def load_run(a: Audit, job: dict, run_rel: str, protocol: dict, frozen: dict) ->
             f"torch {env.get('torch')} differs from the frozen {frozen['code']['torch']}")
     splits = {k: v.get("sha256") for k, v in meta.get("data", {}).get("splits", {}).items()}
     a.check(splits == frozen["data"]["splits"], m, "data SHA-256s differ from the frozen ones")
+    for key, want in frozen["machine"].items():
+        a.check(env.get(key) == want, m, f"ran with {key} {env.get(key)!r}, the campaign was "
+                                         f"frozen with {want!r}")
+    cfg_lists = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}
+    for toml_rel in (f"{run_rel}/config.toml", f"{run_rel.rsplit('/', 2)[0]}/job.toml"):
+        a.context = toml_rel
+        try:
+            written = tomllib.loads((a.root / toml_rel).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            a.fail(toml_rel, f"cannot be read as TOML ({exc})")
+            continue
+        a.check(written == cfg_lists, toml_rel, "differs from the config in metadata.json")
     steps = [r for r in curve if "loss_bpb" in r]
     probes = [r for r in curve if "probe_bpb" in r]
+    lrs = [r.get("lr") for r in steps]
+    a.check(hashlib.sha256(repr(lrs).encode()).hexdigest() == meta.get("schedule_sha256"),
+            curve_rel, "its learning rates are not the schedule of metadata's schedule_sha256")
+    if steps:
+        step_s = [r["step_s"] for r in steps]
+        update_s = [r["update_s"] for r in steps]
+        for key, value in (("update_ms", 1e3 * statistics.median(update_s)),
+                           ("step_ms", 1e3 * statistics.median(step_s)),
+                           ("update_ms_mean", 1e3 * statistics.fmean(update_s)),
+                           ("step_ms_mean", 1e3 * statistics.fmean(step_s)),
+                           ("final_loss_bpb", steps[-1].get("loss_bpb")),
+                           ("steps", protocol["steps"])):
+            a.close(summary.get(key), value, s, f"{key} vs curve.jsonl")
     a.check([r.get("step") for r in steps] == list(range(protocol["steps"])), curve_rel,
             f"{len(steps)} step rows, the protocol has {protocol['steps']} steps")
     a.close(summary.get("training_s"), sum(r["step_s"] for r in steps), s,
@@ -411,6 +482,8 @@ def _audit(a: Audit) -> None:
         return
     a.check(hashlib.sha256(raw).hexdigest() == frozen.get("protocol_sha256"), "protocol.toml",
             "SHA-256 differs from freeze.json's protocol_sha256")
+    if not _shape_ok(a, p, frozen):
+        return
     models, arms, seeds = p["models"], p["arms"], p["seeds"]
     target = p["target_bpb"]
     protocol = {"steps": p["steps"], "eval_every": p["eval_every"], "train": p.get("train", {}),
@@ -447,6 +520,8 @@ def _audit(a: Audit) -> None:
                     f"{job['id']}: state {row.get('state')!r}")
             for key in ("index", "block", "position", "model", "seed", "arm"):
                 a.close(row.get(key), job[key], "analysis/runs.csv", f"{job['id']}.{key}")
+            a.close(row.get("target_bpb"), protocol["target"][job["model"]], "analysis/runs.csv",
+                    f"{job['id']}.target_bpb")
             if run:
                 for key in ("run_dir", "steps", "training_s", "update_s", "update_ms_median",
                             "step_ms_median", "time_to_target_s", "test_bpb", "val_bpb",
@@ -477,6 +552,25 @@ def _audit(a: Audit) -> None:
     a.check(results.get("protocol_sha256") == frozen.get("protocol_sha256"), f,
             "protocol_sha256 is not the frozen one")
     a.check(results.get("jobs", {}).get("done") == len(done), f, "jobs.done miscounted")
+    a.check(results.get("jobs", {}).get("total") == len(frozen["jobs"]), f,
+            "jobs.total miscounted")
+    for key in ("code", "machine", "data", "environment"):
+        a.check(results.get(key) == frozen.get(key), f, f"{key} is not freeze.json's")
+    want = {"models": models, "arms": arms, "baseline": arms[0], "seeds": seeds,
+            "steps": p["steps"], "eval_every": p["eval_every"], "target_bpb": protocol["target"],
+            "level": level, "margin_bpb": margin, "design": p.get("design", "latin"),
+            "bootstrap_resamples": p.get("bootstrap_resamples", 10_000),
+            "bootstrap_seed": p.get("shuffle_seed", 0), "balanced": frozen.get("balanced")}
+    got = results.get("protocol")
+    a.check(isinstance(got, dict) and sorted(got) == sorted(want), f,
+            "its protocol block does not have the protocol's keys")
+    for key, value in want.items():
+        if not isinstance(got, dict):
+            break
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            a.close(got.get(key), value, f, f"protocol.{key}")
+        else:
+            a.check(got.get(key) == value, f, f"protocol.{key} is not protocol.toml's")
     a.check(sorted(results.get("jobs", {}).get("failed", [])) ==
             sorted(j for j, r in runs.items() if r is None), f, "jobs.failed misreported")
     recorded = results.get("comparisons", [])
@@ -513,7 +607,38 @@ def _audit(a: Audit) -> None:
         ident = rec.get("identical_final_hash") or {}
         a.close(ident.get("identical"), sum(r["identical_final_hash"] for r in rows_mc), f,
                 f"{where}.identical_final_hash")
+        a.close(ident.get("pairs"), len(rows_mc), f, f"{where}.identical_final_hash.pairs")
     check_factorial(a, results, models, arms, seeds, done, level)
+
+
+def _shape_ok(a: Audit, p: dict, frozen: dict) -> bool:
+    """protocol.toml and freeze.json hold what the audit reads, with the right types."""
+    def is_list(v, kind) -> bool:
+        return isinstance(v, list) and bool(v) and all(isinstance(x, kind) for x in v)
+
+    ok = a.check(is_list(p.get("models"), str) and is_list(p.get("arms"), str)
+                 and is_list(p.get("seeds"), int)
+                 and all(isinstance(p.get(k), int) for k in ("steps", "eval_every"))
+                 and all(isinstance(p.get(k), (int, float)) for k in ("level", "margin_bpb"))
+                 and isinstance(p.get("train", {}), dict)
+                 and (isinstance(p.get("target_bpb"), (int, float)) or (
+                     isinstance(p.get("target_bpb"), dict)
+                     and set(p["target_bpb"]) >= set(p.get("models") or []))),
+                 "protocol.toml", "lacks models, arms, seeds, steps, eval_every, level, "
+                                  "margin_bpb or target_bpb of the right types")
+    jobs = frozen.get("jobs")
+    ok &= a.check(isinstance(frozen.get("protocol_sha256"), str)
+                  and isinstance(frozen.get("code"), dict)
+                  and {"cotangent_sha256", "torch"} <= set(frozen["code"])
+                  and isinstance(frozen.get("machine"), dict)
+                  and isinstance(frozen.get("data"), dict)
+                  and isinstance(frozen["data"].get("splits"), dict)
+                  and isinstance(jobs, list) and all(
+                      isinstance(j, dict) and {"id", "index", "block", "position", "model",
+                                               "seed", "arm"} <= set(j) for j in jobs),
+                  "freeze.json", "lacks protocol_sha256, code, machine, data or a job list of "
+                                 "the right shape")
+    return ok
 
 
 def check_factorial(a: Audit, results: dict, models, arms, seeds, done, level) -> None:

@@ -28,11 +28,18 @@ from __future__ import annotations
 
 import csv
 import io
-import json
 from pathlib import Path
 
 from cotangent.harness import records, stats
-from cotangent.harness.campaign import Protocol, job_state, load_frozen, sha256_file
+from cotangent.harness.campaign import (
+    Protocol,
+    attempt_dirs,
+    job_state,
+    load_frozen,
+    read_status,
+    runner_active,
+    sha256_file,
+)
 
 ANALYSIS = "analysis"
 REPORT = "report"
@@ -58,12 +65,11 @@ def read_run(campaign: Path, job: dict, protocol: Protocol) -> dict:
     row.update(job=job["id"], state=state, target_bpb=protocol.target_bpb[job["model"]])
     if state != "done":
         return row
-    status = json.loads((attempt / "status.json").read_text(encoding="utf-8"))
+    status = records.read_json(attempt / "status.json")
     run_dir = campaign / status["run_dir"]
-    meta = json.loads((run_dir / "metadata.json").read_text(encoding="utf-8"))
-    summary = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
-    curve = [json.loads(line) for line in
-             (run_dir / "curve.jsonl").read_text(encoding="utf-8").splitlines()]
+    meta = records.read_json(run_dir / "metadata.json")
+    summary = records.read_json(run_dir / "summary.json")
+    curve = records.read_jsonl(run_dir / "curve.jsonl")
     probes = [r for r in curve if "probe_bpb" in r]
     ttt = stats.time_to_target(probes, row["target_bpb"], time_key="training_s")
     row.update(run_dir=status["run_dir"], steps=summary["steps"],
@@ -116,6 +122,15 @@ def analyze(campaign: Path, *, log=print) -> dict:
     """
     campaign = Path(campaign)
     protocol, frozen = load_frozen(campaign)
+    if runner_active(campaign):
+        raise ValueError(f"{campaign}: a `cotangent campaign run` is still active; analyze "
+                         "when it has finished")
+    running = [str(a) for job in frozen["jobs"]
+               for a in attempt_dirs(campaign / "jobs" / job["id"])
+               if (read_status(a) or {"state": "running"})["state"] == "running"]
+    if running:
+        raise ValueError(f"{running[0]}: marked running but no runner is active (the runner "
+                         f"died); `cotangent campaign run {campaign}` settles it, then analyze")
     runs = [read_run(campaign, job, protocol) for job in frozen["jobs"]]
     pending = [r["job"] for r in runs if r["state"] == "pending"]
     if pending:
@@ -180,8 +195,9 @@ def analyze(campaign: Path, *, log=print) -> dict:
                      "target_bpb": protocol.target_bpb, "level": protocol.level,
                      "margin_bpb": protocol.margin_bpb, "design": protocol.design,
                      "bootstrap_resamples": protocol.bootstrap_resamples,
-                     "bootstrap_seed": protocol.shuffle_seed},
+                     "bootstrap_seed": protocol.shuffle_seed, "balanced": frozen.get("balanced")},
         "code": frozen["code"],
+        "machine": frozen["machine"],
         "data": frozen["data"],
         "environment": frozen["environment"],
         "jobs": {"total": len(runs), "done": len(done),
@@ -195,7 +211,7 @@ def analyze(campaign: Path, *, log=print) -> dict:
     records.write_json(out / "results.json", results)
     records.write_atomic(out / "runs.csv", _csv(RUN_COLUMNS, runs))
     records.write_atomic(out / "pairs.csv", _csv(PAIR_COLUMNS, pairs))
-    write_manifest(campaign, out / MANIFEST, exclude_dirs=(REPORT,))
+    write_manifest(campaign, out / MANIFEST, exclude_dirs=(REPORT,), exclude_files=(".lock",))
     log(f"analysed {len(done)} runs, {len(pairs)} pairs: {out}")
     return results
 
@@ -213,17 +229,21 @@ def _csv(columns: tuple[str, ...], rows: list[dict]) -> str:
 
 
 def write_manifest(campaign: Path, path: Path, *, exclude_dirs: tuple[str, ...] = (),
-                   under: str | None = None) -> dict:
+                   exclude_files: tuple[str, ...] = (), under: str | None = None,
+                   extra: dict | None = None) -> dict:
     """Write `path`: {"files": {relative path: {sha256, bytes}}} over every file of the campaign
-    (or only those under `under`), except `path` itself and the directories `exclude_dirs`."""
+    (or only those under `under`), except `path` itself, the top-level directories
+    `exclude_dirs` and the top-level files `exclude_files` (the runner's lock); `extra` adds
+    keys to the manifest."""
     files = {}
     root = campaign / under if under else campaign
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(campaign).as_posix()
-        if not p.is_file() or p == path or rel.split("/")[0] in exclude_dirs:
+        if (not p.is_file() or p == path or rel.split("/")[0] in exclude_dirs
+                or rel in exclude_files):
             continue
         files[rel] = {"sha256": sha256_file(p), "bytes": p.stat().st_size}
-    manifest = {"campaign": campaign.name, "files": files}
+    manifest = {"campaign": campaign.name, "files": files, **(extra or {})}
     records.write_json(path, manifest)
     return manifest
 

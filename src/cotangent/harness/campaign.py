@@ -28,9 +28,10 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
-import json
+import math
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -111,10 +112,11 @@ def parse_protocol(text: str, source: str = "protocol") -> Protocol:
         return isinstance(v, int) and not isinstance(v, bool)
 
     def is_num(v) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and v == v
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-    if not isinstance(raw["name"], str) or not raw["name"] or "/" in raw["name"]:
-        raise bad("name", "a non-empty string without '/'")
+    if (not isinstance(raw["name"], str) or raw["name"] in (".", "..")
+            or not re.fullmatch(r"[A-Za-z0-9._-]+", raw["name"])):
+        raise bad("name", "a directory name of letters, digits, '.', '_' or '-'")
     if not isinstance(raw["description"], str):
         raise bad("description", "a string")
     for key in ("models", "arms"):
@@ -128,15 +130,15 @@ def parse_protocol(text: str, source: str = "protocol") -> Protocol:
     if (not isinstance(seeds, list) or len(seeds) < 2 or not all(is_int(s) for s in seeds)
             or len(set(seeds)) != len(seeds)):
         raise bad("seeds", "a list of at least two distinct integers (one block each)")
-    for key in ("steps", "eval_every", "bootstrap_resamples"):
-        if not is_int(raw[key]) or raw[key] < 1:
-            raise bad(key, "a positive integer")
+    for key, most in (("steps", 10**7), ("eval_every", 10**7), ("bootstrap_resamples", 10**6)):
+        if not is_int(raw[key]) or not 1 <= raw[key] <= most:
+            raise bad(key, f"an integer from 1 to {most:,}")
     if raw["eval_every"] > raw["steps"]:
         raise bad("eval_every", f"at most steps ({raw['steps']}), or no probe would run")
     if not is_int(raw["shuffle_seed"]):
         raise bad("shuffle_seed", "an integer")
-    if not is_num(raw["level"]) or not 0 < raw["level"] < 1:
-        raise bad("level", "a number in (0, 1), e.g. 0.95")
+    if not is_num(raw["level"]) or not 0.5 <= raw["level"] < 1:
+        raise bad("level", "a number in [0.5, 1), e.g. 0.95")
     if not is_num(raw["margin_bpb"]) or not raw["margin_bpb"] > 0:
         raise bad("margin_bpb", "a positive number of bits per byte")
     if raw["design"] not in DESIGNS:
@@ -183,13 +185,23 @@ def parse_protocol(text: str, source: str = "protocol") -> Protocol:
         shuffle_seed=raw["shuffle_seed"], bootstrap_resamples=raw["bootstrap_resamples"],
         train=train)
     for model in protocol.models:
-        for arm in protocol.arms:
-            try:
-                validate_config(protocol.job_config(
-                    {"model": model, "seed": protocol.seeds[0], "arm": arm}, "runs"))
-            except (TypeError, ValueError) as exc:
-                raise ValueError(f"{source}: {exc}") from None
+        for seed in protocol.seeds:
+            for arm in protocol.arms:
+                try:
+                    validate_config(protocol.job_config(
+                        {"model": model, "seed": seed, "arm": arm}, "runs"))
+                except (TypeError, ValueError) as exc:
+                    raise ValueError(f"{source}: {exc}") from None
     return protocol
+
+
+def balance_note(protocol: Protocol) -> str | None:
+    """Why the design is not balanced (each arm in each position equally often), or None."""
+    k = len(protocol.arms)
+    if len(protocol.seeds) % k:
+        return (f"{len(protocol.seeds)} seeds per model for {k} arms: the arm order cannot be "
+                f"balanced (use a multiple of {k} seeds)")
+    return None
 
 
 def plan_jobs(protocol: Protocol) -> list[dict]:
@@ -247,6 +259,15 @@ def code_fingerprint() -> dict:
             "torch_git": torch.version.git_version}
 
 
+def machine_fingerprint() -> dict:
+    """What the timings depend on besides the code: thread count, CPU vector ISA and model."""
+    import torch
+
+    env = records.environment()
+    return {"threads": torch.get_num_threads(), "cpu_capability": env["cpu_capability"],
+            "cpu_model": env["cpu_model"]}
+
+
 def data_fingerprint(corpus) -> dict:
     """Corpus name and the SHA-256 of each split."""
     return {"name": corpus.name,
@@ -262,11 +283,18 @@ def freeze(protocol_path: str, out: str | None, data_dir: str | None, *, log=pri
         OSError: the protocol or the data cannot be read.
     """
     raw = Path(protocol_path).read_bytes()
-    protocol = parse_protocol(raw.decode("utf-8"), protocol_path)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{protocol_path}: not UTF-8 text ({exc})") from None
+    protocol = parse_protocol(text, protocol_path)
     campaign = Path(out) if out else Path("campaigns") / protocol.name
-    if campaign.exists() and (not campaign.is_dir() or any(campaign.iterdir())):
+    if campaign.exists() and not campaign.is_dir():
+        raise ValueError(f"{campaign} exists and is not a directory")
+    if campaign.exists() and any(campaign.iterdir()):
         raise ValueError(f"{campaign} already exists and is not empty: a frozen campaign is "
                          "never re-frozen; pick another --out")
+    check_device(protocol.train.get("device", "cpu"))
     corpus = _load_corpus(data_dir)
     jobs = plan_jobs(protocol)
     frozen = {
@@ -274,13 +302,15 @@ def freeze(protocol_path: str, out: str | None, data_dir: str | None, *, log=pri
         "protocol_source": str(protocol_path),
         "frozen_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "code": code_fingerprint(),
+        "machine": machine_fingerprint(),
         "data": data_fingerprint(corpus),
+        "balanced": balance_note(protocol) is None,
         "data_dir": None if data_dir is None else os.path.abspath(data_dir),
         "environment": records.environment(),
         "jobs": jobs,
     }
     campaign.mkdir(parents=True, exist_ok=True)
-    records.write_atomic(campaign / PROTOCOL, raw.decode("utf-8"))
+    records.write_atomic(campaign / PROTOCOL, text)
     if sha256_file(campaign / PROTOCOL) != frozen["protocol_sha256"]:
         raise OSError(f"{campaign / PROTOCOL}: written bytes differ from {protocol_path}")
     records.write_json(campaign / FREEZE, frozen)
@@ -290,6 +320,8 @@ def freeze(protocol_path: str, out: str | None, data_dir: str | None, *, log=pri
         f"{frozen['code']['cotangent_sha256']} (torch {frozen['code']['torch']})\ndata: "
         f"{corpus.name}, " + ", ".join(f"{s} {h[:12]}" for s, h in
                                       frozen["data"]["splits"].items()))
+    if balance_note(protocol):
+        log(f"warning: {balance_note(protocol)}")
     return campaign
 
 
@@ -304,21 +336,23 @@ def load_frozen(campaign: Path) -> tuple[Protocol, dict]:
     if not freeze_path.is_file() or not protocol_path.is_file():
         raise ValueError(f"{campaign}: not a frozen campaign (no {FREEZE} / {PROTOCOL}); run "
                          "`cotangent campaign freeze PROTOCOL` first")
-    try:
-        frozen = json.loads(freeze_path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{freeze_path}: not valid JSON ({exc})") from None
+    frozen = records.read_json(freeze_path)
+    for key, kind in (("protocol_sha256", str), ("code", dict), ("machine", dict),
+                      ("data", dict), ("environment", dict), ("jobs", list)):
+        if not isinstance(frozen.get(key), kind):
+            raise ValueError(f"{freeze_path}: {key!r} is missing or not a {kind.__name__}")
     digest = sha256_file(protocol_path)
     if digest != frozen.get("protocol_sha256"):
         raise ValueError(f"{protocol_path}: SHA-256 {digest} differs from the frozen "
                          f"{frozen.get('protocol_sha256')}: the protocol changed after freezing")
-    protocol = parse_protocol(protocol_path.read_text(encoding="utf-8"), str(protocol_path))
+    protocol = parse_protocol(protocol_path.read_bytes().decode("utf-8"), str(protocol_path))
     if plan_jobs(protocol) != frozen.get("jobs"):
         raise ValueError(f"{freeze_path}: its job list is not the protocol's plan (edited?)")
     return protocol, frozen
 
 
-def _attempts(job_dir: Path) -> list[Path]:
+def attempt_dirs(job_dir: Path) -> list[Path]:
+    """A job directory's attempt-<n> directories, in attempt order."""
     if not job_dir.is_dir():
         return []
     found = [p for p in job_dir.iterdir() if p.is_dir() and p.name.startswith("attempt-")
@@ -331,7 +365,11 @@ def read_status(attempt: Path) -> dict | None:
     path = attempt / "status.json"
     if not path.is_file():
         return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    status = records.read_json(path)
+    if status.get("state") not in STATES:
+        raise ValueError(f"{path}: state {status.get('state')!r} is not one of "
+                         f"{', '.join(STATES)}")
+    return status
 
 
 def completed_run(attempt: Path, job: dict) -> Path | None:
@@ -345,7 +383,7 @@ def job_state(campaign: Path, job: dict) -> tuple[str, Path | None]:
     """('done' | 'failed' | 'pending', the deciding attempt). A job is finished once an
     attempt is done or failed; the latest such attempt decides (a failed job retried with
     `--retry-failed` keeps its failed attempt as evidence). Interrupted attempts do not count."""
-    for attempt in reversed(_attempts(campaign / "jobs" / job["id"])):
+    for attempt in reversed(attempt_dirs(campaign / "jobs" / job["id"])):
         status = read_status(attempt)
         if status and status["state"] in ("done", "failed"):
             return status["state"], attempt
@@ -353,7 +391,7 @@ def job_state(campaign: Path, job: dict) -> tuple[str, Path | None]:
 
 
 def _utc() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
 
 
 def _write_status(attempt: Path, job: dict, n: int, state: str, **extra) -> dict:
@@ -362,15 +400,17 @@ def _write_status(attempt: Path, job: dict, n: int, state: str, **extra) -> dict
     return status
 
 
-def _settle_unfinished(campaign: Path, job: dict, log) -> None:
+def _settle_unfinished(campaign: Path, job: dict, frozen: dict, log) -> None:
     """Attempts left 'running' (or without a status) by a runner that died: record them as
     interrupted, or as done when the run had in fact finished, so nothing is lost or hidden."""
-    for attempt in _attempts(campaign / "jobs" / job["id"]):
+    for attempt in attempt_dirs(campaign / "jobs" / job["id"]):
         status = read_status(attempt)
         if status is not None and status["state"] != "running":
             continue
         n = int(attempt.name[8:])
         run = completed_run(attempt, job)
+        if run is not None and _fingerprint_mismatch(run, frozen) is not None:
+            run = None
         base = dict(status or {})
         base.pop("state", None), base.pop("job", None), base.pop("attempt", None)
         if run is not None:
@@ -420,6 +460,11 @@ def run_campaign(campaign: Path, *, data_dir: str | None = None, retry_failed: b
     if data != frozen["data"]:
         raise ValueError(f"data in {data_dir or 'the embedded corpus'} differ from the frozen "
                          f"fingerprints ({data} vs {frozen['data']})")
+    machine = machine_fingerprint()
+    if machine != frozen["machine"]:
+        raise ValueError(f"this machine differs from the frozen campaign's ({machine} vs "
+                         f"{frozen['machine']}): timings would not be comparable; set the same "
+                         "thread count (OMP_NUM_THREADS) or freeze a new campaign")
     check_device(protocol.train.get("device", "cpu"))
     (campaign / "jobs").mkdir(exist_ok=True)
     lock_path = campaign / ".lock"
@@ -427,18 +472,20 @@ def run_campaign(campaign: Path, *, data_dir: str | None = None, retry_failed: b
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            raise ValueError(f"{campaign}: another `cotangent campaign run` is using it") from None
+            raise ValueError(f"{campaign}: another `cotangent campaign run`, or a job it "
+                             "started, is still running") from None
         try:
-            return _run_jobs(campaign, protocol, frozen, data_dir, retry_failed, max_jobs, log)
+            return _run_jobs(campaign, protocol, frozen, data_dir, retry_failed, max_jobs,
+                             lock.fileno(), log)
         finally:
             lock_path.unlink(missing_ok=True)  # only the holder removes it
 
 
 def _run_jobs(campaign: Path, protocol: Protocol, frozen: dict, data_dir: str | None,
-              retry_failed: bool, max_jobs: int | None, log) -> dict:
+              retry_failed: bool, max_jobs: int | None, lock_fd: int, log) -> dict:
     jobs = frozen["jobs"]
     for job in jobs:
-        _settle_unfinished(campaign, job, log)
+        _settle_unfinished(campaign, job, frozen, log)
     states = {job["id"]: job_state(campaign, job)[0] for job in jobs}
     total = len(jobs)
     finished = sum(s != "pending" for s in states.values())
@@ -459,7 +506,7 @@ def _run_jobs(campaign: Path, protocol: Protocol, frozen: dict, data_dir: str | 
             continue
         if max_jobs is not None and ran >= max_jobs:
             break
-        state, wall_s = _run_one(campaign, protocol, job, data_dir, frozen, log)
+        state, wall_s = _run_one(campaign, protocol, job, data_dir, frozen, lock_fd, log)
         states[job["id"]] = state
         ran += 1
         finished += 1
@@ -488,7 +535,7 @@ def job_command(campaign: Path, attempt: str, data_dir: str | None) -> list[str]
 def _fingerprint_mismatch(run: Path, frozen: dict) -> str | None:
     """Why a finished run does not count (it used other code or data than the frozen), or
     None when its metadata carries the frozen fingerprints."""
-    meta = json.loads((run / "metadata.json").read_text(encoding="utf-8"))
+    meta = records.read_json(run / "metadata.json")
     data = {s: v["sha256"] for s, v in sorted(meta["data"]["splits"].items())}
     if data != frozen["data"]["splits"]:
         return "the run read other data than the frozen fingerprints"
@@ -497,10 +544,20 @@ def _fingerprint_mismatch(run: Path, frozen: dict) -> str | None:
     return None
 
 
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child before exec
+    """Linux: the job gets SIGKILL when the runner dies, so no orphan keeps training."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG = 1
+    except (OSError, AttributeError):
+        pass
+
+
 def _run_one(campaign: Path, protocol: Protocol, job: dict, data_dir: str | None,
-             frozen: dict, log) -> tuple[str, float]:
+             frozen: dict, lock_fd: int, log) -> tuple[str, float]:
     job_dir = campaign / "jobs" / job["id"]
-    n = len(_attempts(job_dir)) + 1
+    n = len(attempt_dirs(job_dir)) + 1
     attempt = job_dir / f"attempt-{n}"
     attempt.mkdir(parents=True, exist_ok=False)
     rel = attempt.relative_to(campaign).as_posix()
@@ -515,8 +572,13 @@ def _run_one(campaign: Path, protocol: Protocol, job: dict, data_dir: str | None
     # never a directory that happens to be in the environment.
     env.pop(DATA_ENV, None)
     with open(attempt / "log.txt", "w", encoding="utf-8") as out:
+        # The child inherits the campaign lock (pass_fds), so while it lives no other runner
+        # can start, even if this one is killed; on Linux it also dies with this runner.
         proc = subprocess.Popen(command, cwd=campaign, stdout=out, stderr=subprocess.STDOUT,
-                                env=env)
+                                env=env, pass_fds=(lock_fd,),
+                                preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+        _write_status(attempt, job, n, "running", started_utc=started, command=command,
+                      pid=proc.pid)
         try:
             rc = proc.wait()
         except KeyboardInterrupt:
@@ -527,11 +589,18 @@ def _run_one(campaign: Path, protocol: Protocol, job: dict, data_dir: str | None
             except (subprocess.TimeoutExpired, KeyboardInterrupt):
                 proc.kill()
                 proc.wait()
-            _write_status(attempt, job, n, "interrupted", started_utc=started, command=command,
-                          ended_utc=_utc(), wall_s=time.perf_counter() - t0,
-                          returncode=proc.returncode, reason="Ctrl-C (KeyboardInterrupt)")
-            log(f"{job['id']}: interrupted; it runs again as attempt {n + 1} when you resume "
-                f"(`cotangent campaign run {campaign}`)")
+            run = completed_run(attempt, job)
+            common = dict(started_utc=started, command=command, ended_utc=_utc(),
+                          wall_s=time.perf_counter() - t0, returncode=proc.returncode)
+            if run is not None and _fingerprint_mismatch(run, frozen) is None:
+                _write_status(attempt, job, n, "done", **common,
+                              run_dir=run.relative_to(campaign).as_posix(),
+                              note="finished as Ctrl-C arrived")
+            else:
+                _write_status(attempt, job, n, "interrupted", **common,
+                              reason="Ctrl-C (KeyboardInterrupt)")
+                log(f"{job['id']}: interrupted; it runs again as attempt {n + 1} when you "
+                    f"resume (`cotangent campaign run {campaign}`)")
             raise
     wall_s = time.perf_counter() - t0
     run = completed_run(attempt, job)
@@ -550,12 +619,38 @@ def _run_one(campaign: Path, protocol: Protocol, job: dict, data_dir: str | None
     return "failed", wall_s
 
 
+def runner_active(campaign: Path) -> bool:
+    """True while a `campaign run` (or a job it started) holds the campaign's lock."""
+    path = Path(campaign) / ".lock"
+    if not path.exists():
+        return False
+    with open(path, "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        fcntl.flock(lock, fcntl.LOCK_UN)
+    return False
+
+
 def status_lines(campaign: Path) -> list[str]:
-    """`cotangent campaign status`: one line per job state count and each unfinished job."""
-    protocol, frozen = load_frozen(Path(campaign))
-    states = [(job, job_state(Path(campaign), job)) for job in frozen["jobs"]]
-    counts = {s: sum(1 for _, (st, _) in states if st == s) for s in ("done", "failed", "pending")}
-    lines = [f"campaign {protocol.name}: {len(states)} jobs: {counts['done']} done, "
-             f"{counts['failed']} failed, {counts['pending']} pending"]
-    lines += [f"  {st:<8}{job['id']}" for job, (st, _) in states if st != "done"]
-    return lines
+    """`cotangent campaign status`: state counts, then every job that is not done with the
+    states of its attempts (running, interrupted, failed)."""
+    campaign = Path(campaign)
+    protocol, frozen = load_frozen(campaign)
+    active = runner_active(campaign)
+    lines, counts = [], {"done": 0, "failed": 0, "pending": 0}
+    for job in frozen["jobs"]:
+        state, _ = job_state(campaign, job)
+        counts[state] += 1
+        if state == "done":
+            continue
+        attempts = [(a.name, read_status(a)) for a in attempt_dirs(campaign / "jobs" / job["id"])]
+        detail = ", ".join(f"{name} {st['state'] if st else 'without status'}"
+                           + (f" (pid {st['pid']})" if st and st["state"] == "running"
+                              and "pid" in st else "") for name, st in attempts)
+        lines.append(f"  {state:<8}{job['id']}" + (f": {detail}" if detail else ""))
+    head = (f"campaign {protocol.name}: {len(frozen['jobs'])} jobs: {counts['done']} done, "
+            f"{counts['failed']} failed, {counts['pending']} pending; "
+            + ("a runner is active" if active else "no runner active"))
+    return [head] + lines

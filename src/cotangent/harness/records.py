@@ -16,11 +16,16 @@ import torch
 import cotangent
 
 
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
+
+
 def write_atomic(path: Path, text: str) -> None:
     """Write `text` (UTF-8) to `path` atomically."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     try:
+        os.chmod(tmp, 0o666 & ~_UMASK)  # mkstemp makes 0600; records are ordinary files
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
             f.flush()
@@ -29,6 +34,28 @@ def write_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def read_json(path: Path, kind: type = dict):
+    """Parse a JSON record; ValueError naming the file when it is not valid JSON of `kind`."""
+    try:
+        obj = json.loads(Path(path).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc})") from None
+    if not isinstance(obj, kind):
+        raise ValueError(f"{path}: expected a JSON {kind.__name__}, got {type(obj).__name__}")
+    return obj
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """Parse a JSON-lines record (one object per line); ValueError naming the file otherwise."""
+    try:
+        rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines()]
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not valid JSON lines ({exc})") from None
+    if not all(isinstance(r, dict) for r in rows):
+        raise ValueError(f"{path}: every line must be a JSON object")
+    return rows
 
 
 def write_json(path: Path, obj) -> None:

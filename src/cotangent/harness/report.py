@@ -20,7 +20,6 @@ from __future__ import annotations
 import base64
 import csv
 import html
-import json
 from pathlib import Path
 
 import matplotlib
@@ -30,6 +29,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 from cotangent.harness import records  # noqa: E402
 from cotangent.harness.analysis import ANALYSIS, MANIFEST, REPORT, write_manifest  # noqa: E402
+from cotangent.harness.campaign import sha256_file  # noqa: E402
 from cotangent.harness.stats import CONTRASTS  # noqa: E402
 
 ARM_COLOURS = {"native": "#4d4d4d", "cotangent": "#1f77b4", "batched-norms-only": "#ff7f0e",
@@ -110,8 +110,7 @@ def fig_curves(campaign: Path, results: dict, runs: list[dict], path: Path) -> N
         for r in runs:
             if r["model"] != model or r["state"] != "done":
                 continue
-            curve = [json.loads(line) for line in
-                     (campaign / r["run_dir"] / "curve.jsonl").read_text().splitlines()]
+            curve = records.read_jsonl(campaign / r["run_dir"] / "curve.jsonl")
             probes = [p for p in curve if "probe_bpb" in p]
             ax.plot([p["training_s"] for p in probes], [p["probe_bpb"] for p in probes],
                     color=_colour(r["arm"]), lw=0.8, alpha=0.7,
@@ -206,7 +205,7 @@ def build_report(campaign: Path, *, log=print) -> Path:
     if not results_path.is_file():
         raise ValueError(f"{campaign}: no {ANALYSIS}/results.json; run `cotangent analyze "
                          f"{campaign}` first")
-    results = json.loads(results_path.read_text(encoding="utf-8"))
+    results = records.read_json(results_path)
     runs = _read_csv(campaign / ANALYSIS / "runs.csv")
     pairs = _read_csv(campaign / ANALYSIS / "pairs.csv")
     out = campaign / REPORT
@@ -224,7 +223,9 @@ def build_report(campaign: Path, *, log=print) -> Path:
     blocks = _report_blocks(results, figures)
     records.write_atomic(out / "report.md", _markdown(blocks))
     records.write_atomic(out / "report.html", _html(blocks, out))
-    write_manifest(campaign, out / MANIFEST, under=REPORT)
+    built_from = {f"{ANALYSIS}/{name}": sha256_file(campaign / ANALYSIS / name)
+                  for name in ("results.json", "runs.csv", "pairs.csv")}
+    write_manifest(campaign, out / MANIFEST, under=REPORT, extra={"built_from": built_from})
     log(f"report: {out / 'report.md'} and {out / 'report.html'} ({len(figures)} figures)")
     return out / "report.md"
 
@@ -247,7 +248,8 @@ def _report_blocks(results: dict, figures: list[tuple[str, str]]) -> list[tuple]
                   f"{m} {v}" for m, v in p["target_bpb"].items())
               + f"; {level} paired Student-t intervals, seed bootstrap "
               f"({p['bootstrap_resamples']} resamples) as a cross-check; non-inferiority "
-              f"margin {p['margin_bpb']} BPB. Jobs: {results['jobs']['done']} of "
+              f"margin {p['margin_bpb']} BPB; arm order balanced over blocks: "
+              f"{'yes' if p.get('balanced') else 'no'}. Jobs: {results['jobs']['done']} of "
               f"{results['jobs']['total']} done"
               + (f", failed: {', '.join(results['jobs']['failed'])}" if results["jobs"]["failed"]
                  else "") + "."),

@@ -106,8 +106,8 @@ def validate_config(cfg: TrainConfig) -> None:
     if not 0 <= cfg.seed < 2**63 - 100_000:
         raise ValueError(f"seed must be in [0, 2**63 - 100000), got {cfg.seed}")
     for field in ("lr", "eps", "weight_decay", "max_norm"):
-        if not getattr(cfg, field) >= 0:
-            raise ValueError(f"{field} must be >= 0, got {getattr(cfg, field)}")
+        if not 0 <= getattr(cfg, field) < math.inf:
+            raise ValueError(f"{field} must be finite and >= 0, got {getattr(cfg, field)}")
     for field, low in (("steps", 1), ("batch_size", 1), ("val_bytes", 0), ("eval_every", 0),
                        ("probe_bytes", 1), ("eval_batch", 1)):
         if getattr(cfg, field) < low:
