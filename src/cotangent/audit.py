@@ -150,21 +150,24 @@ class Audit:
             self.fail(file, f"{what} = {a!r}, recomputed {b!r}")
         return ok
 
-    def load_json(self, rel: str):
-        """The JSON object in `rel`, or None after a failure naming it."""
+    def load_json(self, rel: str, *, lines: bool = False):
+        """The JSON object in `rel` (with `lines`, the list of one object per line), or None
+        after a failure naming the file."""
         self.context = rel
         try:
-            obj = json.loads((self.root / rel).read_text(encoding="utf-8"))
+            text = (self.root / rel).read_text(encoding="utf-8")
+            objs = [json.loads(line) for line in text.splitlines()] if lines else [
+                json.loads(text)]
         except FileNotFoundError:
             self.fail(rel, "missing")
             return None
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-            self.fail(rel, f"not valid JSON ({exc})")
+            self.fail(rel, f"not valid JSON{' lines' if lines else ''} ({exc})")
             return None
-        if not isinstance(obj, dict):
-            self.fail(rel, f"not a JSON object ({type(obj).__name__})")
+        if not all(isinstance(obj, dict) for obj in objs):
+            self.fail(rel, "holds JSON that is not an object")
             return None
-        return obj
+        return objs if lines else objs[0]
 
 
 def _sha256(path: Path) -> str:
@@ -293,17 +296,8 @@ def load_run(a: Audit, job: dict, run_rel: str, protocol: dict, frozen: dict) ->
     meta = a.load_json(f"{run_rel}/metadata.json")
     summary = a.load_json(f"{run_rel}/summary.json")
     curve_rel = f"{run_rel}/curve.jsonl"
-    a.context = curve_rel
-    try:
-        curve = [json.loads(line) for line in
-                 (a.root / curve_rel).read_text(encoding="utf-8").splitlines()]
-    except FileNotFoundError:
-        a.fail(curve_rel, "missing")
-        return None
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        a.fail(curve_rel, f"not valid JSON lines ({exc})")
-        return None
-    if meta is None or summary is None:
+    curve = a.load_json(curve_rel, lines=True)
+    if meta is None or summary is None or curve is None:
         return None
     m = f"{run_rel}/metadata.json"
     s = f"{run_rel}/summary.json"
