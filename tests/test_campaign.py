@@ -251,7 +251,8 @@ def _rehash(camp: Path, rel: str) -> None:
 
 def test_audit_fails_on_one_changed_byte_in_any_file(finished, tmp_path):
     camp = _copy(finished, tmp_path)
-    files = sorted(p for p in camp.rglob("*") if p.is_file())
+    # every record; `.lock` (empty, the runner's lock, not a record) is the one file ignored
+    files = sorted(p for p in camp.rglob("*") if p.is_file() and p.name != ".lock")
     assert len(files) > 50
     for path in files:
         rel = path.relative_to(camp).as_posix()
@@ -359,7 +360,8 @@ def _first(camp: Path, pattern: str) -> str:
 
 @pytest.mark.parametrize("kind", ["threads", "update_ms", "protocol_level", "attempt_number",
                                   "interrupted_holds_finished_run", "second_done_attempt",
-                                  "identical_pairs", "incomplete_marker", "lr_in_config"])
+                                  "identical_pairs", "incomplete_marker", "lr_in_config",
+                                  "removed_attempt"])
 def test_audit_catches_consistent_forgeries(finished, tmp_path, kind):
     """Edits whose manifest entries were updated too: the cross-checks must still fail."""
     camp = _copy(finished, tmp_path)
@@ -399,6 +401,15 @@ def test_audit_catches_consistent_forgeries(finished, tmp_path, kind):
         (camp / run / "INCOMPLETE").write_text("x")
         _rehash(camp, f"{run}/INCOMPLETE")
         expect = status
+    elif kind == "removed_attempt":
+        src = camp / status.rsplit("/", 1)[0]
+        src.rename(src.parent / "attempt-2")
+        moved = (src.parent / "attempt-2").relative_to(camp).as_posix()
+        manifest = json.loads((camp / "analysis" / "manifest.json").read_text())
+        manifest["files"] = {k.replace(status.rsplit("/", 1)[0], moved): v
+                             for k, v in manifest["files"].items()}
+        (camp / "analysis" / "manifest.json").write_text(json.dumps(manifest))
+        expect = status.rsplit("/", 2)[0]
     elif kind == "lr_in_config":
         path = camp / run / "config.toml"
         path.write_text(path.read_text().replace("lr = 0.001", "lr = 0.002"))
@@ -600,6 +611,33 @@ def test_failed_jobs_are_recorded_never_silently_rerun(tmp_path, monkeypatch):
     for job in (victim, wrong_data):
         assert [json.loads((a / "status.json").read_text())["state"] for a in
                 campaign.attempt_dirs(camp / "jobs" / job)] == ["failed", "done"]
+    results = analysis.analyze(camp, log=lambda *_: None)
+    assert results["jobs"]["failed"] == [] and results["comparisons"][0]["pairs"] == 3
+    assert audit_lines(camp) == (0, [])  # failed then done on retry is a clean record
+
+
+def test_symlinked_campaign_relative_data_and_an_attempt_without_status(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    for split in ("train", "valid", "test"):
+        (data / f"{split}.txt").write_bytes(bytes(range(256)) * 64)
+    proto = write_protocol(tmp_path, arms='["native", "cotangent"]', design="ab-ba")
+    (tmp_path / "deep" / "er").mkdir(parents=True)
+    camp = campaign.freeze(str(proto), str(tmp_path / "deep" / "er" / "c"), str(data),
+                           log=lambda *_: None)
+    link = tmp_path / "link"
+    link.symlink_to(camp)
+    jobs = json.loads((camp / "freeze.json").read_text())["jobs"]
+    # A runner killed between creating an attempt directory and writing its status.
+    (camp / "jobs" / jobs[0]["id"] / "attempt-1").mkdir(parents=True)
+    counts = campaign.run_campaign(link, log=lambda *_: None)
+    assert counts == {"total": 4, "done": 4, "failed": 0, "pending": 0}
+    first = [json.loads((a / "status.json").read_text()) for a in
+             campaign.attempt_dirs(camp / "jobs" / jobs[0]["id"])]
+    assert [st["state"] for st in first] == ["interrupted", "done"]
+    assert first[0]["started_utc"] <= first[0]["ended_utc"] <= first[1]["started_utc"]
+    analysis.analyze(link, log=lambda *_: None)
+    assert audit_lines(camp) == (0, [])
 
 
 def test_a_second_runner_and_analyze_are_refused_while_one_is_active(tmp_path):
@@ -616,6 +654,7 @@ def test_a_second_runner_and_analyze_are_refused_while_one_is_active(tmp_path):
         assert "a runner is active" in campaign.status_lines(camp)[0]
         with pytest.raises(ValueError, match="still active"):
             analysis.analyze(camp, log=lambda *_: None)
+        assert (camp / ".lock").exists()
     assert not campaign.runner_active(camp)
     assert not any((camp / "jobs").iterdir())
 

@@ -191,6 +191,9 @@ def check_integrity(a: Audit) -> None:
             continue
         for name, entry in manifest["files"].items():
             listed[name] = rel
+            if not isinstance(entry, dict):
+                a.fail(rel, f"entry {name!r} is not an object")
+                continue
             path = a.root / name
             if not path.is_file():
                 a.fail(name, f"listed in {rel} but missing")
@@ -239,6 +242,9 @@ def load_runs(a: Audit, protocol: dict, frozen: dict) -> dict:
                 a.fail(entry.relative_to(a.root).as_posix(), "not an attempt directory")
         attempts = sorted((p for p in entries if p.is_dir() and p.name.startswith("attempt-")
                            and p.name[8:].isdigit()), key=lambda p: int(p.name[8:]))
+        numbers = [int(p.name[8:]) for p in attempts]
+        a.check(numbers == list(range(1, len(numbers) + 1)), f"jobs/{job_id}",
+                f"attempts {numbers} are not 1..{len(numbers)} (an attempt was removed)")
         deciding = None
         for attempt in attempts:
             rel = f"{attempt.relative_to(a.root).as_posix()}/status.json"
@@ -252,9 +258,9 @@ def load_runs(a: Audit, protocol: dict, frozen: dict) -> dict:
             finished = [d for d in _arm_dirs(attempt) if (d / "summary.json").is_file()
                         and not (d / "INCOMPLETE").exists()]
             if state in ("done", "failed"):
-                if deciding is not None and "done" in (state, deciding[1].get("state")):
-                    a.fail(rel, f"a second finished attempt after {deciding[2]} (a job runs "
-                                "until it is done or failed, once)")
+                if deciding is not None and deciding[1].get("state") == "done":
+                    a.fail(rel, f"another finished attempt after the done {deciding[2]} (a "
+                                "done job never runs again)")
                 deciding = (attempt, status, rel)
             elif state == "interrupted":
                 a.check(not finished, rel, "an interrupted attempt holds a finished run record")
@@ -264,8 +270,11 @@ def load_runs(a: Audit, protocol: dict, frozen: dict) -> dict:
             if state != "done" and len(_arm_dirs(attempt)) > 1:
                 a.fail(rel, "more than one run record in one attempt")
             try:
-                periods.append((datetime.fromisoformat(status["started_utc"]),
-                                datetime.fromisoformat(status["ended_utc"]), rel))
+                start = datetime.fromisoformat(status["started_utc"])
+                end = datetime.fromisoformat(status["ended_utc"])
+                if start.tzinfo is None or end.tzinfo is None or end < start:
+                    raise ValueError("times must carry a time zone and end after the start")
+                periods.append((start, end, rel))
             except (KeyError, TypeError, ValueError):
                 a.fail(rel, "no valid started_utc / ended_utc")
         if deciding is None:
@@ -327,8 +336,12 @@ def load_run(a: Audit, job: dict, run_rel: str, protocol: dict, frozen: dict) ->
             a.fail(toml_rel, f"cannot be read as TOML ({exc})")
             continue
         a.check(written == cfg_lists, toml_rel, "differs from the config in metadata.json")
+    a.context = curve_rel
     steps = [r for r in curve if "loss_bpb" in r]
     probes = [r for r in curve if "probe_bpb" in r]
+    if not all(isinstance(r.get(k), (int, float)) for r in steps for k in ("step_s", "update_s")):
+        a.fail(curve_rel, "a step row lacks a numeric step_s or update_s")
+        return None
     lrs = [r.get("lr") for r in steps]
     a.check(hashlib.sha256(repr(lrs).encode()).hexdigest() == meta.get("schedule_sha256"),
             curve_rel, "its learning rates are not the schedule of metadata's schedule_sha256")
@@ -362,7 +375,7 @@ def load_run(a: Audit, job: dict, run_rel: str, protocol: dict, frozen: dict) ->
         "val_bpb": summary.get("val_bpb"),
         "final_model_sha256": summary.get("final_model_sha256"),
         "init_model_sha256": meta.get("init_model_sha256"),
-        "schedule_sha256": meta.get("schedule_sha256"), "metadata": m,
+        "schedule_sha256": meta.get("schedule_sha256"), "metadata": m, "config": cfg,
     }
 
 
@@ -488,8 +501,16 @@ def _audit(a: Audit) -> None:
     got = sorted((j["model"], j["seed"], j["arm"]) for j in frozen.get("jobs", []))
     a.check(got == expected, "freeze.json", "the frozen job set is not models x seeds x arms "
                                             "of protocol.toml, each once")
+    a.check(frozen.get("balanced") == (len(seeds) % len(arms) == 0), "freeze.json",
+            "balanced does not follow from the seed and arm counts")
     runs = load_runs(a, protocol, frozen)
     done = {(r["model"], r["seed"], r["arm"]): r for r in runs.values() if r}
+    shared = {}
+    for r in sorted(done.values(), key=lambda r: r["metadata"]):
+        cfg = {k: v for k, v in r["config"].items() if k not in ("seed", "arms", "out")}
+        first = shared.setdefault(r["model"], (cfg, r["metadata"]))
+        a.check(cfg == first[0], r["metadata"], f"its settings differ from {first[1]}'s "
+                                                "(only seed and arm may differ within a model)")
     # Pairs (blocks) share the initial model and the LR schedule.
     for m in models:
         for s in seeds:
@@ -614,6 +635,7 @@ def _shape_ok(a: Audit, p: dict, frozen: dict) -> bool:
                  and is_list(p.get("seeds"), int)
                  and all(isinstance(p.get(k), int) for k in ("steps", "eval_every"))
                  and all(isinstance(p.get(k), (int, float)) for k in ("level", "margin_bpb"))
+                 and 0.5 <= p["level"] < 1
                  and isinstance(p.get("train", {}), dict)
                  and (isinstance(p.get("target_bpb"), (int, float)) or (
                      isinstance(p.get("target_bpb"), dict)

@@ -34,6 +34,7 @@ from cotangent.harness import records, stats
 from cotangent.harness.campaign import (
     Protocol,
     attempt_dirs,
+    campaign_lock,
     job_state,
     load_frozen,
     read_status,
@@ -125,6 +126,11 @@ def analyze(campaign: Path, *, log=print) -> dict:
     if runner_active(campaign):
         raise ValueError(f"{campaign}: a `cotangent campaign run` is still active; analyze "
                          "when it has finished")
+    with campaign_lock(campaign):  # no runner may start while the records are read
+        return _analyze(campaign, protocol, frozen, log)
+
+
+def _analyze(campaign: Path, protocol: Protocol, frozen: dict, log) -> dict:
     running = [str(a) for job in frozen["jobs"]
                for a in attempt_dirs(campaign / "jobs" / job["id"])
                if (read_status(a) or {"state": "running"})["state"] == "running"]

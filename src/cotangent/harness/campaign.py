@@ -26,6 +26,7 @@ Campaign directory:
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import hashlib
 import math
@@ -338,9 +339,10 @@ def load_frozen(campaign: Path) -> tuple[Protocol, dict]:
                          "`cotangent campaign freeze PROTOCOL` first")
     frozen = records.read_json(freeze_path)
     for key, kind in (("protocol_sha256", str), ("code", dict), ("machine", dict),
-                      ("data", dict), ("environment", dict), ("jobs", list)):
-        if not isinstance(frozen.get(key), kind):
-            raise ValueError(f"{freeze_path}: {key!r} is missing or not a {kind.__name__}")
+                      ("data", dict), ("environment", dict), ("jobs", list),
+                      ("data_dir", (str, type(None)))):
+        if key not in frozen or not isinstance(frozen[key], kind):
+            raise ValueError(f"{freeze_path}: {key!r} is missing or of the wrong type")
     digest = sha256_file(protocol_path)
     if digest != frozen.get("protocol_sha256"):
         raise ValueError(f"{protocol_path}: SHA-256 {digest} differs from the frozen "
@@ -369,6 +371,8 @@ def read_status(attempt: Path) -> dict | None:
     if status.get("state") not in STATES:
         raise ValueError(f"{path}: state {status.get('state')!r} is not one of "
                          f"{', '.join(STATES)}")
+    if status["state"] == "done" and not isinstance(status.get("run_dir"), str):
+        raise ValueError(f"{path}: a done attempt without its run_dir")
     return status
 
 
@@ -390,8 +394,10 @@ def job_state(campaign: Path, job: dict) -> tuple[str, Path | None]:
     return "pending", None
 
 
-def _utc() -> str:
-    return datetime.now(timezone.utc).isoformat(timespec="milliseconds")
+def _utc(timestamp: float | None = None) -> str:
+    when = datetime.now(timezone.utc) if timestamp is None else datetime.fromtimestamp(
+        timestamp, timezone.utc)
+    return when.isoformat(timespec="milliseconds")
 
 
 def _write_status(attempt: Path, job: dict, n: int, state: str, **extra) -> dict:
@@ -413,14 +419,19 @@ def _settle_unfinished(campaign: Path, job: dict, frozen: dict, log) -> None:
             run = None
         base = dict(status or {})
         base.pop("state", None), base.pop("job", None), base.pop("attempt", None)
+        # When it stopped: the last time anything in the attempt was written.
+        stamps = [p.stat().st_mtime for p in attempt.rglob("*")] + [attempt.stat().st_mtime]
+        base.setdefault("started_utc", _utc(min(stamps)))
+        ended = _utc(max(stamps))
         if run is not None:
-            _write_status(attempt, job, n, "done", **base, ended_utc=_utc(),
+            _write_status(attempt, job, n, "done", **base, ended_utc=ended,
                           run_dir=run.relative_to(campaign).as_posix(),
                           note="finished before the runner stopped; recorded on resume")
             log(f"{job['id']}: attempt {n} had finished before the runner stopped: recorded as done")
         else:
-            _write_status(attempt, job, n, "interrupted", **base, ended_utc=_utc(),
-                          reason="the runner stopped before this attempt finished")
+            _write_status(attempt, job, n, "interrupted", **base, ended_utc=ended,
+                          reason="the runner stopped before this attempt finished (ended_utc: "
+                                 "its last file write)")
             log(f"{job['id']}: attempt {n} was interrupted (runner stopped); it stays as evidence "
                 "and the job runs again as a new attempt")
 
@@ -446,7 +457,8 @@ def run_campaign(campaign: Path, *, data_dir: str | None = None, retry_failed: b
         ValueError: not a frozen campaign, or a fingerprint mismatch (the message says which).
         KeyboardInterrupt: after recording the running attempt as interrupted.
     """
-    campaign = Path(campaign)
+    # The real path: a job starts in it, so relative paths must be computed from it.
+    campaign = Path(campaign).resolve()
     protocol, frozen = load_frozen(campaign)
     code = code_fingerprint()
     if code != frozen["code"]:
@@ -467,18 +479,26 @@ def run_campaign(campaign: Path, *, data_dir: str | None = None, retry_failed: b
                          "thread count (OMP_NUM_THREADS) or freeze a new campaign")
     check_device(protocol.train.get("device", "cpu"))
     (campaign / "jobs").mkdir(exist_ok=True)
-    lock_path = campaign / ".lock"
-    with open(lock_path, "a") as lock:
+    with campaign_lock(campaign) as lock_fd:
+        return _run_jobs(campaign, protocol, frozen, data_dir, retry_failed, max_jobs,
+                         lock_fd, log)
+
+
+@contextlib.contextmanager
+def campaign_lock(campaign: Path):
+    """Hold the campaign's lock (an flock on `.lock`, a file that is never removed, so every
+    holder locks the same inode); yields its file descriptor.
+
+    Raises:
+        ValueError: a runner, a job it started, or an analysis holds it.
+    """
+    with open(Path(campaign) / ".lock", "a") as lock:
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             raise ValueError(f"{campaign}: another `cotangent campaign run`, or a job it "
-                             "started, is still running") from None
-        try:
-            return _run_jobs(campaign, protocol, frozen, data_dir, retry_failed, max_jobs,
-                             lock.fileno(), log)
-        finally:
-            lock_path.unlink(missing_ok=True)  # only the holder removes it
+                             "started, or an analysis is still running") from None
+        yield lock.fileno()
 
 
 def _run_jobs(campaign: Path, protocol: Protocol, frozen: dict, data_dir: str | None,
