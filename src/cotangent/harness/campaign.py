@@ -264,9 +264,9 @@ def machine_fingerprint() -> dict:
     """What the timings depend on besides the code: thread count, CPU vector ISA and model."""
     import torch
 
-    env = records.environment()
-    return {"threads": torch.get_num_threads(), "cpu_capability": env["cpu_capability"],
-            "cpu_model": env["cpu_model"]}
+    return {"threads": torch.get_num_threads(),
+            "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_model": records.cpu_model()}
 
 
 def data_fingerprint(corpus) -> dict:
@@ -298,6 +298,7 @@ def freeze(protocol_path: str, out: str | None, data_dir: str | None, *, log=pri
     check_device(protocol.train.get("device", "cpu"))
     corpus = _load_corpus(data_dir)
     jobs = plan_jobs(protocol)
+    balance = balance_note(protocol)
     frozen = {
         "protocol_sha256": hashlib.sha256(raw).hexdigest(),
         "protocol_source": str(protocol_path),
@@ -305,7 +306,7 @@ def freeze(protocol_path: str, out: str | None, data_dir: str | None, *, log=pri
         "code": code_fingerprint(),
         "machine": machine_fingerprint(),
         "data": data_fingerprint(corpus),
-        "balanced": balance_note(protocol) is None,
+        "balanced": balance is None,
         "data_dir": None if data_dir is None else os.path.abspath(data_dir),
         "environment": records.environment(),
         "jobs": jobs,
@@ -321,8 +322,8 @@ def freeze(protocol_path: str, out: str | None, data_dir: str | None, *, log=pri
         f"{frozen['code']['cotangent_sha256']} (torch {frozen['code']['torch']})\ndata: "
         f"{corpus.name}, " + ", ".join(f"{s} {h[:12]}" for s, h in
                                       frozen["data"]["splits"].items()))
-    if balance_note(protocol):
-        log(f"warning: {balance_note(protocol)}")
+    if balance is not None:
+        log(f"warning: {balance}")
     return campaign
 
 

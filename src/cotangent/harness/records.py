@@ -88,13 +88,14 @@ def environment() -> dict:
         "torch_cuda": torch.version.cuda,
         "threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cpu_model": _cpu_model(),
+        "cpu_model": cpu_model(),
         "cotangent": cotangent.__version__,
         "code_sha256": code_fingerprint(),
     }
 
 
-def _cpu_model() -> str:
+def cpu_model() -> str:
+    """The CPU model name (/proc/cpuinfo), else what `platform` reports."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
