@@ -1,36 +1,33 @@
-"""Bitwise comparison helpers for tests: bytes, never tolerances or `torch.equal` on values."""
+"""Bitwise comparison helpers for tests: the library's one byte comparison
+(`cotangent.verify.first_difference`: dtype, shape and every byte; never tolerances or
+`torch.equal` on values, which calls -0.0 == +0.0 and NaN != NaN)."""
 
 from __future__ import annotations
 
 import torch
 
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+from cotangent.verify import compare_updates, first_difference
 
 
 def same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     """True when both are None, or dtype, shape and every byte agree."""
-    if a is None or b is None:
-        return a is None and b is None
-    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(as_bytes(a), as_bytes(b))
-
-
-def first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
-    """Where two tensors first differ and by how many ULPs (for failure messages)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return f"dtype/shape {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
-    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
-    ia = a.detach().cpu().contiguous().reshape(-1).view(ints).long()
-    ib = b.detach().cpu().contiguous().reshape(-1).view(ints).long()
-    idx = (ia != ib).nonzero()
-    if len(idx) == 0:
-        return "no difference"
-    i = int(idx[0])
-    return (f"{len(idx)} elements differ; first at flat index {i}: {a.reshape(-1)[i].item()!r} vs "
-            f"{b.reshape(-1)[i].item()!r} ({abs(int(ia[i]) - int(ib[i]))} ULP)")
+    return first_difference(a, b) is None
 
 
 def assert_same_bits(a, b, what: str) -> None:
-    assert same_bits(a, b), f"{what}: " + (
-        "None vs tensor" if a is None or b is None else first_difference(a, b))
+    problem = first_difference(a, b)
+    assert problem is None, f"{what}: {problem}"
+
+
+def assert_same_update(native_params, native_state, our_params, our_state, what: str,
+                       names=None, grads: bool = True) -> int:
+    """Every parameter, gradient and state entry byte-equal; returns the number compared."""
+    native_params, our_params = list(native_params), list(our_params)
+    names = names or [str(i) for i in range(len(native_params))]
+    assert len(native_params) == len(our_params), what
+    checks = list(compare_updates(names, native_params, native_state, our_params, our_state,
+                                  grads=grads))
+    problems = [f"{w}: {p}" for w, p in checks if p is not None]
+    assert not problems, f"{what}: {problems[0]}" + (
+        f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+    return len(checks)

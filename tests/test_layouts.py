@@ -512,7 +512,7 @@ def test_thread_count_change_recalibrates():
         total = n.step()
         o.step()
         assert_same_bits(total, o.last_total_norm, "total after thread change")
-        assert o._calibrated_threads == max(2, threads)
+        assert o._clipper.threads == max(2, threads)
     finally:
         torch.set_num_threads(threads)
 
@@ -527,7 +527,7 @@ def test_plan_cache_is_bounded():
         x = torch.ones(1, 2)
         sum(layer(x).sum() for layer, use in zip(layers, mask) if use or not mask.any()).backward()
         opt.step()
-    assert len(opt._plans) <= 64
+    assert len(opt._planner.plans) <= 64
 
 
 def test_gradient_with_other_strides_is_read_in_the_parameters_layout():

@@ -60,7 +60,7 @@ def test_calibration_is_inspectable_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(calibration, "_MEMORY", {})
     monkeypatch.setattr(calibration, "_LOADED", set())
     cpu = torch.device("cpu")
-    assert norms.calibrate_bucket(cpu, torch.float32, 64, 4, 64, 2.0, None)
+    assert norms.bucket_norm_is_exact(cpu, torch.float32, 64, 4, 64, 2.0, None)
     rows = calibration.table()
     assert any(r["kind"] == "bucket_norm" and r["args"][:3] == ["float32", "64", "4"] and
                r["verdict"] for r in rows)
@@ -70,9 +70,9 @@ def test_calibration_is_inspectable_and_cached(tmp_path, monkeypatch):
     monkeypatch.setattr(calibration, "_MEMORY", {})
     monkeypatch.setattr(calibration, "_LOADED", set())
     monkeypatch.setattr(norms, "_probe_values", None)  # probing now would crash
-    assert norms.calibrate_bucket(cpu, torch.float32, 64, 4, 64, 2.0, None)
+    assert norms.bucket_norm_is_exact(cpu, torch.float32, 64, 4, 64, 2.0, None)
     # A one-row bucket is never "batched": the native per-tensor call is used as is.
-    assert not norms.calibrate_bucket(cpu, torch.float32, 64, 1, 64, 2.0, None)
+    assert not norms.bucket_norm_is_exact(cpu, torch.float32, 64, 1, 64, 2.0, None)
 
 
 def test_corrupt_cache_file_is_ignored(tmp_path, monkeypatch):
@@ -80,12 +80,15 @@ def test_corrupt_cache_file_is_ignored(tmp_path, monkeypatch):
     monkeypatch.setattr(calibration, "_MEMORY", {})
     monkeypatch.setattr(calibration, "_LOADED", set())
     (tmp_path / calibration.FILE_NAME).write_text("{not json")
-    assert norms.calibrate_bucket(torch.device("cpu"), torch.float32, 32, 3, 32, 2.0, None)
+    assert norms.bucket_norm_is_exact(torch.device("cpu"), torch.float32, 32, 3, 32, 2.0, None)
 
 
-def test_calibration_rejects_a_batched_call_that_differs(monkeypatch):
-    """If the 2-D reduction were different, the probe must say so (and the fallback is used)."""
+def test_calibration_rejects_a_batched_call_that_differs(monkeypatch, tmp_path):
+    """If the 2-D reduction were different, the probe must say so (and the fallback is used).
+    The forced False verdict goes to a cache of its own, never the one later tests read."""
+    monkeypatch.setenv("COTANGENT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibration, "_MEMORY", {})
+    monkeypatch.setattr(calibration, "_LOADED", set())
     real = torch.linalg.vector_norm
 
     def perturbed(x, ord=2, dim=None, **kw):
@@ -93,4 +96,4 @@ def test_calibration_rejects_a_batched_call_that_differs(monkeypatch):
         return out if dim is None else torch.nextafter(out, torch.full_like(out, float("inf")))
 
     monkeypatch.setattr(norms.torch.linalg, "vector_norm", perturbed)
-    assert not norms.calibrate_bucket(torch.device("cpu"), torch.float32, 96, 5, 96, 2.0, False)
+    assert not norms.bucket_norm_is_exact(torch.device("cpu"), torch.float32, 96, 5, 96, 2.0, False)

@@ -32,9 +32,9 @@ def test_verify_names_the_first_difference_when_the_update_is_broken(monkeypatch
         coef = real(total, max_norm)
         return torch.nextafter(coef, torch.zeros_like(coef))
 
-    import cotangent.optim as optim
+    import cotangent.clipping as clipping
 
-    monkeypatch.setattr(optim, "clip_coefficient", off_by_one_ulp)
+    monkeypatch.setattr(clipping, "clip_coefficient", off_by_one_ulp)
     report = cotangent.verify(suite_model("transformer-small", False), lm_loss, _batches(),
                               max_norm=0.1, lr=1e-3, fused=True)
     assert not report.passed and report.steps == 1
@@ -49,9 +49,9 @@ def test_cli_verify_writes_a_report_and_fails_on_injection(tmp_path, monkeypatch
     report = json.loads(out.read_text())
     assert report["passed"] and report["steps"] >= 96 and len(report["cases"]) == 25
     assert any(c["compiled"] for c in report["cases"])
-    import cotangent.optim as optim
+    import cotangent.clipping as clipping
 
-    monkeypatch.setattr(optim, "clip_coefficient",
+    monkeypatch.setattr(clipping, "clip_coefficient",
                         lambda t, m: torch.nextafter(norms.clip_coefficient(t, m),
                                                      torch.tensor(0.0)))
     assert cli.main(["verify", "--steps", "1", "--no-compile"]) == 1

@@ -6,13 +6,16 @@ changes one breaks a single, small module (and its test) instead of the whole li
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import Tensor
 
 # Groups tensors by (device, dtype) exactly as `torch.nn.utils.clip_grad_norm_` and the
 # foreach/fused optimizers do. The order of the returned groups decides the order in which
-# native clipping stacks per-tensor norms, and so the bits of the total norm
-# (../shared/notes/native-numerics.md, item 2). We reuse the helper instead of re-deriving it.
+# native clipping stacks per-tensor norms, and so the bits of the total norm (on torch 2.13 the
+# groups come out in reverse order of first appearance). We reuse the helper instead of
+# re-deriving that order.
 from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 from torch.utils._foreach_utils import _has_foreach_support as _torch_has_foreach_support
 from torch.utils._foreach_utils import _device_has_foreach_support
@@ -98,7 +101,7 @@ def fused_adamw_one_group(params: list[Tensor], grads: list[Tensor], exp_avgs: l
     """The body of `torch.optim.adam._fused_adam` (decoupled weight decay, no grad scaler) for
     tensors of one device and dtype: increment the steps, then one `torch._fused_adamw_` call.
 
-    Skips the per-call Python of the functional path; `cotangent.coalesce.calibrate_direct`
+    Skips the per-call Python of the functional path; `cotangent.merge.direct_fused_is_exact`
     proves it bitwise equal to that path before it is used.
     """
     device = params[0].device
@@ -112,8 +115,115 @@ def fused_adamw_one_group(params: list[Tensor], grads: list[Tensor], exp_avgs: l
                         weight_decay=weight_decay, eps=eps, maximize=maximize)
 
 
+def unscale_grads_(grads: list[Tensor], grad_scale: Tensor) -> None:
+    """Divide gradients by a GradScaler scale exactly as `torch.amp.GradScaler.unscale_` does.
+
+    `GradScaler.unscale_` computes ``inv_scale = scale.double().reciprocal().float()`` (plain
+    ``reciprocal()`` on MPS), groups the gradients by device and dtype and calls
+    `torch._amp_foreach_non_finite_check_and_unscale_` on each group (a per-element multiply; the
+    inf/NaN flag it also writes is discarded here: the caller already has GradScaler's own).
+    """
+    if not grads:
+        return
+    if grad_scale.device.type == "mps":
+        inv_scale = grad_scale.reciprocal()
+    else:
+        inv_scale = grad_scale.double().reciprocal().float()
+    for device, _, indices in group_by_device_and_dtype(grads):
+        found_inf = torch.zeros((), dtype=torch.float32, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(
+            [grads[i] for i in indices], found_inf, inv_scale.to(device))
+
+
 def has_step_pre_hooks(optimizer: torch.optim.Optimizer) -> bool:
     """Whether any step pre-hook (global or on `optimizer`) will run before its step body."""
     from torch.optim.optimizer import _global_optimizer_pre_hooks
 
     return bool(_global_optimizer_pre_hooks) or bool(optimizer._optimizer_step_pre_hooks)
+
+
+def with_step_hooks(body):
+    """Wrap a step body as torch wraps every optimizer's `step`: a profiler range, the global
+    and per-optimizer step pre-hooks (which may replace the arguments), the body, the
+    optimizer's step counter for LR schedulers, then the post-hooks
+    (`torch.optim.Optimizer.profile_hook_step`)."""
+    return torch.optim.Optimizer.profile_hook_step(body)
+
+
+def mark_step_hooked(step) -> None:
+    """Tell `torch.optim.Optimizer` not to wrap `step` again: it already runs the hooks (torch
+    patches every subclass's `step` whose function lacks the `hooked` attribute)."""
+    step.hooked = True
+
+
+def tensor_kind_refusal(p: Tensor) -> str | None:
+    """Why a parameter of this tensor kind cannot be packed, or None when it can.
+
+    Refused: DTensor (FSDP2 `fully_shard`, tensor parallelism), other tensor subclasses that
+    wrap their data (their storage is not the parameter's values), and the uninitialised
+    parameters of lazy modules.
+    """
+    if isinstance(p, torch.nn.parameter.UninitializedTensorMixin):
+        return ("is an uninitialised parameter of a lazy module (e.g. nn.LazyLinear); run a "
+                "forward pass to materialise the model, then build cotangent.AdamW")
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(p, getattr(dtensor, "DTensor", ())):
+        return ("is a DTensor (FSDP2 `fully_shard` or tensor parallelism); cotangent.AdamW does "
+                "not support sharded parameters yet: use torch.optim.AdamW for this model, or "
+                "DistributedDataParallel with cotangent.AdamW")
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    if is_traceable_wrapper_subclass(p):
+        return (f"is a tensor subclass that wraps its data ({type(p).__name__}); only plain "
+                "dense tensors can be packed")
+    return None
+
+
+def _refuse(what: str, dummy: Tensor) -> Tensor:
+    raise RuntimeError(
+        f"{what} cannot run inside torch.compile: Cotangent's packed update is plain eager "
+        "code whose bits are proven against eager native AdamW, and a compiled native step "
+        "rounds differently. Compile the model and call the optimizer outside the compiled "
+        "function (or use torch.optim.AdamW if you need a compiled step)."
+    )
+
+
+# Dynamo calls graph functions with fake tensors while tracing: the error above then stops the
+# compilation instead of being traced into a graph break that would silently run eagerly.
+_refuse_in_graph = torch.compiler.allow_in_graph(_refuse)
+
+
+def refuse_under_compile(what: str) -> None:
+    """Raise a clear RuntimeError when called while torch.compile (Dynamo) is tracing."""
+    if torch.compiler.is_compiling():
+        _refuse_in_graph(what, torch.zeros(()))
+
+
+def install_parameter_reducer(is_packed) -> None:
+    """Pickle packed parameters compactly: register a `copyreg` reducer for `torch.nn.Parameter`.
+
+    Plain pickle writes a tensor's whole storage, once per tensor, so parameters that are views
+    of one flat buffer would each carry the whole buffer. For a parameter where `is_packed(p)` is
+    true the reducer returns exactly what `Parameter.__reduce_ex__` returns (torch's own
+    `torch._utils._rebuild_parameter[_with_state]`, attributes included) with the data replaced
+    by a compact copy of the parameter's own elements (same shape and strides); every other
+    parameter is reduced by the previously registered reducer or by `Parameter.__reduce_ex__`
+    unchanged. Pickles stay loadable without Cotangent. Only exact `Parameter` objects are
+    affected (copyreg dispatches on the exact type); `copy.deepcopy` is not (it uses
+    `Parameter.__deepcopy__`), `copy.copy` of a packed parameter gets a compact copy instead of
+    an alias.
+    """
+    import copyreg
+
+    previous = copyreg.dispatch_table.get(torch.nn.Parameter)
+
+    def reduce_parameter(p):
+        if is_packed(p):
+            fn, args = torch.nn.Parameter.__reduce_ex__(p, 2)
+            data = args[0].clone(memory_format=torch.preserve_format)
+            return fn, (data,) + tuple(args[1:])
+        if previous is not None:
+            return previous(p)
+        return torch.nn.Parameter.__reduce_ex__(p, 2)
+
+    copyreg.pickle(torch.nn.Parameter, reduce_parameter)

@@ -1,12 +1,14 @@
-"""Calibration verdicts: cached in memory and in a user cache file.
+"""Calibration verdicts: cached in memory and in a user cache file, and the probes' test values.
 
-Every probe verdict (`cotangent.norms`, `cotangent.coalesce`) is keyed by everything its bits
+Every probe verdict (`cotangent.norms`, `cotangent.merge`) is keyed by everything its bits
 depend on: the probe kind and its own arguments (device type, dtype, lengths, ...), plus the
 torch version, the ATen thread count and the machine's kernel class (CPU vector ISA, or the CUDA
 device name and compute capability). A verdict proven once is reused from
-`$COTANGENT_CACHE_DIR/calibration-v1.json` (default `~/.cache/cotangent/`), written atomically;
+`$COTANGENT_CACHE_DIR/calibration-v2.json` (default `~/.cache/cotangent/`), written atomically;
 `COTANGENT_CACHE_DIR=off` keeps verdicts in memory only. A missing, unreadable or corrupt file
-is ignored (the probes simply run again).
+is ignored (the probes simply run again). Version 2 of the file: every probe also feeds
+non-finite values and signed zeros (`sprinkle_special_values`); verdicts of version 1 were
+proven without them and are not read.
 """
 
 from __future__ import annotations
@@ -19,9 +21,28 @@ from pathlib import Path
 
 import torch
 
-FILE_NAME = "calibration-v1.json"
+FILE_NAME = "calibration-v2.json"
 _MEMORY: dict[str, bool] = {}
 _LOADED: set[str] = set()
+
+# Values whose bits depend on the kernel path that produced them: NaN payloads (a bfloat16
+# multiply stores NaN as 0x7FC0 on ATen's scalar path and 0xFFFF on its vector path), infinities,
+# signed zeros, and a float32 subnormal.
+SPECIAL_VALUES = (float("nan"), float("inf"), float("-inf"), -0.0, 0.0, -float("nan"), 1e-40)
+
+
+def sprinkle_special_values(rows: list[torch.Tensor]) -> None:
+    """Write special values into each 1-D tensor of `rows`, in place, at positions that move
+    from row to row, so that over a few rows both the vectorised body and the scalar tail of a
+    CPU kernel meet each kind: row `j` of `n` elements gets ``SPECIAL_VALUES[j % 7]`` at
+    position ``(37 * j) % n`` and ``SPECIAL_VALUES[(j + 3) % 7]`` at ``n - 1 - (j % n)``."""
+    k = len(SPECIAL_VALUES)
+    for j, row in enumerate(rows):
+        n = row.numel()
+        if n == 0:
+            continue
+        row[(37 * j) % n] = SPECIAL_VALUES[j % k]
+        row[n - 1 - (j % n)] = SPECIAL_VALUES[(j + 3) % k]
 
 
 def cache_path() -> Path | None:

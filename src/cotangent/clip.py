@@ -3,7 +3,7 @@
 Same signature, return value, warnings and errors as the native function (torch 2.4-2.13,
 torch/nn/utils/clip_grad.py). Gradients that already sit as equally spaced, equal-length,
 contiguous rows of one storage (for example the flat gradient buffer of a `cotangent.AdamW`) are
-reduced with one 2-D norm per run wherever `cotangent.norms.calibrate_bucket` has proven that
+reduced with one 2-D norm per run wherever `cotangent.norms.bucket_norm_is_exact` has proven that
 call bitwise equal to native per-tensor norms; every other gradient takes the native per-tensor
 call. The clip multiply is native's (`_foreach_mul_` / `mul_`), skipped on CPU when the
 coefficient is exactly 1.0 (x * 1.0 == x bit for bit, and reading a CPU scalar costs no sync).
@@ -20,7 +20,8 @@ from torch import Tensor
 
 from cotangent import _compat
 from cotangent.norms import (
-    calibrate_bucket,
+    bucket_norm_is_exact,
+    check_finite,
     clip_coefficient,
     multiply_is_identity,
     native_tensor_norms,
@@ -60,7 +61,7 @@ def group_norms(grads: list[Tensor], norm_type: float, foreach: bool | None) -> 
     pending: list[Tensor] = []
     for start, count, stride in _row_runs(grads):
         first = grads[start]
-        if count > 1 and calibrate_bucket(first.device, first.dtype, first.numel(), count, stride,
+        if count > 1 and bucket_norm_is_exact(first.device, first.dtype, first.numel(), count, stride,
                                           norm_type, foreach):
             if pending:
                 parts.append(torch.stack(native_tensor_norms(pending, norm_type, foreach)))
@@ -94,12 +95,8 @@ def get_total_norm(tensors: Iterable[Tensor] | Tensor, norm_type: float = 2.0,
     parts = [group_norms([tensors[i] for i in indices], norm_type, foreach).to(first_device)
              for _, _, indices in _compat.group_by_device_and_dtype(tensors)]
     total = total_norm(parts, norm_type)
-    if error_if_nonfinite and torch.logical_or(total.isnan(), total.isinf()):
-        raise RuntimeError(
-            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, "
-            "so it cannot be clipped. To disable this error and scale the gradients by the "
-            "non-finite norm anyway, set `error_if_nonfinite=False`"
-        )
+    if error_if_nonfinite:
+        check_finite(total, norm_type)
     return total
 
 
@@ -109,7 +106,15 @@ def clip_grads_with_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float
     """Drop-in for `torch.nn.utils.clip_grads_with_norm_`: scale every gradient in place by
     `clamp(max_norm / (total + 1e-6), max=1.0)` with native's op sequence."""
     parameters = [parameters] if isinstance(parameters, Tensor) else list(parameters)
-    grads = [p.grad for p in parameters if p.grad is not None]
+    scale_grads_([p.grad for p in parameters if p.grad is not None], max_norm, total, foreach)
+
+
+@torch.no_grad()
+def scale_grads_(grads: list[Tensor], max_norm: float, total: Tensor,
+                 foreach: bool | None = None) -> None:
+    """The multiply of `clip_grads_with_norm_`, on the gradient tensors themselves: each is
+    scaled in place by `clamp(max_norm / (total + 1e-6), max=1.0)` (per (device, dtype) group,
+    `_foreach_mul_` or a loop of `mul_` as native chooses)."""
     if not grads:
         return
     coef = clip_coefficient(total, float(max_norm))

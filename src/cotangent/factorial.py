@@ -15,12 +15,12 @@ from torch import Tensor
 
 from cotangent import _compat
 from cotangent.clip import clip_grads_with_norm_
-from cotangent.norms import calibrate_bucket, native_tensor_norms, total_norm
+from cotangent.norms import bucket_norm_is_exact, native_tensor_norms, total_norm
 
 
 def stacked_group_norms(grads: list[Tensor], norm_type: float) -> Tensor:
     """Per-tensor norms of one (device, dtype) group, in order; equal-length contiguous gradients
-    are stacked and reduced together where `calibrate_bucket` allows. 1-D, the grads' dtype."""
+    are stacked and reduced together where `bucket_norm_is_exact` allows. 1-D, the grads' dtype."""
     by_length: dict[int, list[int]] = {}
     for i, g in enumerate(grads):
         if g.is_contiguous() and g.numel() > 0:
@@ -28,7 +28,7 @@ def stacked_group_norms(grads: list[Tensor], norm_type: float) -> Tensor:
     out: list[Tensor | None] = [None] * len(grads)
     for n, idx in by_length.items():
         g0 = grads[idx[0]]
-        if len(idx) > 1 and calibrate_bucket(g0.device, g0.dtype, n, len(idx), n, norm_type,
+        if len(idx) > 1 and bucket_norm_is_exact(g0.device, g0.dtype, n, len(idx), n, norm_type,
                                              None):
             rows = torch.linalg.vector_norm(torch.stack([grads[i].reshape(-1) for i in idx]),
                                              norm_type, dim=1)  # (k,) from a (k, n) copy

@@ -39,7 +39,9 @@ def ulp_distance(a: Tensor, b: Tensor) -> Tensor:
 
 
 def first_difference(a: Tensor | None, b: Tensor | None) -> str | None:
-    """None when bit-identical, else where and by how much they first differ."""
+    """None when bit-identical (dtype, shape and every byte), else where and by how much they
+    first differ: the count of differing elements, the first flat index, both values and their
+    distance in ULP (the one byte comparison of the library and its tests)."""
     if a is None or b is None:
         return None if a is None and b is None else f"{'None' if a is None else 'tensor'} vs " \
                                                      f"{'None' if b is None else 'tensor'}"
@@ -56,6 +58,25 @@ def first_difference(a: Tensor | None, b: Tensor | None) -> str | None:
     i = int(bad[0])
     return (f"{len(bad)} of {a.numel()} elements differ; first at flat index {i}: "
             f"{a.reshape(-1)[i].item()!r} vs {b.reshape(-1)[i].item()!r} ({int(ulps[i])} ULP)")
+
+
+def compare_updates(names: list[str], native_params: list[Tensor], native_state,
+                    our_params: list[Tensor], our_state, *, grads: bool = True):
+    """Yield ``(what, difference or None)`` for every tensor an update phase touches, native
+    against Cotangent: each parameter's gradient (with `grads`), the parameter, and every entry of its
+    optimizer state (`exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`, `step`; a key present on one
+    side only is a difference). `native_state` / `our_state` are the optimizers' `state`."""
+    for name, a, b in zip(names, native_params, our_params):
+        if grads:  # first: a gradient difference is the cause of the others
+            yield f"gradient {name}", first_difference(a.grad, b.grad)
+        yield f"parameter {name}", first_difference(a, b)
+        sa, sb = native_state.get(a, {}), our_state.get(b, {})
+        for key in sorted(set(sa) | set(sb)):
+            va, vb = sa.get(key), sb.get(key)
+            if isinstance(va, Tensor) or isinstance(vb, Tensor):
+                yield f"{key} of {name}", first_difference(va, vb)
+            else:
+                yield f"{key} of {name}", None if va == vb else f"{va!r} vs {vb!r}"
 
 
 @dataclass
@@ -79,57 +100,102 @@ class VerifyReport:
 def verify(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], Tensor],
            batches: Iterable, *, max_norm: float | None = 1.0, arm: str = "cotangent",
            autocast_dtype: torch.dtype | None = None, compile: bool = False,
-           stop_at_first: bool = True, **adamw_kwargs) -> VerifyReport:
+           stop_at_first: bool = True, params=None, clip_order=None, norm_type: float = 2.0,
+           error_if_nonfinite: bool = False, **adamw_kwargs) -> VerifyReport:
     """Compare native and Cotangent updates step by step; returns a `VerifyReport`.
 
     Args:
         model: your model; it is deep-copied twice (it is not modified).
         loss_fn: ``loss_fn(model, batch) -> 0-dim loss``, called once per batch per side.
-        batches: one batch per update step.
+        batches: one batch per update step (at least one).
         max_norm: clipping threshold (None: no clipping).
         arm: "cotangent" (batched norms + packing), "packing-only" or "batched-norms-only".
         autocast_dtype: run forward passes under `torch.autocast` with this dtype.
         compile: `torch.compile` both copies (after the optimizers are built), under
             `torch.use_deterministic_algorithms(True)` for the duration of the call.
         stop_at_first: stop at the first step with a difference.
+        params: what you would pass to the optimizer, built from `model`'s parameters: a list
+            of them or of param-group dicts (e.g. no weight decay on biases). Default: all of
+            `model.parameters()` in one group.
+        clip_order: the parameters you pass to `clip_grad_norm_`, from `model` (default: the
+            optimizer's order).
+        norm_type, error_if_nonfinite: as `clip_grad_norm_`.
         **adamw_kwargs: `torch.optim.AdamW` arguments (lr, betas, weight_decay, fused, ...).
     Raises:
-        ValueError: unknown `arm`.
+        ValueError: unknown `arm`; no batches; `params` or `clip_order` holding a tensor that is
+            not a parameter of `model`; param groups with the batched-norms-only arm.
     """
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; known: {', '.join(ARMS)}")
+    batches = list(batches)
+    if not batches:
+        raise ValueError("verify needs at least one batch (one per update step to compare)")
+    options = dict(max_norm=max_norm, arm=arm, autocast_dtype=autocast_dtype,
+                   stop_at_first=stop_at_first, params=params, clip_order=clip_order,
+                   norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, **adamw_kwargs)
     if compile:
         # inductor's CPU embedding backward accumulates in a thread-dependent order: two
         # compiled copies of one native model differ unless deterministic mode is on.
         previous = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(True)
         try:
-            return _verify(model, loss_fn, batches, max_norm=max_norm, arm=arm,
-                           autocast_dtype=autocast_dtype, compile=True,
-                           stop_at_first=stop_at_first, **adamw_kwargs)
+            return _verify(model, loss_fn, batches, compile=True, **options)
         finally:
             torch.use_deterministic_algorithms(previous)
-    return _verify(model, loss_fn, batches, max_norm=max_norm, arm=arm,
-                   autocast_dtype=autocast_dtype, compile=False, stop_at_first=stop_at_first,
-                   **adamw_kwargs)
+    return _verify(model, loss_fn, batches, compile=False, **options)
+
+
+def _map_params(spec, model: torch.nn.Module, copy_params: list[Tensor], what: str):
+    """`spec` (parameters of `model`, or param-group dicts of them) with each parameter replaced
+    by the one at the same position in `copy_params`."""
+    index = {id(p): i for i, p in enumerate(model.parameters())}
+
+    def mapped(tensors):
+        out = []
+        for t in tensors:
+            if id(t) not in index:
+                raise ValueError(f"{what} holds a tensor of shape {tuple(t.shape)} that is not a "
+                                 "parameter of the model given to verify")
+            out.append(copy_params[index[id(t)]])
+        return out
+
+    spec = list(spec)
+    if spec and isinstance(spec[0], dict):
+        return [dict(g, params=mapped([g["params"]] if isinstance(g["params"], Tensor)
+                                      else g["params"])) for g in spec]
+    return mapped(spec)
 
 
 def _verify(model, loss_fn, batches, *, max_norm, arm, autocast_dtype, compile, stop_at_first,
-            **adamw_kwargs) -> VerifyReport:
+            params, clip_order, norm_type, error_if_nonfinite, **adamw_kwargs) -> VerifyReport:
     native_model, our_model = copy.deepcopy(model), copy.deepcopy(model)
     native_params, our_params = list(native_model.parameters()), list(our_model.parameters())
-    native = ReferenceUpdate(native_params, max_norm=max_norm, **adamw_kwargs)
+    spec = list(model.parameters() if params is None else params)
+    clip_order = None if clip_order is None else list(clip_order)
+    native_spec = _map_params(spec, model, native_params, "params")
+    our_spec = _map_params(spec, model, our_params, "params")
+    native_order = None if clip_order is None else _map_params(clip_order, model, native_params,
+                                                               "clip_order")
+    our_order = None if clip_order is None else _map_params(clip_order, model, our_params,
+                                                            "clip_order")
+    native = ReferenceUpdate(native_spec, max_norm=max_norm, norm_type=norm_type,
+                             error_if_nonfinite=error_if_nonfinite, clip_order=native_order,
+                             **adamw_kwargs)
     if arm == "batched-norms-only":
         if max_norm is None:
             raise ValueError("batched-norms-only needs max_norm")
-        ours = BatchedNormsOnly(our_params, max_norm=max_norm, **adamw_kwargs)
+        if params is not None or clip_order is not None or error_if_nonfinite:
+            raise ValueError("the batched-norms-only arm takes one param group in model order")
+        ours = BatchedNormsOnly(our_params, max_norm=max_norm, norm_type=norm_type,
+                                **adamw_kwargs)
         our_opt = ours.optimizer
 
         def our_step():
             return ours.step()
     else:
-        our_opt = AdamW(our_params, max_norm=max_norm, batched_norms=arm == "cotangent",
-                        **adamw_kwargs)
+        our_opt = AdamW(our_spec, max_norm=max_norm, batched_norms=arm == "cotangent",
+                        norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
+                        clip_order=our_order, **adamw_kwargs)
 
         def our_step():
             our_opt.step()
@@ -138,19 +204,18 @@ def _verify(model, loss_fn, batches, *, max_norm, arm, autocast_dtype, compile, 
     run_native, run_ours = native_model, our_model
     if compile:
         run_native, run_ours = torch.compile(native_model), torch.compile(our_model)
-    device_type = next(iter(native_params)).device.type if native_params else "cpu"
+    device_type = native_params[0].device.type if native_params else "cpu"
     names = [name for name, _ in native_model.named_parameters()]
     report = VerifyReport(arm)
 
-    def check(what: str, a, b) -> None:
+    def check(what: str, problem: str | None) -> None:
         report.checks += 1
-        problem = first_difference(a, b)
         if problem is not None:
             report.failures.append(f"step {report.steps}: {what}: {problem}")
 
     for batch in batches:
         losses = []
-        for m, opt in ((run_native, native.optimizer), (run_ours, our_opt)):
+        for m, opt in ((run_native, native), (run_ours, our_opt)):
             opt.zero_grad()
             ctx = (torch.autocast(device_type, dtype=autocast_dtype) if autocast_dtype
                    else nullcontext())
@@ -158,16 +223,13 @@ def _verify(model, loss_fn, batches, *, max_norm, arm, autocast_dtype, compile, 
                 loss = loss_fn(m, batch)
             loss.backward()
             losses.append(loss.detach())
-        check("loss", *losses)
+        check("loss", first_difference(*losses))
         for name, a, b in zip(names, native_params, our_params):
-            check(f"gradient {name}", a.grad, b.grad)
-        check("total norm", native.step(), our_step())
-        for name, a, b in zip(names, native_params, our_params):
-            check(f"clipped gradient {name}", a.grad, b.grad)
-            check(f"parameter {name}", a, b)
-            sa, sb = native.optimizer.state.get(a, {}), our_opt.state.get(b, {})
-            for key in sorted(set(sa) | set(sb)):
-                check(f"{key} of {name}", sa.get(key), sb.get(key))
+            check(f"gradient {name}", first_difference(a.grad, b.grad))
+        check("total norm", first_difference(native.step(), our_step()))
+        for what, problem in compare_updates(names, native_params, native.optimizer.state,
+                                             our_params, our_opt.state):
+            check(what.replace("gradient", "clipped gradient", 1), problem)
         report.steps += 1
         if report.failures and stop_at_first:
             break

@@ -4,15 +4,19 @@ Native AdamW updates each parameter separately (one kernel call per tensor for t
 fused implementations, one list element per tensor for foreach). AdamW is elementwise, so running
 it once over a *range* of adjacent segments of the flat buffers (padding included) gives the same
 numbers per element - except where the element's position changes the code path: CPU kernels run
-a vectorised body and a scalar tail that may round differently (the fused kernel uses a fused
-multiply-add only in its body; ../shared/notes/native-numerics.md, item 6), and TensorIterator
-kernels split work between threads at positions that depend on the call's length.
+a vectorised body and a scalar tail that may round differently (the CPU fused kernel uses a fused
+multiply-add only in its body: one call over 2000 float32 tensors of 7 elements gave other bits
+than per-tensor calls in 769 of 14,000 elements after 20 steps; bfloat16 NaN payloads differ the
+same way), and TensorIterator kernels split work between threads at positions that depend on the
+call's length.
 
 So a segment joins a range only where a calibration probe has shown it safe: for its
 implementation, device type, dtype, length and hyperparameter branches, the probe runs the native
 functional AdamW (`torch.optim.adam.adam`, the function `torch.optim.AdamW.step` calls) for several
 steps once per tensor and once over merged ranges laid out like the flat buffers (each length at
-both 64-byte offset parities), and compares every byte of the parameters and moments. For the
+both 64-byte offset parities), on ordinary values and again with inf, NaN, signed zeros and a
+subnormal in body and tail positions, and compares every byte of the parameters and moments. For
+the
 TensorIterator-based implementations (for-loop, foreach) ranges also stay below ATen's parallel
 grain size, so they run single-threaded, like the per-tensor calls of tensors that small.
 """
@@ -24,6 +28,7 @@ from torch import Tensor
 from torch.optim.adam import adam as functional_adam
 
 from cotangent import _compat, calibration
+from cotangent.calibration import sprinkle_special_values
 from cotangent.packing import align_elements
 
 GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: TensorIterator ops below this run on one thread
@@ -32,15 +37,19 @@ GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: TensorIterator ops below this ru
 def implementation(group: dict, params: list[Tensor]) -> str:
     """The AdamW implementation native code runs for `group` over `params`.
 
-    Returns "fused", "foreach" or "for-loop", following `torch.optim.adam.adam`: `fused=True`
-    wins; `foreach=None` (with `fused` unset) defaults by device as
-    `torch.optim.optimizer._default_to_fused_or_foreach` does.
+    Returns "fused", "foreach" or "for-loop", following `torch.optim.adam.adam` (torch 2.4-2.13):
+    `fused=True` wins; only when both `fused` and `foreach` are None does the device choose
+    (`torch.optim.optimizer._default_to_fused_or_foreach`), and then a tensor `lr` without
+    `capturable` falls back from foreach to the for-loop. An explicit `fused=False` with
+    `foreach=None` is the for-loop, on every device.
     """
-    if group["fused"]:
+    fused, foreach = group["fused"], group["foreach"]
+    if fused:
         return "fused"
-    foreach = group["foreach"]
-    if foreach is None:
+    if fused is None and foreach is None:
         foreach = _compat.default_foreach(params, bool(group["differentiable"]))
+        if foreach and torch.is_tensor(group["lr"]) and not group["capturable"]:
+            foreach = False
     return "foreach" if foreach else "for-loop"
 
 
@@ -79,13 +88,14 @@ def merge_key(kind: str, device: torch.device, dtype: torch.dtype, numel: int,
         "tensor_lr" if torch.is_tensor(group["lr"]) else "float_lr"))
 
 
-def calibrate_merge(kind: str, device: torch.device, dtype: torch.dtype, numel: int,
-                    group: dict) -> bool:
+def merge_is_exact(kind: str, device: torch.device, dtype: torch.dtype, numel: int,
+                   group: dict) -> bool:
     """Whether segments of `numel` elements may join a merged AdamW call (see module docstring).
 
     The probe uses `group`'s betas, eps, weight decay, amsgrad and maximize, lr 1e-2 (a tensor if
-    the group's lr is one), a random gradient, and 6 steps; the verdict is cached per
-    `merge_key`. Lengths too large for a merged call of this implementation are never merged.
+    the group's lr is one), and 6 steps twice: with a random gradient, and with one whose rows
+    also hold inf, NaN, signed zeros and a subnormal; the verdict is cached per `merge_key`.
+    Lengths too large for a merged call of this implementation are never merged.
     """
     key = merge_key(kind, device, dtype, numel, group)
     cached = calibration.lookup(key)
@@ -109,29 +119,31 @@ def calibrate_merge(kind: str, device: torch.device, dtype: torch.dtype, numel: 
     gen = torch.Generator().manual_seed(numel)
     start = torch.randn(size, generator=gen).to(dtype).to(device)
     grad = (torch.randn(size, generator=gen) * 0.1).to(dtype).to(device)
+    special = grad.clone()
+    sprinkle_special_values([special[o:o + numel] for o in offsets])
     probe_group = dict(group)
     probe_group["lr"] = (torch.tensor(1e-2, device=group["lr"].device)
                          if torch.is_tensor(group["lr"]) else 1e-2)
-    results = []
-    for merged in (False, True):
-        p = start.clone()
-        m, v, vmax = (torch.zeros_like(p) for _ in range(3))
-        step_dtype = _compat.new_step_tensor(p, fused=kind == "fused", capturable=False)
-        if merged:
-            views = lambda t: [t]  # noqa: E731
-            steps = [step_dtype]
-        else:
-            views = lambda t: [t[o:o + numel] for o in offsets]  # noqa: E731
-            steps = [step_dtype.clone() for _ in offsets]
-        for _ in range(6):
-            g = grad.clone()
-            run_native_adamw(kind, views(p), views(g), views(m), views(v),
-                             views(vmax) if group["amsgrad"] else [], steps, group=probe_group)
-        results.append([torch.cat([t[o:o + numel] for o in offsets]) for t in (p, m, v, vmax)])
-    verdict = all(
-        torch.equal(a.view(torch.uint8), b.view(torch.uint8))
-        for a, b in zip(*results)
-    )
+    verdict = True
+    for g0 in (grad, special):
+        results = []
+        for merged in (False, True):
+            p = start.clone()
+            m, v, vmax = (torch.zeros_like(p) for _ in range(3))
+            step_dtype = _compat.new_step_tensor(p, fused=kind == "fused", capturable=False)
+            if merged:
+                views = lambda t: [t]  # noqa: E731
+                steps = [step_dtype]
+            else:
+                views = lambda t: [t[o:o + numel] for o in offsets]  # noqa: E731
+                steps = [step_dtype.clone() for _ in offsets]
+            for _ in range(6):
+                g = g0.clone()
+                run_native_adamw(kind, views(p), views(g), views(m), views(v),
+                                 views(vmax) if group["amsgrad"] else [], steps, group=probe_group)
+            results.append([torch.cat([t[o:o + numel] for o in offsets]) for t in (p, m, v, vmax)])
+        verdict = verdict and all(
+            torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*results))
     calibration.record(key, verdict)
     return verdict
 
@@ -146,11 +158,12 @@ def run_direct_fused(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, step
         eps=group["eps"], maximize=group["maximize"])
 
 
-def calibrate_direct(device: torch.device, dtype: torch.dtype, group: dict) -> bool:
+def direct_fused_is_exact(device: torch.device, dtype: torch.dtype, group: dict) -> bool:
     """Whether `run_direct_fused` equals the native functional fused AdamW byte for byte.
 
-    Probe: tensors of 1-40, 63-65 and 1000 elements, `group`'s hyperparameter branches, 6 steps,
-    each path on its own copy; parameters and every moment compared. Cached like the others.
+    Probe: tensors of 1-40, 63-65 and 1000 elements (half of them holding inf, NaN, signed zeros
+    and a subnormal), `group`'s hyperparameter branches, 6 steps, each path on its own copy;
+    parameters, every moment and the steps compared. Cached like the others.
     """
     key = calibration.full_key("fused_direct", device.type, (
         dtype, "amsgrad" if group["amsgrad"] else "-", "maximize" if group["maximize"] else "-",
@@ -163,6 +176,7 @@ def calibrate_direct(device: torch.device, dtype: torch.dtype, group: dict) -> b
     gen = torch.Generator().manual_seed(7)
     start = [torch.randn(n, generator=gen).to(dtype).to(device) for n in lengths]
     grad = [(torch.randn(n, generator=gen) * 0.1).to(dtype).to(device) for n in lengths]
+    sprinkle_special_values(grad[::2])
     probe_group = dict(group)
     probe_group["lr"] = (torch.tensor(1e-2, device=group["lr"].device)
                          if torch.is_tensor(group["lr"]) else 1e-2)

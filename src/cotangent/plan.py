@@ -1,0 +1,251 @@
+"""Step planning: which native AdamW calls a step makes, over which merged ranges.
+
+For one pattern of present gradients a `StepPlan` lists the present parameters per param group;
+`Planner.build_calls` turns it into native functional AdamW calls (`cotangent.merge`), one per
+(param group, flat buffer), whose list elements are per-parameter views or merged ranges of
+adjacent parameters wherever `cotangent.merge.merge_is_exact` proved the range equal to separate
+calls and the parameters' step counts are equal. Calls are cached with the plan and rebuilt when
+anything they were built on changes: `Planner.invalidate` (the one place that discards them),
+the param groups' flags, the identity of the state entries, or the equality of merged step
+counts (`AdamWCalls.still_valid`, checked at every step).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from operator import itemgetter
+
+import torch
+from torch import Tensor
+
+from cotangent import merge
+from cotangent.packing import Segment, align_elements
+from cotangent.store import FlatStore, state_keys
+
+
+def group_signature(group: dict) -> tuple:
+    """The param-group settings that decide which native calls run and which merges are exact
+    (values such as lr or betas are read at every call and need no signature)."""
+    return (group["fused"], group["foreach"], bool(group["amsgrad"]), bool(group["maximize"]),
+            group["weight_decay"] != 0, torch.is_tensor(group["lr"]), bool(group["capturable"]),
+            bool(group["differentiable"]))
+
+
+@dataclass(slots=True)
+class AdamWCall:
+    """One native functional AdamW call: per-parameter tensors and merged ranges of one group."""
+
+    group_index: int
+    kind: str  # "fused" | "foreach" | "for-loop"
+    direct: bool  # fused, one device and dtype, proven equal: skip the functional wrapper
+    params: list[Tensor] = field(default_factory=list)
+    grads: list[Tensor] = field(default_factory=list)
+    exp_avgs: list[Tensor] = field(default_factory=list)
+    exp_avg_sqs: list[Tensor] = field(default_factory=list)
+    max_exp_avg_sqs: list[Tensor] = field(default_factory=list)
+    state_steps: list[Tensor] = field(default_factory=list)  # a range uses its first's step
+    parameters: int = 0  # parameters updated by this call (ranges count each member)
+
+
+@dataclass(slots=True)
+class StepMerge:
+    """The step counts of merged ranges inside one step buffer (a 1-D CPU tensor): every member
+    must equal its range's first before the update, and is set to it after."""
+
+    buffer: Tensor
+    members: Tensor  # int64 positions of the ranges' other parameters
+    firsts: Tensor  # int64 position of each member's range head
+
+
+@dataclass(slots=True)
+class AdamWCalls:
+    """The calls of one plan, with what they were built on."""
+
+    epoch: int
+    signatures: list[tuple]
+    calls: list[AdamWCall]
+    merges: list[StepMerge]
+    # (state key, positions in the plan's parameter list or None for all, data pointers)
+    state_checks: list[tuple[str, list[int] | None, list[int]]]
+
+    def state_unchanged(self, state, params: list[Tensor]) -> bool:
+        """Whether every state entry these calls read is still the tensor they were built with
+        (nothing assigned, replaced, popped or re-pointed with `.data` since)."""
+        try:
+            dicts = list(map(state.get, params))  # .get: a defaultdict must not grow here
+            for key, index, want in self.state_checks:
+                chosen = dicts if index is None else list(map(dicts.__getitem__, index))
+                if list(map(Tensor.data_ptr, map(itemgetter(key), chosen))) != want:
+                    return False
+        except (KeyError, TypeError, AttributeError):
+            return False
+        return True
+
+    def merged_steps_equal(self) -> bool:
+        """Whether every merged range's step counts are still equal (they may have been edited
+        in place from outside, e.g. `for v in opt.state[p].values(): v.zero_()`)."""
+        return all(torch.equal(m.buffer.index_select(0, m.members),
+                               m.buffer.index_select(0, m.firsts)) for m in self.merges)
+
+    def fill_merged_steps(self) -> None:
+        """After the update: each merged range's members take its head's new step count."""
+        for m in self.merges:
+            m.buffer.index_copy_(0, m.members, m.buffer.index_select(0, m.firsts))
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Everything `step()` needs for one pattern of present gradients."""
+
+    present: tuple[int, ...]
+    params: list[Tensor]  # the present parameters, in slot order
+    group_slots: list[tuple[int, list[int]]]  # (group index, its present slots)
+    clip: list | None = None  # built by the clipper on first use
+    calls: AdamWCalls | None = None
+
+
+class Planner:
+    """Plans and their AdamW calls for one `FlatStore`, cached per presence pattern."""
+
+    MAX_PLANS = 64  # e.g. layer drop: bound the cache of presence patterns
+
+    def __init__(self, store: FlatStore, group_sizes: list[int]) -> None:
+        self.store = store
+        self.group_of: list[int] = [gi for gi, n in enumerate(group_sizes) for _ in range(n)]
+        self.plans: dict[tuple[int, ...], StepPlan] = {}
+        self.epoch = 0
+        self.last: StepPlan | None = None
+
+    def invalidate(self, *, plans: bool = False) -> None:
+        """Discard every cached AdamW call (state, views or verdicts changed); with `plans`,
+        the presence plans too (their clip programs depend on calibration)."""
+        self.epoch += 1
+        if plans:
+            self.plans.clear()
+            self.last = None
+
+    def plan(self, present: tuple[int, ...]) -> StepPlan:
+        plan = self.plans.get(present)
+        if plan is None:
+            if len(self.plans) >= self.MAX_PLANS:
+                self.plans.clear()
+            group_slots: dict[int, list[int]] = {}
+            for slot in present:
+                group_slots.setdefault(self.group_of[slot], []).append(slot)
+            plan = StepPlan(present, [self.store.params[s] for s in present],
+                            sorted(group_slots.items()))
+            self.plans[present] = plan
+        self.last = plan
+        return plan
+
+    def calls_valid(self, plan: StepPlan, state, groups: list[dict]) -> bool:
+        """Whether `plan`'s cached calls may run this step (see the module docstring)."""
+        c = plan.calls
+        return (c is not None and c.epoch == self.epoch
+                and c.signatures == [group_signature(groups[gi]) for gi, _ in plan.group_slots]
+                and c.state_unchanged(state, plan.params) and c.merged_steps_equal())
+
+    def build_calls(self, plan: StepPlan, state, groups: list[dict],
+                    grad_override: dict[int, Tensor] | None = None) -> AdamWCalls:
+        """Group the present parameters into native AdamW calls. Their state must be this
+        store's (adopted or initialised). With `grad_override` (slot -> gradient used where it
+        is), those slots stay single and the calls are not cached."""
+        store = self.store
+        override = grad_override or {}
+        calls, merges = [], {}
+        for gi, slots in plan.group_slots:
+            group = groups[gi]
+            kind = merge.implementation(group, [store.params[s] for s in slots])
+            limit = merge.max_range_elements(kind)
+            in_group = set(slots)
+            for li, layout in enumerate(store.layouts):  # one call per (group, device, dtype)
+                segs = [seg for seg in layout.segments if seg.slot in in_group]
+                if not segs:
+                    continue
+                direct = kind == "fused" and merge.direct_fused_is_exact(
+                    layout.device, layout.dtype, group)
+                call = AdamWCall(gi, kind, direct)
+                for run in self._ranges(li, segs, kind, limit, group, state, override):
+                    self._add(call, li, run, group, state, override, merges)
+                calls.append(call)
+        state_checks = []
+        for key, index in self._state_checks(plan, groups):
+            chosen = plan.params if index is None else [plan.params[i] for i in index]
+            state_checks.append((key, index, [state[p][key].data_ptr() for p in chosen]))
+        built = AdamWCalls(
+            self.epoch, [group_signature(groups[gi]) for gi, _ in plan.group_slots], calls,
+            [StepMerge(buffer, torch.tensor(members), torch.tensor(firsts))
+             for buffer, members, firsts in merges.values()],
+            state_checks)
+        if not override:
+            plan.calls = built
+        return built
+
+    def _state_checks(self, plan: StepPlan, groups: list[dict]) -> list[tuple[str, list | None]]:
+        """Which state entries of which present parameters the calls read."""
+        amsgrad = [bool(groups[self.group_of[s]]["amsgrad"]) for s in plan.present]
+        checks: list[tuple[str, list | None]] = [(k, None) for k in state_keys(False)]
+        if any(amsgrad):
+            checks.append(("max_exp_avg_sq",
+                           None if all(amsgrad) else [i for i, a in enumerate(amsgrad) if a]))
+        return checks
+
+    def _ranges(self, li, segs, kind, limit, group, state, override) -> list[list[Segment]]:
+        """Split `segs` (buffer order) into runs that may share one list element."""
+        store = self.store
+        align = align_elements(store.layouts[li].dtype)
+        runs: list[list[Segment]] = []
+        run_end = -1
+        run_start = 0
+        for seg in segs:
+            end = seg.offset + -(-seg.numel // align) * align
+            step = state[store.params[seg.slot]]["step"]
+            ok = (seg.contiguous and seg.slot not in override and step.device.type == "cpu"
+                  and merge.merge_is_exact(kind, store.layouts[li].device,
+                                           store.layouts[li].dtype, seg.numel, group))
+            if (ok and runs and run_end == seg.offset
+                    and (limit is None or end - run_start <= limit)
+                    and self._same_step(runs[-1][0], seg, state)):
+                runs[-1].append(seg)
+                run_end = end
+            else:
+                runs.append([seg])
+                run_start, run_end = seg.offset, (end if ok else -1)
+        return runs
+
+    def _same_step(self, a: Segment, b: Segment, state) -> bool:
+        sa = state[self.store.params[a.slot]]["step"]
+        sb = state[self.store.params[b.slot]]["step"]
+        # same step buffer (dtype and device) and the same count: one host read per pair, at
+        # build time only (steps of merged ranges live on the CPU)
+        return sa.dtype == sb.dtype and sa.device == sb.device and bool(sa == sb)
+
+    def _add(self, call: AdamWCall, li: int, run: list[Segment], group: dict, state,
+             override: dict[int, Tensor], merges: dict) -> None:
+        store = self.store
+        first = state[store.params[run[0].slot]]
+        if len(run) == 1:
+            slot = run[0].slot
+            call.params.append(store.params[slot])
+            call.grads.append(override.get(slot, store.grad_views[slot]))
+            tensors = first
+        else:
+            align = align_elements(store.layouts[li].dtype)
+            start = run[0].offset
+            length = run[-1].offset + -(-run[-1].numel // align) * align - start
+            call.params.append(store.flat_params[li].narrow(0, start, length))
+            call.grads.append(store.flat_grads[li].narrow(0, start, length))
+            tensors = {k: v.narrow(0, start, length) for k, v in store.flat_state[li].items()}
+            step = first["step"]
+            buffer = store.step_buffers[(li, step.device, step.dtype)]
+            _, members, firsts = merges.setdefault(id(buffer), (buffer, [], []))
+            head = store.position[run[0].slot]
+            for seg in run[1:]:
+                members.append(store.position[seg.slot])
+                firsts.append(head)
+        call.exp_avgs.append(tensors["exp_avg"])
+        call.exp_avg_sqs.append(tensors["exp_avg_sq"])
+        if group["amsgrad"]:
+            call.max_exp_avg_sqs.append(tensors["max_exp_avg_sq"])
+        call.state_steps.append(first["step"])
+        call.parameters += len(run)

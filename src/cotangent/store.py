@@ -1,0 +1,290 @@
+"""The flat-buffer store: parameters, gradients and AdamW state of one optimizer as views.
+
+`FlatStore.pack` moves every parameter's storage into one flat buffer per (device, dtype)
+(`cotangent.packing` decides the layout), keeps a matching gradient buffer that autograd
+accumulates into, and holds the AdamW state (`exp_avg`, `exp_avg_sq`, `max_exp_avg_sq`) in flat
+buffers of the same layout and the `step` counts in one small buffer per layout and step dtype.
+The optimizer's `state[p]` dicts hold views of these buffers, so in-place edits of them are
+seen; tensors assigned into `state[p]` from outside are validated (`state_problem`) and copied
+in (`adopt`), as `load_state_dict` does.
+"""
+
+from __future__ import annotations
+
+import weakref
+import torch
+from torch import Tensor
+
+from cotangent import _compat
+from cotangent.packing import FlatLayout, Segment, plan_layouts
+
+MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def state_keys(amsgrad: bool) -> tuple[str, ...]:
+    """The state entries native AdamW reads at every step for a group with this `amsgrad`."""
+    return ("step",) + (MOMENTS if amsgrad else MOMENTS[:2])
+
+
+def describe(slot: int, p: Tensor) -> str:
+    return f"parameter {slot} (shape {tuple(p.shape)}, {str(p.dtype).removeprefix('torch.')})"
+
+
+def validate_params(params: list[Tensor]) -> list[FlatLayout]:
+    """Check that every parameter can be packed; returns the planned layouts.
+
+    Raises:
+        ValueError: a parameter that appears twice, shares storage with another, is sparse,
+            complex, integer, on the meta device, a DTensor / wrapper subclass / uninitialised
+            lazy parameter, or not dense.
+    """
+    seen: dict[int, int] = {}
+    for slot, p in enumerate(params):
+        if not isinstance(p, Tensor):
+            raise TypeError(f"parameter {slot} is a {type(p).__name__}, not a tensor")
+        if id(p) in seen:
+            raise ValueError(
+                f"parameter {slot} is the same tensor as parameter {seen[id(p)]}; native AdamW "
+                "would update it twice per step, cotangent.AdamW refuses duplicates")
+        seen[id(p)] = slot
+        refusal = _compat.tensor_kind_refusal(p)
+        if refusal is not None:
+            raise ValueError(f"parameter {slot} {refusal}")
+        if p.layout is not torch.strided:
+            raise ValueError(f"parameter {slot} has layout {p.layout}; only dense (strided) "
+                             "parameters can be packed")
+        if p.is_complex():
+            raise ValueError(f"parameter {slot} is complex ({p.dtype}); not supported")
+        if not p.is_floating_point():
+            raise ValueError(f"parameter {slot} has dtype {p.dtype}; AdamW needs floating "
+                             "point parameters")
+        if p.device.type == "meta":
+            raise ValueError(f"parameter {slot} is on the meta device (no data to pack); "
+                             "build cotangent.AdamW after materialising the model")
+    spans = sorted(
+        (p.untyped_storage().data_ptr() + p.storage_offset() * p.element_size(),
+         p.untyped_storage().data_ptr() + (p.storage_offset() + p.numel()) * p.element_size(),
+         slot)
+        for slot, p in enumerate(params) if p.numel() > 0)
+    for (_, end_a, a), (start_b, _, b) in zip(spans, spans[1:]):
+        if start_b < end_a:
+            raise ValueError(
+                f"parameters {min(a, b)} and {max(a, b)} share storage; packing would untie "
+                "them (tie modules by sharing one Parameter object instead)")
+    return plan_layouts(params)
+
+
+def same_strides(t: Tensor, p: Tensor) -> bool:
+    """Whether `t` is laid out in memory exactly like `p` (strides of size-1 dims aside)."""
+    return all(a == b for a, b, n in zip(t.stride(), p.stride(), p.shape) if n > 1)
+
+
+def entry_problem(p: Tensor, key: str, value) -> str | None:
+    """Why `value` cannot be native AdamW's `state[p][key]` in a packed optimizer, or None.
+
+    A moment must match the parameter's shape, dtype and device and be dense; the step must be
+    a 0-dim real tensor (native AdamW's functional API refuses non-tensor steps)."""
+    if not isinstance(value, Tensor):
+        return f"is a {type(value).__name__}, not a tensor"
+    if key == "step":
+        if value.dim() != 0 or value.is_complex() or value.dtype == torch.bool:
+            return f"must be a 0-dim real tensor, not {tuple(value.shape)} {value.dtype}"
+        return None
+    if value.shape != p.shape or value.dtype != p.dtype or value.device != p.device:
+        return (f"is {tuple(value.shape)} {value.dtype} on {value.device}; it must match the "
+                f"parameter ({tuple(p.shape)} {p.dtype} on {p.device})")
+    if value.layout is not torch.strided:
+        return f"is not a dense tensor ({value.layout})"
+    return None
+
+
+def state_problem(slot: int, p: Tensor, state: dict, amsgrad: bool) -> str | None:
+    """Why `state` (a non-empty `optimizer.state[p]`) cannot drive native AdamW's next update of
+    `p`, or None when it can.
+
+    Native AdamW reads ``step``, ``exp_avg``, ``exp_avg_sq`` (and ``max_exp_avg_sq`` with
+    amsgrad) afresh at every step: a missing entry is a KeyError there, a moment of another shape
+    fails in the middle of the update (after weight decay has already changed the parameter), a
+    non-tensor step fails the functional API's check (`entry_problem`).
+    """
+    for key in state_keys(amsgrad):
+        if key not in state:
+            return (f"optimizer.state of {describe(slot, p)} has no {key!r} entry (it has "
+                    f"{sorted(map(str, state))}); native AdamW would raise KeyError here. Delete "
+                    "the whole entry (`del opt.state[p]`) to start the parameter afresh")
+        problem = entry_problem(p, key, state[key])
+        if problem:
+            return f"optimizer.state[p][{key!r}] of {describe(slot, p)} {problem}"
+    return None
+
+
+def adoptable_keys(p: Tensor, state: dict) -> list[str]:
+    """The entries of `state` that can move into the flat buffers as they are."""
+    return [k for k in ("step",) + MOMENTS if k in state and entry_problem(p, k, state[k]) is None]
+
+
+class FlatStore:
+    """Flat buffers and per-parameter views of one optimizer's parameters, gradients and state.
+
+    Attributes (per slot = position in the optimizer's parameter list, param groups
+    concatenated):
+        params: the parameters (the user's `Parameter` objects, now views of `flat_params`).
+        layouts: one `FlatLayout` per (device, dtype), in order of first appearance.
+        where: (layout index, `Segment`) of each slot.
+        grad_views: each slot's view of its layout's gradient buffer (same shape and strides as
+            the parameter).
+        flat_params, flat_grads: the 1-D buffers, one per layout.
+    """
+
+    def __init__(self, params: list[Tensor], layouts: list[FlatLayout]) -> None:
+        self.params = params
+        self.layouts = layouts
+        self.flat_params: list[Tensor] = [layout.new_buffer(0.0) for layout in layouts]
+        self.flat_grads: list[Tensor] = [layout.new_buffer(-0.0) for layout in layouts]
+        self.flat_state: list[dict[str, Tensor]] = [{} for _ in layouts]
+        self.step_buffers: dict[tuple, Tensor] = {}  # (layout, device, dtype) -> 1-D steps
+        self.where: list[tuple[int, Segment]] = [None] * len(params)  # type: ignore[list-item]
+        self.position: list[int] = [0] * len(params)  # index of the slot in its layout's segments
+        for li, layout in enumerate(layouts):
+            for pos, seg in enumerate(layout.segments):
+                self.where[seg.slot] = (li, seg)
+                self.position[seg.slot] = pos
+        self.grad_views: list[Tensor] = [self.view(self.flat_grads, s) for s in range(len(params))]
+        self.grad_ptrs = [g.data_ptr() for g in self.grad_views]
+        self.param_ptrs: list[int] = []
+
+    @classmethod
+    @torch.no_grad()
+    def pack(cls, params: list[Tensor], layouts: list[FlatLayout], grads: dict[int, Tensor],
+             states: dict[int, dict]) -> FlatStore:
+        """Move `params` into new flat buffers (re-pointing `p.data`) and set their gradients from
+        `grads` (slot -> tensor; a gradient laid out like its parameter is copied into the buffer,
+        another stays where it is; slots without one read None); the valid entries of the state
+        dicts `states` (slot -> dict) are copied in and replaced by views. The caller validates
+        the parameters (`validate_params`) and the gradients' shapes and dtypes."""
+        store = cls(params, layouts)
+        for slot, p in enumerate(params):
+            view = store.view(store.flat_params, slot)
+            view.copy_(p)
+            p.data = view
+            grad = grads.get(slot)
+            if grad is None:
+                p.grad = None
+            elif same_strides(grad, p):
+                store.grad_views[slot].copy_(grad)
+                p.grad = store.grad_views[slot]
+            else:
+                p.grad = grad
+            state = states.get(slot)
+            if state:
+                store.adopt(slot, state, adoptable_keys(p, state))
+        store.param_ptrs = [p.data_ptr() for p in params]
+        _register_packed_storage(store.flat_params)
+        return store
+
+    def view(self, buffers: list[Tensor], slot: int) -> Tensor:
+        """Slot `slot`'s tensor in `buffers` (one flat buffer per layout)."""
+        li, seg = self.where[slot]
+        return self.layouts[li].view(buffers[li], seg)
+
+    def refresh_grad_view(self, slot: int) -> None:
+        """A new view object for a slot whose view's storage was replaced (`p.grad.data = x`)."""
+        self.grad_views[slot] = self.view(self.flat_grads, slot)
+        self.grad_ptrs[slot] = self.grad_views[slot].data_ptr()
+
+    def moment_view(self, slot: int, key: str) -> Tensor:
+        """Slot `slot`'s view of the `key` moment buffer (allocated on first use, zero-filled)."""
+        li, seg = self.where[slot]
+        buffers = self.flat_state[li]
+        if key not in buffers:
+            buffers[key] = self.layouts[li].new_buffer(0.0)
+        return self.layouts[li].view(buffers[key], seg)
+
+    def step_view(self, slot: int, like: Tensor) -> Tensor:
+        """A 0-dim view for slot `slot`'s step count in the step buffer of its layout for `like`'s
+        device and dtype; slots side by side in the layout are side by side here."""
+        li, _ = self.where[slot]
+        key = (li, like.device, like.dtype)
+        if key not in self.step_buffers:
+            n = len(self.layouts[li].segments)
+            self.step_buffers[key] = torch.zeros(n, dtype=like.dtype, device=like.device)
+        return self.step_buffers[key][self.position[slot]]
+
+    def is_ours(self, slot: int, key: str, value: Tensor) -> bool:
+        """Whether `value` is (a view identical to) this store's tensor for `state[key]`."""
+        target = self.step_view(slot, value) if key == "step" else self.moment_view(slot, key)
+        return (value.data_ptr() == target.data_ptr() and value.dtype == target.dtype
+                and value.shape == target.shape and value.stride() == target.stride())
+
+    @torch.no_grad()
+    def adopt(self, slot: int, state: dict, keys) -> bool:
+        """Copy `state[key]` for each of `keys` into this store and replace it by the view, unless
+        it is already this store's (values validated by `state_problem`; moments are re-laid out
+        like the parameter). Returns whether anything was copied."""
+        copied = False
+        for key in keys:
+            value = state[key]
+            if self.is_ours(slot, key, value):
+                continue
+            target = self.step_view(slot, value) if key == "step" else self.moment_view(slot, key)
+            target.copy_(value)
+            state[key] = target
+            copied = True
+        return copied
+
+    @torch.no_grad()
+    def init_state(self, slot: int, state: dict, *, fused: bool, amsgrad: bool) -> None:
+        """Lazy state initialisation as `torch.optim.Adam._init_group`: a zero step placed as
+        native places it (`_compat.new_step_tensor`) and zero moments, all views of this store."""
+        p = self.params[slot]
+        if fused:
+            _compat.check_fused_support(p)
+        step = self.step_view(slot, _compat.new_step_tensor(p, fused=fused, capturable=False))
+        step.zero_()
+        state["step"] = step
+        for key in state_keys(amsgrad)[1:]:
+            view = self.moment_view(slot, key)
+            view.zero_()
+            state[key] = view
+
+    def moved_params(self) -> list[int]:
+        """Slots whose parameter no longer lives in its flat-buffer segment."""
+        return [s for s, (p, ptr) in enumerate(zip(self.params, self.param_ptrs))
+                if p.data_ptr() != ptr]
+
+    def check_params_in_place(self) -> None:
+        """Raise a clear RuntimeError if any parameter's storage was replaced since packing."""
+        if list(map(Tensor.data_ptr, self.params)) == self.param_ptrs:
+            return
+        slot = self.moved_params()[0]
+        p = self.params[slot]
+        raise RuntimeError(
+            f"{describe(slot, p)} no longer lives in cotangent.AdamW's flat buffer: its storage "
+            "was replaced after the optimizer was built (e.g. `p.data = ...`, `model.to(...)`, "
+            "`model.half()`); build the optimizer after moving or casting the model")
+
+
+# --------------------------------------------------------------------------- pickling
+
+# Storages of live flat parameter buffers, by data pointer. Pickling a parameter that is a view
+# of one of them writes a compact copy of its own elements instead of the whole buffer (plain
+# pickle serialises a tensor's entire storage, once per tensor).
+_PACKED: dict[int, weakref.ref] = {}
+_reducer_installed = False
+
+
+def _register_packed_storage(buffers: list[Tensor]) -> None:
+    global _reducer_installed
+    for flat in buffers:
+        ptr = flat.untyped_storage().data_ptr()
+        _PACKED[ptr] = weakref.ref(flat)
+        weakref.finalize(flat, _PACKED.pop, ptr, None)
+    if not _reducer_installed:
+        _compat.install_parameter_reducer(_is_packed)
+        _reducer_installed = True
+
+
+def _is_packed(p: Tensor) -> bool:
+    ref = _PACKED.get(p.untyped_storage().data_ptr())
+    flat = ref() if ref is not None else None
+    return flat is not None and flat.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()

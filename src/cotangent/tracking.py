@@ -1,0 +1,236 @@
+"""Gradient tracking: which parameters received a gradient since `zero_grad`, and where it is.
+
+Native AdamW updates exactly the parameters whose ``.grad`` is not None. With packed gradients
+``.grad`` is a view of the flat gradient buffer that `zero_grad` fills with -0.0, the identity of
+floating-point addition, so that a backward's in-place accumulation reproduces a freshly
+allocated gradient byte for byte. Hooks tell which views really received a gradient:
+
+- a post-accumulate-grad hook per trainable parameter (a gradient arrived in ``.grad``;
+  `torch.autograd.grad` does not trigger it);
+- a tensor hook seeing each incoming gradient (to notice sparse ones);
+- an end-of-backward callback that sets ``.grad`` back to None for parameters that received
+  nothing, as native code would show them.
+
+`GradientTracker.scan` then lists the present gradients for `step()`: the usual case is a
+comparison of a few lists; anything unusual (a gradient assigned from outside, written in place
+without a backward, a replaced view storage, a sparse gradient) takes the careful path.
+"""
+
+from __future__ import annotations
+
+import operator
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from cotangent import _compat
+from cotangent.store import FlatStore, describe, same_strides
+
+_GRAD = operator.attrgetter("grad")
+
+
+@dataclass(slots=True)
+class Gradients:
+    """The gradients a step sees."""
+
+    present: tuple[int, ...]  # slots with a gradient, in slot order
+    # gradients that are not the slot's buffer view and cannot be copied into it without
+    # changing bits (their strides differ from the parameter's): used where they are
+    foreign: dict[int, Tensor] = field(default_factory=dict)
+    views_replaced: bool = False  # a view object was renewed (`p.grad.data = ...`)
+
+    def tensor(self, store: FlatStore, slot: int) -> Tensor:
+        """The gradient of `slot` as native code would see it."""
+        return self.foreign.get(slot, store.grad_views[slot])
+
+
+def _untouched(grad: Tensor) -> bool:
+    """True when every element of `grad` is -0.0, the fill `zero_grad()` leaves."""
+    return bool(torch.signbit(grad).all()) and not bool(grad.any())
+
+
+def _remove_handles(handles) -> None:
+    for handle in handles:
+        handle.remove()
+
+
+class GradientTracker:
+    """Hooks and flags for the gradients of one `FlatStore`.
+
+    Attributes:
+        backwards: number of backward passes that delivered a gradient to a tracked parameter.
+        resets: number of `zero_grad` calls. Together they tell the optimizer whether a clip or a
+            norm it computed still refers to the current gradients.
+    """
+
+    def __init__(self, store: FlatStore, backwards: int = 0, resets: int = 0) -> None:
+        self.store = store
+        n = len(store.params)
+        self.tracked = [p.requires_grad for p in store.params]  # hooked at construction
+        self.has_grad = [False] * n  # a gradient arrived in the view since the last zero_grad
+        self.sparse = [False] * n
+        self.callback_queued = False
+        self.backwards = backwards
+        self.resets = resets
+        self.all_slots = tuple(range(n))
+        self._install_hooks()
+
+    def _install_hooks(self) -> None:
+        ref = weakref.ref(self)
+
+        def end_of_backward() -> None:
+            tracker = ref()
+            if tracker is None:
+                return
+            tracker.callback_queued = False
+            views = tracker.store.grad_views
+            for slot, p in enumerate(tracker.store.params):
+                if tracker.tracked[slot] and not tracker.has_grad[slot] and p.grad is views[slot]:
+                    p.grad = None
+
+        def make_hooks(slot: int):
+            def accumulated(_: Tensor) -> None:
+                tracker = ref()
+                if tracker is None:
+                    return
+                tracker.has_grad[slot] = True
+                if not tracker.callback_queued:  # the first gradient of this backward
+                    tracker.callback_queued = True
+                    tracker.backwards += 1
+                    _compat.queue_backward_callback(end_of_backward)
+
+            def incoming(grad: Tensor) -> None:
+                tracker = ref()
+                if tracker is not None and grad.layout is not torch.strided:
+                    tracker.sparse[slot] = True
+
+            return accumulated, incoming
+
+        handles = []
+        for slot, p in enumerate(self.store.params):
+            if p.requires_grad:
+                accumulated, incoming = make_hooks(slot)
+                handles.append(p.register_post_accumulate_grad_hook(accumulated))
+                handles.append(p.register_hook(incoming))
+        self._finalizer = weakref.finalize(self, _remove_handles, handles)
+
+    def remove_hooks(self) -> None:
+        self._finalizer()
+
+    def has_logical_grad(self, slot: int) -> bool:
+        """Whether native code would see a gradient on slot `slot`: not None, and not an
+        untouched -0.0 view left by `zero_grad()`."""
+        g = self.store.params[slot].grad
+        if g is None:
+            return False
+        if g is not self.store.grad_views[slot] or self.has_grad[slot]:
+            return True
+        return not _untouched(g)
+
+    def logical_grads(self) -> dict[int, Tensor]:
+        return {s: self.store.params[s].grad for s in self.all_slots if self.has_logical_grad(s)}
+
+    @torch.no_grad()
+    def zero_grad(self, set_to_none: bool) -> None:
+        """`Optimizer.zero_grad` over packed gradients (see `cotangent.AdamW.zero_grad`)."""
+        store = self.store
+        keep = [] if set_to_none else [
+            s for s in self.all_slots if self.tracked[s] and self.has_logical_grad(s)]
+        for flat_g in store.flat_grads:
+            flat_g.fill_(-0.0)
+        for slot, p in enumerate(store.params):
+            if not self.tracked[slot]:
+                if p.grad is not None:  # a frozen parameter's stray gradient, reset as native
+                    p.grad = None if set_to_none else p.grad.zero_()
+                continue
+            if p.grad is not store.grad_views[slot]:
+                p.grad = store.grad_views[slot]
+            self.has_grad[slot] = False
+            self.sparse[slot] = False
+        self.callback_queued = False  # in case a failed backward never ran its callback
+        for slot in keep:
+            store.grad_views[slot].zero_()
+            self.has_grad[slot] = True
+        self.resets += 1
+
+    def scan(self) -> Gradients:
+        """The gradients of this step; same-layout gradients found outside the buffer are copied
+        into it (one copy; native bits are unchanged because views behave as separate tensors).
+
+        Raises:
+            RuntimeError: a parameter's storage was replaced; a sparse gradient; a gradient whose
+                shape, dtype or device differs from its parameter's.
+        """
+        store = self.store
+        params = store.params
+        grads = list(map(_GRAD, params))
+        # The usual training step: every gradient is its buffer view, filled by a backward.
+        if (all(self.has_grad) and not any(self.sparse)
+                and all(map(operator.is_, grads, store.grad_views))
+                and list(map(Tensor.data_ptr, grads)) == store.grad_ptrs):
+            store.check_params_in_place()
+            return Gradients(self.all_slots)
+        store.check_params_in_place()
+        present, outside, foreign = [], [], {}
+        views_replaced = False
+        for slot, p in enumerate(params):
+            g = grads[slot]
+            if g is None:
+                continue
+            if g is store.grad_views[slot] and g.data_ptr() != store.grad_ptrs[slot]:
+                # `p.grad.data = ...` moved our view's storage: a fresh view takes its values,
+                # copied in below like any gradient from outside
+                store.refresh_grad_view(slot)
+                views_replaced = True
+            if g is store.grad_views[slot]:
+                if not self.has_grad[slot] and not _untouched(g):
+                    self.has_grad[slot] = True  # written in place without a backward
+                if self.has_grad[slot]:
+                    if self.sparse[slot]:
+                        raise RuntimeError(
+                            f"{describe(slot, p)} received a sparse gradient; Adam does not "
+                            "support sparse gradients, please consider SparseAdam instead")
+                    present.append(slot)
+                continue
+            if g.is_sparse or g.layout is not torch.strided:
+                raise RuntimeError(
+                    f"{describe(slot, p)} received a sparse gradient; Adam does not support "
+                    "sparse gradients, please consider SparseAdam instead")
+            if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+                raise RuntimeError(
+                    f"{describe(slot, p)}: gradient {tuple(g.shape)} {g.dtype} {g.device} does "
+                    f"not match the parameter")
+            present.append(slot)
+            if same_strides(g, p):
+                outside.append(slot)
+            else:
+                foreign[slot] = g
+        with torch.no_grad():
+            for slot in outside:  # validated above; now copy in
+                p = params[slot]
+                view = store.grad_views[slot]
+                if p.grad is not view:
+                    view.copy_(p.grad)
+                    p.grad = view
+                self.has_grad[slot] = True
+        return Gradients(tuple(present), foreign, views_replaced)
+
+    @torch.no_grad()
+    def take_in(self, slot: int, grad: Tensor) -> None:
+        """Copy a (clipped) foreign gradient into the slot's view and make it `.grad`."""
+        view = self.store.grad_views[slot]
+        view.copy_(grad)
+        self.store.params[slot].grad = view
+        self.has_grad[slot] = True
+
+    def release_absent(self, present: tuple[int, ...]) -> None:
+        """After a step: parameters without a gradient read None, as native leaves them."""
+        if len(present) == len(self.all_slots):
+            return
+        present_set = set(present)
+        views = self.store.grad_views
+        for slot, p in enumerate(self.store.params):
+            if slot not in present_set and p.grad is views[slot]:
+                p.grad = None

@@ -1,0 +1,396 @@
+"""Every edit a real training loop makes to the optimizer from outside, native vs Cotangent.
+
+Native AdamW reads `param_groups` and `state[p]` afresh at every step. Each test applies the same
+edit to a native `torch.optim.AdamW` (through `cotangent.ReferenceUpdate`, the one oracle) and to
+`cotangent.AdamW`, then compares every parameter, gradient and state entry byte for byte
+(`cotangent.verify.first_difference`). Where native itself fails (a popped moment, a moment of
+another shape), Cotangent must raise a clear error before anything is modified.
+Holds for: CPU, torch 2.13.0, float32 parameters, for-loop / foreach / fused AdamW.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import defaultdict
+
+import pytest
+import torch
+import torch.nn as nn
+
+import cotangent
+from bitwise import assert_same_bits, assert_same_update
+
+HP = dict(lr=5e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+IMPLS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}
+
+
+def mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 8))
+
+
+def pair(make=mlp, *, groups=None, max_norm=0.05, impl="fused", **kw):
+    """(native model, native reference, our model, our optimizer) from one initial state."""
+    m1 = make()
+    m2 = copy.deepcopy(m1)
+    opts = dict(HP, **IMPLS[impl], **kw)
+    ref = cotangent.ReferenceUpdate(groups(m1) if groups else m1.parameters(),
+                                    max_norm=max_norm, **opts)
+    opt = cotangent.AdamW(groups(m2) if groups else m2.parameters(), max_norm=max_norm, **opts)
+    return m1, ref, m2, opt
+
+
+def square_loss(m, x):
+    return m(x).square().mean()
+
+
+def train(m1, ref, m2, opt, steps, what, *, edit=None, loss=square_loss, seed=0, first=0):
+    """Steps `first .. first+steps-1` in lockstep; `edit(step, (model, optimizer))` is applied to
+    each side after the backward, before the step. Compares everything after every step."""
+    gen = torch.Generator().manual_seed(seed + first)
+    for step in range(first, first + steps):
+        x = torch.randn(4, 8, generator=gen)
+        for m, o in ((m1, ref), (m2, opt)):
+            o.zero_grad()
+            loss(m, x).backward()
+        if edit is not None:
+            edit(step, (m1, ref.optimizer))
+            edit(step, (m2, opt))
+        total = ref.step()
+        opt.step()
+        if ref.max_norm is not None:
+            assert_same_bits(total, opt.last_total_norm, f"{what}, step {step}: total norm")
+        assert_same_update(m1.parameters(), ref.optimizer.state, m2.parameters(), opt.state,
+                           f"{what}, step {step}")
+
+
+def snapshot(opt, p) -> dict:
+    return {k: v.clone() for k, v in opt.state[p].items()}
+
+
+# ------------------------------------------------------------------ 1. state edited from outside
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_state_rolled_back_by_assigning_saved_clones(impl):
+    """Issue input 1(a): save clones after 3 steps, 2 more steps, assign them back, step."""
+    m1, ref, m2, opt = pair(impl=impl)
+    saved = {}
+
+    def edit(step, side):
+        model, o = side
+        p = model[0].weight
+        if step == 3:
+            saved[id(o)] = snapshot(o, p)
+        if step == 5:
+            o.state[p] = saved[id(o)]
+
+    train(m1, ref, m2, opt, 7, f"rollback {impl}", edit=edit)
+    assert int(opt.state[m2[0].weight]["step"]) == 5  # 3, +1 after the rollback, +1
+    assert int(opt.state[m2[3].weight]["step"]) == 7
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_whole_optimizer_state_rolled_back(impl):
+    """Checkpoint rollback through a wrapper: every parameter's state replaced at once, by
+    assignment to the same defaultdict and by `update()` of each entry dict."""
+    m1, ref, m2, opt = pair(impl=impl)
+    saved = {}
+
+    def edit(step, side):
+        model, o = side
+        if step == 2:
+            saved[id(o)] = {p: snapshot(o, p) for p in model.parameters()}
+        if step == 4:
+            for p in model.parameters():
+                o.state[p] = copy.deepcopy(saved[id(o)][p])
+        if step == 6:
+            for p in model.parameters():
+                o.state[p].update(copy.deepcopy(saved[id(o)][p]))
+
+    train(m1, ref, m2, opt, 8, f"whole rollback {impl}", edit=edit)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_state_values_zeroed_in_place_restart_the_step_count(impl):
+    """Issue input 1(b): every value of the first weight's state zeroed in place after 3 steps;
+    native's next step count is 1 (a merged range must not copy a neighbour's count back)."""
+    m1, ref, m2, opt = pair(impl=impl)
+
+    def edit(step, side):
+        model, o = side
+        if step == 3:
+            for v in o.state[model[0].weight].values():
+                v.zero_()
+
+    train(m1, ref, m2, opt, 5, f"zeroed state {impl}", edit=edit)
+    assert int(opt.state[m2[0].weight]["step"]) == 2
+    assert int(opt.state[m2[0].bias]["step"]) == 5
+
+
+@pytest.mark.parametrize("how", ["assign tensor", "assign float64", "in place", "via .data",
+                                 "via numpy", "+= in place", "assign int64"])
+@pytest.mark.parametrize("impl", ["fused", "for-loop"])
+def test_step_count_edited_every_way(impl, how):
+    """Issue input 1(c) and its siblings: `state[p]["step"]` replaced (other dtypes too) or
+    written in place (also through `.data` and numpy, which bump no version counter)."""
+    if impl == "fused" and how == "assign int64":
+        pytest.skip("native fused AdamW rejects an integer step")
+    m1, ref, m2, opt = pair(impl=impl)
+
+    def edit(step, side):
+        model, o = side
+        if step != 3:
+            return
+        st = o.state[model[3].bias]
+        if how == "assign tensor":
+            st["step"] = torch.tensor(0.0)
+        elif how == "assign float64":
+            st["step"] = torch.tensor(1.0, dtype=torch.float64)
+        elif how == "assign int64":
+            st["step"] = torch.tensor(1)
+        elif how == "in place":
+            st["step"].fill_(1.0)
+        elif how == "via .data":
+            st["step"].data.fill_(1.0)
+        elif how == "via numpy":
+            st["step"].numpy()[...] = 1.0
+        else:
+            st["step"] += 10
+
+    train(m1, ref, m2, opt, 6, f"step {how} {impl}", edit=edit)
+
+
+@pytest.mark.parametrize("how", ["del", "clear", "pop", "assign empty", "new defaultdict"])
+def test_state_dropped_starts_the_parameter_afresh(how):
+    m1, ref, m2, opt = pair(impl="for-loop")
+
+    def edit(step, side):
+        model, o = side
+        if step != 2:
+            return
+        p = model[0].weight
+        if how == "del":
+            del o.state[p]
+        elif how == "clear":
+            o.state[p].clear()
+        elif how == "pop":
+            o.state.pop(p)
+        elif how == "assign empty":
+            o.state[p] = {}
+        else:
+            o.state = defaultdict(dict)
+
+    train(m1, ref, m2, opt, 5, f"state {how}", edit=edit)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_moment_replaced_or_repointed_is_followed(impl):
+    """`state[p]["exp_avg"] = t`, `state[p]["exp_avg_sq"].data = t`, and an extra user key."""
+    m1, ref, m2, opt = pair(impl=impl)
+
+    def edit(step, side):
+        model, o = side
+        st = o.state[model[0].weight]
+        if step == 2:
+            st["exp_avg"] = torch.full_like(st["exp_avg"], 0.01)
+            st["ema_note"] = torch.ones(1)  # libraries keep their own keys in state
+        if step == 3:
+            st["exp_avg_sq"].data = torch.full_like(st["exp_avg_sq"], 1e-4)
+
+    train(m1, ref, m2, opt, 5, f"moment replaced {impl}", edit=edit)
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq", "step"])
+def test_popped_state_entry_is_a_clear_error_before_anything_changes(key):
+    """Native raises KeyError inside step(); Cotangent raises a message naming the parameter,
+    with nothing modified, and steps again once the entry is back."""
+    m1, ref, m2, opt = pair(impl="foreach")
+    train(m1, ref, m2, opt, 2, "before")
+    for m, o in ((m1, ref), (m2, opt)):
+        o.zero_grad()
+        square_loss(m, torch.ones(4, 8)).backward()
+    value = opt.state[m2[3].weight].pop(key)
+    ref.optimizer.state[m1[3].weight].pop(key)
+    with pytest.raises(KeyError):
+        ref.step()
+    params = [p.detach().clone() for p in m2.parameters()]
+    grads = [p.grad.clone() for p in m2.parameters()]
+    with pytest.raises(RuntimeError, match=f"parameter 4 .*has no '{key}' entry"):
+        opt.step()
+    for p, before, g in zip(m2.parameters(), params, grads):
+        assert_same_bits(p, before, "parameter after the refused step")
+        assert_same_bits(p.grad, g, "gradient after the refused step")
+    opt.state[m2[3].weight][key] = value
+    opt.step()  # usable again
+
+
+@pytest.mark.parametrize("bad", ["broadcastable shape", "other shape", "other dtype",
+                                 "python number step", "1-d step"])
+def test_wrong_state_tensor_is_a_clear_error(bad):
+    m1, ref, m2, opt = pair(impl="for-loop")
+    train(m1, ref, m2, opt, 2, "before")
+    st = opt.state[m2[0].weight]  # a (16, 8) weight
+    if bad == "broadcastable shape":
+        st["exp_avg"] = torch.zeros(1, 8)
+    elif bad == "other shape":
+        st["exp_avg"] = torch.zeros(8, 16)
+    elif bad == "other dtype":
+        st["exp_avg_sq"] = torch.zeros(16, 8, dtype=torch.float64)
+    elif bad == "python number step":
+        st["step"] = 2.0
+    else:
+        st["step"] = torch.tensor([2.0])
+    opt.zero_grad()
+    square_loss(m2, torch.ones(4, 8)).backward()
+    before = [p.detach().clone() for p in m2.parameters()]
+    with pytest.raises(RuntimeError, match="parameter 0 "):
+        opt.step()
+    for p, b in zip(m2.parameters(), before):
+        assert_same_bits(p, b, "parameter after the refused step")
+
+
+def test_amsgrad_switched_on_mid_run_is_a_clear_error_like_native():
+    m1, ref, m2, opt = pair(impl="for-loop")
+    train(m1, ref, m2, opt, 2, "before")
+    for o in (ref.optimizer, opt):
+        o.param_groups[0]["amsgrad"] = True
+    for m, o in ((m1, ref), (m2, opt)):
+        o.zero_grad()
+        square_loss(m, torch.ones(4, 8)).backward()
+    with pytest.raises(KeyError):
+        ref.step()
+    with pytest.raises(RuntimeError, match="max_exp_avg_sq"):
+        opt.step()
+
+
+@pytest.mark.parametrize("edit_name", ["weight decay 0 -> 0.1", "fused switched on",
+                                       "lr float -> tensor", "betas cycled", "maximize on",
+                                       "amsgrad off"])
+def test_hyperparameter_edits_mid_run(edit_name):
+    start = dict(weight_decay=0.0) if edit_name.startswith("weight") else {}
+    if edit_name == "amsgrad off":
+        start = dict(amsgrad=True)
+    m1, ref, m2, opt = pair(impl="for-loop", **start)
+
+    def edit(step, side):
+        _, o = side
+        if step != 2:
+            return
+        for g in o.param_groups:
+            if edit_name.startswith("weight"):
+                g["weight_decay"] = 0.1
+            elif edit_name == "fused switched on":
+                g["fused"], g["foreach"] = True, False
+            elif edit_name == "lr float -> tensor":
+                g["lr"] = torch.tensor(g["lr"])
+            elif edit_name == "betas cycled":  # OneCycleLR with cycle_momentum does this
+                g["betas"] = (0.85, g["betas"][1])
+            elif edit_name == "maximize on":
+                g["maximize"] = True
+            else:
+                g["amsgrad"] = False
+
+    train(m1, ref, m2, opt, 5, edit_name, edit=edit)
+
+
+# ------------------------------------------------------------------ 2. parameters replaced
+
+def _grow(old: nn.Parameter, rows: int) -> nn.Parameter:
+    """Densification: a parameter with `rows` more rows (new rows zero)."""
+    extra = torch.zeros((rows,) + tuple(old.shape[1:]), dtype=old.dtype)
+    return nn.Parameter(torch.cat([old.detach(), extra]))
+
+
+def _densify(o, old: nn.Parameter, new: nn.Parameter, move_state: bool) -> None:
+    """The point-cloud / Gaussian-splatting optimizer surgery: swap the Parameter inside its
+    group, move its state to the new key with moments extended by zeros."""
+    for group in o.param_groups:
+        for i, p in enumerate(group["params"]):
+            if p is old:
+                group["params"][i] = new
+    st = o.state.pop(old, None)
+    if move_state and st:
+        rows = new.shape[0] - old.shape[0]
+        o.state[new] = {k: (torch.cat([v, torch.zeros((rows,) + tuple(v.shape[1:]),
+                                                      dtype=v.dtype)]) if v.dim() else v.clone())
+                        for k, v in st.items()}
+
+
+class Cloud(nn.Module):
+    """A point set whose size changes: `points` (N, 8) are summed into the prediction."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.points = nn.Parameter(torch.randn(6, 8))
+        self.head = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return self.head(x + self.points.mean(dim=0))
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("change", ["grow, state moved", "grow, fresh state",
+                                    "same shape swap, state moved"])
+def test_parameter_replaced_inside_a_param_group(impl, change):
+    m1, ref, m2, opt = pair(Cloud, impl=impl)
+
+    def edit(step, side):
+        model, o = side
+        if step != 2:
+            return
+        old = model.points
+        new = (nn.Parameter(old.detach().clone()) if change.startswith("same")
+               else _grow(old, 3))
+        _densify(o, old, new, move_state="moved" in change)
+        model.points = new
+
+    # the edit happens after the step-2 backward: re-run the backward on the new parameter
+    def loss(m, x):
+        return square_loss(m, x)
+
+    gen = torch.Generator().manual_seed(0)
+    for step in range(5):
+        x = torch.randn(4, 8, generator=gen)
+        if step == 2:
+            edit(step, (m1, ref.optimizer))
+            edit(step, (m2, opt))
+        for m, o in ((m1, ref), (m2, opt)):
+            o.zero_grad()
+            loss(m, x).backward()
+        total = ref.step()
+        opt.step()
+        assert_same_bits(total, opt.last_total_norm, f"{change} step {step}: total norm")
+        assert_same_update(m1.parameters(), ref.optimizer.state, m2.parameters(), opt.state,
+                           f"{change} {impl}, step {step}")
+    assert m2.points.shape[0] == (6 if change.startswith("same") else 9)
+    assert int(opt.state[m2.points]["step"]) == (5 if "moved" in change else 3)
+
+
+def test_param_list_replaced_and_parameter_removed():
+    m1, ref, m2, opt = pair(impl="foreach")
+
+    def edit(step, side):
+        model, o = side
+        if step == 2:  # a new list object with the same parameters minus the last bias
+            o.param_groups[0]["params"] = list(model.parameters())[:-1]
+        if step == 4:
+            o.param_groups[0]["params"].append(model[3].bias)
+
+    train(m1, ref, m2, opt, 6, "param list edits", edit=edit)
+
+
+def test_parameter_swapped_between_groups():
+    def groups(m):
+        return [{"params": [m[0].weight, m[0].bias]},
+                {"params": [m[3].weight, m[3].bias], "lr": 1e-2, "weight_decay": 0.0}]
+
+    m1, ref, m2, opt = pair(groups=groups, impl="for-loop")
+
+    def edit(step, side):
+        _, o = side
+        if step == 2:
+            moved = o.param_groups[0]["params"].pop()
+            o.param_groups[1]["params"].insert(0, moved)
+
+    train(m1, ref, m2, opt, 4, "swap between groups", edit=edit)

@@ -1,0 +1,360 @@
+"""Input kinds found in public bug reports, native vs Cotangent on bytes, or a clear error.
+
+Gradient strides, non-finite values in every dtype, GradScaler (skipped steps, fused without
+`unscale_`), casting the model after building the optimizer, DTensor parameters,
+`torch.compile` of the step, checkpoints of another model, `verify` with param groups, pickle
+size. Holds for: CPU, torch 2.13.0, for-loop / foreach / fused AdamW.
+"""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+import torch.nn as nn
+
+import cotangent
+from bitwise import assert_same_bits, assert_same_update
+from cotangent import norms
+
+IMPLS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}
+HP = dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def _params(shapes, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    init = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+    return ([nn.Parameter(t.clone()) for t in init], [nn.Parameter(t.clone()) for t in init])
+
+
+# ------------------------------------------------------------------ 3. gradient strides
+
+def _strided_grads(kind: str, shape, gen, dtype, special=None):
+    """Two equal gradients of `shape` laid out as `kind` (each its own storage), the element
+    (3, 7) set to `special` if given."""
+    rows, cols = shape
+    if kind == "transposed":
+        base = torch.randn(cols, rows, generator=gen).to(dtype)
+        make = lambda: base.clone().t()  # noqa: E731
+    elif kind == "sliced":
+        base = torch.randn(rows, 2 * cols, generator=gen).to(dtype)
+        make = lambda: base.clone()[:, ::2]  # noqa: E731
+    else:  # "expanded"
+        base = torch.randn(cols, generator=gen).to(dtype)
+        return base.expand(rows, cols), base.expand(rows, cols)
+    grads = make(), make()
+    if special is not None:
+        for g in grads:
+            g[3, 7] = special
+    return grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind", ["transposed", "sliced"])
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_gradient_with_other_strides_under_clipping(impl, kind, dtype):
+    """Issue input 3: a (64, 300) parameter given `p.grad = randn(300, 64).t()`. The norm and
+    the clip multiply are native's on the gradient as it is; for-loop and foreach update with
+    it as it is. Fused (policy): the update reads it in the parameter's layout, because native
+    CPU fused AdamW would read it in storage order (torch issue 106951)."""
+    (ps, qs) = _params([(64, 300), (300,)], dtype)
+    ref = cotangent.ReferenceUpdate(ps, max_norm=0.5, **HP, **IMPLS[impl])
+    opt = cotangent.AdamW(qs, max_norm=0.5, **HP, **IMPLS[impl])
+    gen = torch.Generator().manual_seed(1)
+    for step in range(6):  # a re-laid norm differs from native's in about 2 of 3 steps
+        special = None if step != 1 else float("nan") if dtype == torch.bfloat16 else 1e30
+        g1, g2 = _strided_grads(kind, (64, 300), gen, dtype, special)
+        b = torch.randn(300, generator=gen).to(dtype)
+        ps[0].grad, ps[1].grad = g1, b.clone()
+        qs[0].grad, qs[1].grad = g2, b.clone()
+        assert qs[0].grad.stride() != qs[0].stride()
+        total = ref.clip_grad_norm_()
+        if impl == "fused":  # the documented policy: the update reads the parameter's layout
+            ps[0].grad = ps[0].grad.contiguous()
+        ref.step()
+        opt.step()
+        assert_same_bits(total, opt.last_total_norm, f"step {step} total norm")
+        assert_same_update(ps, ref.optimizer.state, qs, opt.state, f"{kind} {impl} step {step}")
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_expanded_gradient(impl):
+    """A stride-0 gradient: native `clip_grad_norm_` raises, so Cotangent raises the same error
+    (nothing modified); without clipping, for-loop and foreach take it as native does."""
+    (ps, qs) = _params([(64, 300)])
+    g, _ = _strided_grads("expanded", (64, 300), torch.Generator().manual_seed(0), torch.float32)
+    ps[0].grad, qs[0].grad = g, g
+    with pytest.raises(RuntimeError) as native_error:
+        torch.nn.utils.clip_grad_norm_(ps, 1.0)
+    opt = cotangent.AdamW(qs, max_norm=1.0, **HP, **IMPLS[impl])
+    before = qs[0].detach().clone()
+    with pytest.raises(RuntimeError) as our_error:
+        opt.step()
+    assert str(our_error.value) == str(native_error.value)
+    assert_same_bits(qs[0], before, "parameter after the refused step")
+    if impl == "fused":
+        return  # native CPU fused would read a stride-0 gradient in storage order
+    (ps, qs) = _params([(64, 300)])
+    ref = torch.optim.AdamW(ps, **HP, **IMPLS[impl])
+    opt = cotangent.AdamW(qs, **HP, **IMPLS[impl])
+    for _ in range(2):
+        ps[0].grad, qs[0].grad = g, g
+        ref.step()
+        opt.step()
+    assert_same_update(ps, ref.state, qs, opt.state, f"expanded gradient {impl}")
+
+
+# ------------------------------------------------------------------ 4. non-finite values
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf"), -0.0])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_nonfinite_gradients_under_clipping_in_every_dtype(impl, dtype, value):
+    """Issue input 4: parameters `w` (64x64) and `b` (16), clip at 1.0, a special value at
+    `b.grad[3]`: native's per-tensor multiply of a short tensor takes ATen's scalar path, which
+    stores a bfloat16 NaN as 0x7FC0 where a vectorised multiply stores 0xFFFF."""
+    (ps, qs) = _params([(64, 64), (16,)], dtype)
+    ref = cotangent.ReferenceUpdate(ps, max_norm=1.0, **HP, **IMPLS[impl])
+    opt = cotangent.AdamW(qs, max_norm=1.0, **HP, **IMPLS[impl])
+    gen = torch.Generator().manual_seed(2)
+    for step in range(3):
+        grads = [torch.randn(p.shape, generator=gen).to(dtype) for p in ps]
+        if step == 1:
+            grads[1][3] = value
+        for p, q, g in zip(ps, qs, grads):
+            p.grad, q.grad = g.clone(), g.clone()
+        total = ref.step()
+        opt.step()
+        assert_same_bits(total, opt.last_total_norm, f"step {step} total norm")
+        assert_same_update(ps, ref.optimizer.state, qs, opt.state, f"{dtype} {value} step {step}")
+
+
+def test_probes_include_nonfinite_values():
+    """The flat clip multiply is refused for bfloat16 (its NaN payload differs, as above) and
+    the probe that says so really multiplies NaNs: a probe without them would accept it."""
+    cpu = torch.device("cpu")
+    assert not norms.flat_multiply_is_exact(cpu, torch.bfloat16, torch.bfloat16)
+    assert norms.flat_multiply_is_exact(cpu, torch.float32, torch.float32)
+    flat = torch.randn(4096 + 64).to(torch.bfloat16)
+    flat[4096 + 3] = float("nan")
+    short = flat[4096:4096 + 16].clone()
+    short.mul_(torch.tensor(0.5, dtype=torch.bfloat16))
+    flat.mul_(torch.tensor(0.5, dtype=torch.bfloat16))
+    assert flat[4096 + 3].view(torch.int16) != short[3].view(torch.int16)  # the fact probed
+
+
+# ------------------------------------------------------------------ 5 and 8. GradScaler
+
+def _scaler_pair(impl, init_scale=2.0 ** 10):
+    torch.manual_seed(0)
+    m1 = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    m2 = copy.deepcopy(m1)
+    ref = cotangent.ReferenceUpdate(m1.parameters(), max_norm=0.05, **HP, **IMPLS[impl])
+    opt = cotangent.AdamW(m2.parameters(), max_norm=0.05, **HP, **IMPLS[impl])
+    scalers = [torch.amp.GradScaler("cpu", init_scale=init_scale) for _ in range(2)]
+    return m1, ref, m2, opt, scalers
+
+
+@pytest.mark.parametrize("unscale", ["unscale_ + clip_grad_norm_()", "unscale_", "no unscale_"])
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_grad_scaler_with_clipping_and_overflow_steps(impl, unscale):
+    """Native's documented recipe is `scaler.unscale_(opt)`, `clip_grad_norm_`,
+    `scaler.step(opt)`, `scaler.update()`. Cotangent clips inside `step()`: with fused AdamW
+    the scaler then hands it scaled gradients and the scale (issue input 8), so it unscales
+    first; on skipped steps (inf gradients, issue input 5) `step()` never runs, so the norm
+    reads None (not the previous step's) unless `opt.clip_grad_norm_()` clipped as native."""
+    m1, ref, m2, opt, (s1, s2) = _scaler_pair(impl)
+    gen = torch.Generator().manual_seed(0)
+    skipped = 0
+    for step in range(6):
+        x = torch.randn(4, 8, generator=gen)
+        if step in (2, 4):
+            x[0, 0] = float("inf")  # overflow: the scaler skips the update
+        for m, o, s in ((m1, ref, s1), (m2, opt, s2)):
+            o.zero_grad()
+            s.scale(m(x).square().mean()).backward()
+        s1.unscale_(ref.optimizer)
+        total = ref.clip_grad_norm_()
+        if unscale != "no unscale_":
+            s2.unscale_(opt)
+        ours = opt.clip_grad_norm_() if unscale.endswith("clip_grad_norm_()") else None
+        s1.step(ref.optimizer)
+        s2.step(opt)
+        s1.update()
+        s2.update()
+        overflow = not torch.isfinite(total)
+        skipped += overflow
+        if ours is not None:
+            assert_same_bits(total, ours, f"step {step} total norm")
+            assert_same_bits(total, opt.last_total_norm, f"step {step} total norm")
+        elif overflow and impl != "fused":
+            assert opt.last_total_norm is None  # step() never ran: no stale number
+        else:
+            assert_same_bits(total, opt.last_total_norm, f"step {step} total norm")
+        assert s1.get_scale() == s2.get_scale()
+        assert_same_update(m1.parameters(), ref.optimizer.state, m2.parameters(), opt.state,
+                           f"{unscale} step {step}", grads=not overflow or ours is not None
+                           or impl == "fused")
+    assert skipped == 2
+    assert int(opt.state[m2[0].weight]["step"]) == 4
+
+
+# ------------------------------------------------------------------ 6. clear errors
+
+@pytest.mark.parametrize("cast", ["half", "double", "bfloat16", "to float64", "data replaced"])
+def test_model_cast_after_building_is_a_clear_error(cast):
+    m = nn.Linear(8, 8)
+    opt = cotangent.AdamW(m.parameters())
+    if cast == "to float64":
+        m.to(torch.float64)
+    elif cast == "data replaced":
+        m.weight.data = m.weight.data.clone()
+    else:
+        getattr(m, cast)()
+    with pytest.raises(RuntimeError, match="no longer lives in cotangent.AdamW's flat buffer"):
+        opt.zero_grad()
+    with pytest.raises(RuntimeError, match="build the optimizer after moving or casting"):
+        opt.step()
+
+
+def test_lazy_and_subclass_parameters_are_refused_clearly():
+    with pytest.raises(ValueError, match="lazy module"):
+        cotangent.AdamW(nn.LazyLinear(4).parameters())
+
+
+@pytest.fixture
+def single_rank_group(tmp_path):
+    dist = pytest.importorskip("torch.distributed")
+    if not dist.is_available():
+        pytest.skip("torch.distributed is not available")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
+                            world_size=1)
+    yield dist
+    dist.destroy_process_group()
+
+
+def test_fsdp2_dtensor_parameters_are_refused_naming_fsdp2(single_rank_group):
+    from torch.distributed.fsdp import fully_shard
+
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    fully_shard(model)
+    torch.optim.AdamW(model.parameters(), fused=True)  # native accepts them
+    with pytest.raises(ValueError, match="DTensor .*FSDP2"):
+        cotangent.AdamW(model.parameters())
+
+
+def test_zero_redundancy_optimizer_state_round_trip(single_rank_group):
+    """ZeroRedundancyOptimizer's load_state_dict replaces `optim.state[p]` dicts wholesale."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8))
+    models = [copy.deepcopy(base) for _ in range(2)]
+    zeros = [ZeroRedundancyOptimizer(m.parameters(), optimizer_class=cls, **HP)
+             for m, cls in zip(models, (torch.optim.AdamW, cotangent.AdamW))]
+    gen = torch.Generator().manual_seed(0)
+    for step in range(6):
+        x = torch.randn(4, 8, generator=gen)
+        for m, z in zip(models, zeros):
+            z.zero_grad()
+            m(x).square().mean().backward()
+            z.step()
+        if step == 2:
+            saved = []
+            for z in zeros:
+                z.consolidate_state_dict(to=0)
+                saved.append(copy.deepcopy(z.state_dict()))
+        if step == 4:  # roll back to step 2's optimizer state
+            for z, sd in zip(zeros, saved):
+                z.load_state_dict(sd)
+        assert_same_update(models[0].parameters(), zeros[0].optim.state,
+                           models[1].parameters(), zeros[1].optim.state, f"ZeRO step {step}")
+
+
+# ------------------------------------------------------------------ 7. torch.compile of step()
+
+@pytest.mark.parametrize("flags", [dict(fused=True, lr=torch.tensor(1e-3)), dict(fused=True),
+                                   dict(foreach=False)], ids=["fused-tensor-lr", "fused", "for-loop"])
+def test_compiling_the_step_is_one_clear_error(flags):
+    torch._dynamo.reset()
+    m = nn.Linear(4, 4)
+    opt = cotangent.AdamW(m.parameters(), **flags)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.9 ** s)
+    m(torch.ones(2, 4)).sum().backward()
+    compiled = torch.compile(lambda: (opt.step(), sched.step()))
+    with pytest.raises(Exception, match="cannot run inside torch.compile"):
+        compiled()
+    opt.step()  # eager use still works
+
+
+# ------------------------------------------------------------------ 9. another model's checkpoint
+
+@pytest.mark.parametrize("moment_shape", [(1, 8), (8, 4), (4,)])
+def test_loading_another_models_checkpoint_fails_cleanly(moment_shape):
+    """Issue input 9: moments of shape (1, 8) would broadcast into a (4, 8) parameter; other
+    shapes would fail naming no parameter. A ValueError names it and nothing changes."""
+    gen = torch.Generator().manual_seed(0)
+    w = nn.Parameter(torch.randn(4, 8, generator=gen))
+    native_w = nn.Parameter(w.detach().clone())
+    opt = cotangent.AdamW([w], **HP)
+    native = torch.optim.AdamW([native_w], **HP)
+    for o, p in ((opt, w), (native, native_w)):
+        p.grad = torch.ones(4, 8)
+        o.step()
+    other = nn.Parameter(torch.zeros(moment_shape))
+    other_opt = torch.optim.AdamW([other], **HP)
+    other.grad = torch.ones(moment_shape)
+    other_opt.step()
+    with pytest.raises(ValueError, match=r"parameter 0 \(shape \(4, 8\)"):
+        opt.load_state_dict(other_opt.state_dict())
+    for o, p in ((opt, w), (native, native_w)):  # exactly as before the failed load
+        p.grad = torch.full((4, 8), 0.5)
+        o.step()
+    assert_same_update([native_w], native.state, [w], opt.state, "after a refused load")
+
+
+# ------------------------------------------------------------------ 10. verify
+
+def _lm_loss(model, batch):
+    return model(batch).square().mean()
+
+
+def test_verify_accepts_param_groups_and_clip_order():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.Linear(16, 8))
+    groups = [{"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0},
+              {"params": [p for p in model.parameters() if p.dim() >= 2]}]
+    batches = [torch.randn(4, 8) for _ in range(3)]
+    report = cotangent.verify(model, _lm_loss, batches, params=groups,
+                              clip_order=model.parameters(), max_norm=0.05, fused=True, lr=1e-2)
+    assert report.passed and report.steps == 3, report.failures
+    with pytest.raises(ValueError, match="at least one batch"):
+        cotangent.verify(model, _lm_loss, [])
+    with pytest.raises(ValueError, match="not a parameter of the model"):
+        cotangent.verify(model, _lm_loss, batches, params=[nn.Parameter(torch.ones(2))])
+
+
+# ------------------------------------------------------------------ 11. pickle size
+
+def test_pickle_size_is_linear_in_the_parameters():
+    """Issue input 11: 80 tensors / 666 KB of parameters pickled to 160 MB (each view carried
+    the whole flat buffer); now within 5% of native's size, for the optimizer and the model."""
+    torch.manual_seed(0)
+    base = nn.Sequential(*[nn.Linear(64, 64) for _ in range(40)])
+    sizes = {}
+    for name, cls in (("native", torch.optim.AdamW), ("cotangent", cotangent.AdamW)):
+        model = copy.deepcopy(base)
+        opt = cls(model.parameters(), **HP)
+        model(torch.ones(2, 64)).sum().backward()
+        opt.step()
+        sizes[name] = (len(pickle.dumps(opt)), len(pickle.dumps(model)))
+        if name == "cotangent":
+            clone = pickle.loads(pickle.dumps((model, opt)))  # identity kept across the pair
+            clone_params = list(clone[0].parameters())
+            assert clone[1].param_groups[0]["params"][0] is clone_params[0]
+            assert_same_update(model.parameters(), opt.state, clone_params, clone[1].state,
+                               "unpickled", grads=False)
+    assert sizes["cotangent"][0] <= 1.05 * sizes["native"][0], sizes
+    assert sizes["cotangent"][1] <= 1.05 * sizes["native"][1], sizes
