@@ -20,13 +20,7 @@ import torch.nn as nn
 import cotangent
 from bitwise import assert_same_bits, assert_same_update
 
-HP = dict(lr=5e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
-IMPLS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}
-
-
-def mlp(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 8))
+from cases import HP, IMPLS, lockstep, mlp, square
 
 
 def pair(make=mlp, *, groups=None, max_norm=0.05, impl="fused", **kw):
@@ -35,33 +29,20 @@ def pair(make=mlp, *, groups=None, max_norm=0.05, impl="fused", **kw):
     m2 = copy.deepcopy(m1)
     opts = dict(HP, **IMPLS[impl], **kw)
     ref = cotangent.ReferenceUpdate(groups(m1) if groups else m1.parameters(),
-                                    max_norm=max_norm, **opts)
-    opt = cotangent.AdamW(groups(m2) if groups else m2.parameters(), max_norm=max_norm, **opts)
+                                    max_norm=max_norm, **copy.deepcopy(opts))
+    opt = cotangent.AdamW(groups(m2) if groups else m2.parameters(), max_norm=max_norm,
+                          **copy.deepcopy(opts))
     return m1, ref, m2, opt
 
 
+def train(m1, ref, m2, opt, steps, what, *, edit=None):
+    """`cases.lockstep` with `edit(step, (model, optimizer))` applied to each side after the
+    backward, before the step."""
+    return lockstep(m1, ref, m2, opt, steps, what, edit=edit)
+
+
 def square_loss(m, x):
-    return m(x).square().mean()
-
-
-def train(m1, ref, m2, opt, steps, what, *, edit=None, loss=square_loss, seed=0, first=0):
-    """Steps `first .. first+steps-1` in lockstep; `edit(step, (model, optimizer))` is applied to
-    each side after the backward, before the step. Compares everything after every step."""
-    gen = torch.Generator().manual_seed(seed + first)
-    for step in range(first, first + steps):
-        x = torch.randn(4, 8, generator=gen)
-        for m, o in ((m1, ref), (m2, opt)):
-            o.zero_grad()
-            loss(m, x).backward()
-        if edit is not None:
-            edit(step, (m1, ref.optimizer))
-            edit(step, (m2, opt))
-        total = ref.step()
-        opt.step()
-        if ref.max_norm is not None:
-            assert_same_bits(total, opt.last_total_norm, f"{what}, step {step}: total norm")
-        assert_same_update(m1.parameters(), ref.optimizer.state, m2.parameters(), opt.state,
-                           f"{what}, step {step}")
+    return square(m, x, 0)
 
 
 def snapshot(opt, p) -> dict:
@@ -160,7 +141,8 @@ def test_step_count_edited_every_way(impl, how):
     train(m1, ref, m2, opt, 6, f"step {how} {impl}", edit=edit)
 
 
-@pytest.mark.parametrize("how", ["del", "clear", "pop", "assign empty", "new defaultdict"])
+@pytest.mark.parametrize("how", ["del", "clear", "pop", "assign empty", "new defaultdict",
+                                 "clear all"])
 def test_state_dropped_starts_the_parameter_afresh(how):
     m1, ref, m2, opt = pair(impl="for-loop")
 
@@ -177,6 +159,8 @@ def test_state_dropped_starts_the_parameter_afresh(how):
             o.state.pop(p)
         elif how == "assign empty":
             o.state[p] = {}
+        elif how == "clear all":
+            o.state.clear()
         else:
             o.state = defaultdict(dict)
 
@@ -293,6 +277,22 @@ def test_hyperparameter_edits_mid_run(edit_name):
     train(m1, ref, m2, opt, 5, edit_name, edit=edit)
 
 
+def test_clipping_settings_edited_mid_run():
+    """`max_norm` switched on, `norm_type` changed: the clipper is rebuilt and recalibrated."""
+    m1, ref, m2, opt = pair(impl="foreach", max_norm=None)
+
+    def edit(step, side):
+        _, o = side
+        target = ref if o is ref.optimizer else o
+        if step == 2:
+            target.max_norm = 0.05
+        if step == 4:
+            target.norm_type = 1.0
+
+    train(m1, ref, m2, opt, 6, "clipping edited", edit=edit)
+    assert opt.last_total_norm is not None
+
+
 # ------------------------------------------------------------------ 2. parameters replaced
 
 def _grow(old: nn.Parameter, rows: int) -> nn.Parameter:
@@ -345,24 +345,8 @@ def test_parameter_replaced_inside_a_param_group(impl, change):
         _densify(o, old, new, move_state="moved" in change)
         model.points = new
 
-    # the edit happens after the step-2 backward: re-run the backward on the new parameter
-    def loss(m, x):
-        return square_loss(m, x)
-
-    gen = torch.Generator().manual_seed(0)
-    for step in range(5):
-        x = torch.randn(4, 8, generator=gen)
-        if step == 2:
-            edit(step, (m1, ref.optimizer))
-            edit(step, (m2, opt))
-        for m, o in ((m1, ref), (m2, opt)):
-            o.zero_grad()
-            loss(m, x).backward()
-        total = ref.step()
-        opt.step()
-        assert_same_bits(total, opt.last_total_norm, f"{change} step {step}: total norm")
-        assert_same_update(m1.parameters(), ref.optimizer.state, m2.parameters(), opt.state,
-                           f"{change} {impl}, step {step}")
+    # the model changes before the step-2 backward, so that it runs on the new parameter
+    lockstep(m1, ref, m2, opt, 5, f"{change} {impl}", edit=edit, edit_before_backward=True)
     assert m2.points.shape[0] == (6 if change.startswith("same") else 9)
     assert int(opt.state[m2.points]["step"]) == (5 if "moved" in change else 3)
 

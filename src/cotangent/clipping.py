@@ -50,7 +50,6 @@ class PackedClipper:
 
     def calibrate(self) -> None:
         """Run (or look up) the probes for this thread count and plan the norm calls."""
-        self.threads = torch.get_num_threads()
         self.multiply_exact: dict[tuple, bool] = {}
         for layout in self.store.layouts:
             if self.batched_norms:

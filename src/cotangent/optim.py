@@ -22,8 +22,14 @@ from torch import Tensor
 from cotangent import _compat, merge
 from cotangent.clipping import PackedClipper, clip_actual_tensors
 from cotangent.plan import Planner, StepPlan
-from cotangent.store import MOMENTS, FlatStore, describe, state_problem, validate_params
-from cotangent.tracking import Gradients, GradientTracker
+from cotangent.store import (
+    FlatStore,
+    check_state,
+    check_state_dict,
+    compact_state,
+    validate_params,
+)
+from cotangent.tracking import Gradients, GradientTracker, gradients_to_carry
 
 
 @dataclass(slots=True)
@@ -159,6 +165,7 @@ class AdamW(torch.optim.AdamW):
         `clip_grad_norm_()` already clipped these gradients.
         """
         _compat.refuse_under_compile("cotangent.AdamW.step()")
+        self._scale_applied = False
         if closure is None:
             self._clip_if_due()
             return self._hooked_step()
@@ -279,37 +286,31 @@ class AdamW(torch.optim.AdamW):
         plan = self._planner.plan(grads.present)
         valid = self._planner.calls_valid(plan, self.state, self.param_groups)
         if not valid:
-            self._check_state(plan)
+            check_state(self._store, self.state, self.param_groups, plan.group_slots)
         return _StepInputs(grads, plan, valid)
 
     def _refresh_structure(self) -> None:
         """Repack when parameters were added to, removed from or replaced in the param groups;
-        recalibrate when the thread count changed (probe verdicts depend on it)."""
+        recalibrate when the thread count (probe verdicts depend on it) or the clipping settings
+        changed."""
         groups = self.param_groups
         params = self._store.params
         if ([len(g["params"]) for g in groups] != self._group_sizes or not all(
                 map(operator.is_, chain.from_iterable(g["params"] for g in groups), params))):
             self._repack()
-        elif self._clipper is not None and torch.get_num_threads() != self._clipper.threads:
-            self._clipper.calibrate()
-            self._planner.invalidate(plans=True)
+        elif self._calibrated_for != self._calibration_settings():
+            self._calibrate()
 
-    def _check_state(self, plan: StepPlan) -> None:
-        """Validate the groups and the state native AdamW will read for the present slots."""
-        for gi, slots in plan.group_slots:
-            group = self.param_groups[gi]
-            if group["capturable"] or group["differentiable"]:
-                raise NotImplementedError(
-                    "cotangent.AdamW supports capturable=False and differentiable=False only")
-            if group["foreach"] and torch.is_tensor(group["lr"]):
-                raise RuntimeError(
-                    "lr as a Tensor is not supported for capturable=False and foreach=True")
-            for slot in slots:
-                p = self._store.params[slot]
-                state = self.state.get(p)  # (native creates entries only when it updates)
-                problem = state and state_problem(slot, p, state, bool(group["amsgrad"]))
-                if problem:
-                    raise RuntimeError(problem)
+    def _calibration_settings(self) -> tuple:
+        return (torch.get_num_threads(), self.max_norm is not None, self.norm_type,
+                self.batched_norms)
+
+    def _calibrate(self) -> None:
+        """Probe (or look up) the norm and multiply verdicts; drop every cached plan."""
+        self._calibrated_for = self._calibration_settings()
+        self._clipper = (PackedClipper(self._store, self.norm_type, self.batched_norms)
+                         if self.max_norm is not None else None)
+        self._planner.invalidate(plans=True)
 
     def _adamw_calls(self, inputs: _StepInputs):
         """The native AdamW calls of this step: the plan's cached ones, or new ones after the
@@ -326,19 +327,7 @@ class AdamW(torch.optim.AdamW):
                 override[slot] = g  # for-loop and foreach take it as it is, like native
         if inputs.calls_valid and not override:
             return plan.calls
-        changed = False
-        for gi, slots in plan.group_slots:
-            group = self.param_groups[gi]
-            for slot in slots:
-                state = self.state[self._store.params[slot]]
-                if not state:  # lazy initialisation, as native at a parameter's first update
-                    self._store.init_state(slot, state, fused=bool(group["fused"]),
-                                           amsgrad=bool(group["amsgrad"]))
-                    changed = True
-                else:
-                    changed |= self._store.adopt(slot, state, [k for k in ("step",) + MOMENTS
-                                                               if k in state])
-        if changed:
+        if self._store.take_state(self.state, self.param_groups, plan.group_slots):
             self._planner.invalidate()
         return self._planner.build_calls(plan, self.state, self.param_groups, override)
 
@@ -359,17 +348,7 @@ class AdamW(torch.optim.AdamW):
                 raise ValueError(f"clip_order lacks optimizer parameter(s) {missing}; it must "
                                  "list every parameter the optimizer updates")
         old = self._tracker
-        packed = {id(q): s for s, q in enumerate(old.store.params)} if old is not None else {}
-        logical = old.logical_grads() if old is not None else {}
-        grads = {}
-        for slot, p in enumerate(params):
-            g = logical.get(packed[id(p)]) if id(p) in packed else p.grad
-            if g is None:
-                continue
-            if g.shape != p.shape or g.dtype != p.dtype or g.layout is not torch.strided:
-                raise RuntimeError(f"{describe(slot, p)}: its gradient {tuple(g.shape)} "
-                                   f"{g.dtype} {g.layout} does not match it")
-            grads[slot] = g
+        grads = gradients_to_carry(old, params)
         states = {slot: self.state[p] for slot, p in enumerate(params) if self.state.get(p)}
         if old is not None:
             old.remove_hooks()
@@ -380,8 +359,7 @@ class AdamW(torch.optim.AdamW):
         self._store, self._tracker = store, tracker
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
         self._planner = Planner(store, self._group_sizes)
-        self._clipper = (PackedClipper(store, self.norm_type, self.batched_norms)
-                         if self.max_norm is not None else None)
+        self._calibrate()
         self._clip_order = (list(range(len(params))) if order is None
                             else [slot_of[id(p)] for p in order if id(p) in slot_of])
         self._clip_outsiders = [] if order is None else [p for p in order if id(p) not in slot_of]
@@ -402,7 +380,7 @@ class AdamW(torch.optim.AdamW):
         into the flat buffers. Every moment is checked against its parameter first: a tensor of
         another shape (native would broadcast or fail mid-update) is a ValueError naming the
         parameter, and the optimizer is left exactly as it was."""
-        self._check_state_dict(state_dict)
+        check_state_dict(state_dict, self.param_groups)
         before = (self.state, self.param_groups)
         try:
             super().load_state_dict(state_dict)
@@ -411,42 +389,11 @@ class AdamW(torch.optim.AdamW):
             self.state, self.param_groups = before
             raise
 
-    def _check_state_dict(self, state_dict: dict) -> None:
-        saved_groups = state_dict.get("param_groups", [])
-        if [len(g["params"]) for g in saved_groups] != [len(g["params"])
-                                                        for g in self.param_groups]:
-            return  # native's own checks raise their ValueError
-        params = [p for g in self.param_groups for p in g["params"]]
-        slot_of = {pid: slot for slot, pid in enumerate(chain.from_iterable(
-            g["params"] for g in saved_groups))}
-        for key, entry in state_dict.get("state", {}).items():
-            slot = slot_of.get(key)
-            if slot is None or not isinstance(entry, dict):
-                continue
-            p = params[slot]
-            for name, value in entry.items():
-                if name in MOMENTS and isinstance(value, Tensor) and value.shape != p.shape:
-                    raise ValueError(
-                        f"state_dict['state'][{key!r}][{name!r}] has shape {tuple(value.shape)}, "
-                        f"but it belongs to {describe(slot, p)}: the checkpoint is of another "
-                        "model (nothing was loaded)")
-                if name in MOMENTS and isinstance(value, Tensor) and not (
-                        value.is_floating_point() and value.layout is torch.strided):
-                    raise ValueError(
-                        f"state_dict['state'][{key!r}][{name!r}] is {value.dtype} {value.layout}; "
-                        f"{describe(slot, p)} needs a dense floating-point moment")
-                if name == "step" and isinstance(value, Tensor) and value.numel() != 1:
-                    raise ValueError(
-                        f"state_dict['state'][{key!r}]['step'] has {value.numel()} elements; a "
-                        "step count is a single number")
-
     def __getstate__(self) -> dict:
         """For pickle and deepcopy: the state as compact tensors (a view would carry its whole
         flat buffer into a pickle), plus the clipping settings."""
         state = super().__getstate__()
-        state["state"] = type(self.state)(dict, {
-            p: {k: v.clone(memory_format=torch.preserve_format) if isinstance(v, Tensor) else v
-                for k, v in s.items()} for p, s in self.state.items()})
+        state["state"] = compact_state(self.state)
         state.update(max_norm=self.max_norm, norm_type=self.norm_type,
                      error_if_nonfinite=self.error_if_nonfinite, batched_norms=self.batched_norms,
                      _clip_order_params=self._clip_order_params)

@@ -12,6 +12,9 @@ in (`adopt`), as `load_state_dict` does.
 from __future__ import annotations
 
 import weakref
+from collections import defaultdict
+from itertools import chain
+
 import torch
 from torch import Tensor
 
@@ -116,6 +119,78 @@ def state_problem(slot: int, p: Tensor, state: dict, amsgrad: bool) -> str | Non
         if problem:
             return f"optimizer.state[p][{key!r}] of {describe(slot, p)} {problem}"
     return None
+
+
+def check_state(store: FlatStore, state, groups: list[dict],
+                group_slots: list[tuple[int, list[int]]]) -> None:
+    """Validate the param groups and the state that native AdamW will read for these slots.
+
+    Raises:
+        NotImplementedError: a group set to ``capturable`` or ``differentiable``.
+        RuntimeError: a tensor lr with ``foreach=True`` (native's message); a state that
+            `state_problem` rejects.
+    """
+    for gi, slots in group_slots:
+        group = groups[gi]
+        if group["capturable"] or group["differentiable"]:
+            raise NotImplementedError(
+                "cotangent.AdamW supports capturable=False and differentiable=False only")
+        if group["foreach"] and torch.is_tensor(group["lr"]):
+            raise RuntimeError(
+                "lr as a Tensor is not supported for capturable=False and foreach=True")
+        for slot in slots:
+            p = store.params[slot]
+            entry = state.get(p)  # .get: native creates entries only when it updates
+            problem = entry and state_problem(slot, p, entry, bool(group["amsgrad"]))
+            if problem:
+                raise RuntimeError(problem)
+
+
+def check_state_dict(state_dict: dict, groups: list[dict]) -> None:
+    """Check a native AdamW `state_dict` against the parameters it will be loaded into, before
+    `load_state_dict` changes anything (native does not check moment shapes: a (1, 8) moment
+    broadcasts into a (4, 8) parameter, others fail mid-update naming no parameter).
+
+    Raises:
+        ValueError: a moment whose shape differs from its parameter's, or that is not a dense
+            floating-point tensor; a step with more than one element. (Group count and size
+            mismatches are left to native `load_state_dict`, which raises its own ValueError.)
+    """
+    saved_groups = state_dict.get("param_groups", [])
+    if [len(g["params"]) for g in saved_groups] != [len(g["params"]) for g in groups]:
+        return
+    params = [p for g in groups for p in g["params"]]
+    slot_of = {pid: slot for slot, pid in enumerate(chain.from_iterable(
+        g["params"] for g in saved_groups))}
+    for key, entry in state_dict.get("state", {}).items():
+        slot = slot_of.get(key)
+        if slot is None or not isinstance(entry, dict):
+            continue
+        p = params[slot]
+        where = f"state_dict['state'][{key!r}]"
+        for name, value in entry.items():
+            if not isinstance(value, Tensor):
+                continue
+            if name in MOMENTS and value.shape != p.shape:
+                raise ValueError(
+                    f"{where}[{name!r}] has shape {tuple(value.shape)}, but it belongs to "
+                    f"{describe(slot, p)}: the checkpoint is of another model (nothing was "
+                    "loaded)")
+            if name in MOMENTS and not (value.is_floating_point()
+                                        and value.layout is torch.strided):
+                raise ValueError(f"{where}[{name!r}] is {value.dtype} {value.layout}; "
+                                 f"{describe(slot, p)} needs a dense floating-point moment")
+            if name == "step" and value.numel() != 1:
+                raise ValueError(f"{where}['step'] has {value.numel()} elements; a step count "
+                                 "is a single number")
+
+
+def compact_state(state) -> defaultdict:
+    """A copy of an optimizer's `state` with every tensor cloned into its own compact storage
+    (for pickling: a view would carry its whole flat buffer along)."""
+    return defaultdict(dict, {
+        p: {k: v.clone(memory_format=torch.preserve_format) if isinstance(v, Tensor) else v
+            for k, v in entry.items()} for p, entry in state.items()})
 
 
 def adoptable_keys(p: Tensor, state: dict) -> list[str]:
@@ -246,6 +321,24 @@ class FlatStore:
             view = self.moment_view(slot, key)
             view.zero_()
             state[key] = view
+
+    def take_state(self, state, groups: list[dict],
+                   group_slots: list[tuple[int, list[int]]]) -> bool:
+        """Before an update: give every listed slot its state in this store, initialising empty
+        ones lazily as native does at a parameter's first update and copying in entries assigned
+        from outside (validated by `check_state`). Returns whether anything changed."""
+        changed = False
+        for gi, slots in group_slots:
+            group = groups[gi]
+            for slot in slots:
+                entry = state[self.params[slot]]
+                if not entry:
+                    self.init_state(slot, entry, fused=bool(group["fused"]),
+                                    amsgrad=bool(group["amsgrad"]))
+                    changed = True
+                else:
+                    changed |= self.adopt(slot, entry, adoptable_keys(self.params[slot], entry))
+        return changed
 
     def moved_params(self) -> list[int]:
         """Slots whose parameter no longer lives in its flat-buffer segment."""

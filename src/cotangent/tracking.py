@@ -234,3 +234,24 @@ class GradientTracker:
         for slot, p in enumerate(self.store.params):
             if slot not in present_set and p.grad is views[slot]:
                 p.grad = None
+
+
+def gradients_to_carry(old: GradientTracker | None, params: list[Tensor]) -> dict[int, Tensor]:
+    """The gradients that exist for `params` (new slot -> tensor) when they are (re)packed: the
+    logical gradients of parameters the old tracker knew, `.grad` of the others.
+
+    Raises:
+        RuntimeError: a gradient whose shape, dtype or layout differs from its parameter's.
+    """
+    packed = {id(q): s for s, q in enumerate(old.store.params)} if old is not None else {}
+    logical = old.logical_grads() if old is not None else {}
+    grads = {}
+    for slot, p in enumerate(params):
+        g = logical.get(packed[id(p)]) if id(p) in packed else p.grad
+        if g is None:
+            continue
+        if g.shape != p.shape or g.dtype != p.dtype or g.layout is not torch.strided:
+            raise RuntimeError(f"{describe(slot, p)}: its gradient {tuple(g.shape)} {g.dtype} "
+                               f"{g.layout} does not match it")
+        grads[slot] = g
+    return grads
