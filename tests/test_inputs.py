@@ -358,3 +358,28 @@ def test_pickle_size_is_linear_in_the_parameters():
                                "unpickled", grads=False)
     assert sizes["cotangent"][0] <= 1.05 * sizes["native"][0], sizes
     assert sizes["cotangent"][1] <= 1.05 * sizes["native"][1], sizes
+
+
+@pytest.mark.parametrize("impl", ["foreach", "for-loop"])
+def test_other_strides_gradient_kept_by_zero_grad_set_to_none_false(impl):
+    """Native `zero_grad(set_to_none=False)` zeroes such a gradient in place and the next
+    backward accumulates into it, strides and all; its norm must keep native's bits."""
+    (ps, qs) = _params([(64, 300)])
+    ref = cotangent.ReferenceUpdate(ps, max_norm=0.5, **HP, **IMPLS[impl])
+    opt = cotangent.AdamW(qs, max_norm=0.5, **HP, **IMPLS[impl])
+    g1, g2 = _strided_grads("transposed", (64, 300), torch.Generator().manual_seed(3),
+                            torch.float32)
+    ps[0].grad, qs[0].grad = g1, g2
+    gen = torch.Generator().manual_seed(4)
+    for step in range(4):
+        if step:
+            ref.zero_grad(set_to_none=False)
+            opt.zero_grad(set_to_none=False)
+            w = torch.randn(64, 300, generator=gen)
+            for p in (ps[0], qs[0]):
+                (p * w).sum().backward()
+        assert qs[0].grad.stride() == ps[0].grad.stride() == (1, 64)
+        total = ref.step()
+        opt.step()
+        assert_same_bits(total, opt.last_total_norm, f"step {step} total norm")
+        assert_same_update(ps, ref.optimizer.state, qs, opt.state, f"step {step}")

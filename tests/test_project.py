@@ -70,3 +70,21 @@ def test_ci_runs_the_readme_test_command():
     ci = (ROOT / ".ci" / "run").read_text()
     assert command in ci.splitlines(), "the README test command must appear verbatim in .ci/run"
     assert "torch==2.13.0" in ci and "COTANGENT_DATA_DIR=../shared/data/wikitext-2" in ci
+
+
+def test_readme_edit_table_names_tests_that_exist():
+    """Every test the README's "What Cotangent notices" table cites exists (a `*` is a prefix)."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    table = text[text.index("### What Cotangent notices"):]
+    table = table[:table.index("\n\n", table.index("| Edit"))]
+    rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
+    defined = {m.group(1) for path in (ROOT / "tests").glob("test_*.py")
+               for m in re.finditer(r"^def (test_\w+)", path.read_text(), re.M)}
+    cited = [c.split("::")[-1] for row in rows[1:] for c in re.findall(r"`([^`]+)`", row.split("|")[3])]
+    cited = [c for c in cited if c.startswith("test_") and not c.endswith(".py")]
+    assert len(cited) >= 15
+    for name in cited:
+        prefix = name.rstrip("*")
+        assert any(d == name or (name.endswith("*") and d.startswith(prefix)) for d in defined), name

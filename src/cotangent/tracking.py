@@ -136,21 +136,27 @@ class GradientTracker:
     def zero_grad(self, set_to_none: bool) -> None:
         """`Optimizer.zero_grad` over packed gradients (see `cotangent.AdamW.zero_grad`)."""
         store = self.store
-        keep = [] if set_to_none else [
-            s for s in self.all_slots if self.tracked[s] and self.has_logical_grad(s)]
+        keep = set() if set_to_none else {
+            s for s in self.all_slots if self.tracked[s] and self.has_logical_grad(s)}
+        kept_outside = set()
         for flat_g in store.flat_grads:
             flat_g.fill_(-0.0)
         for slot, p in enumerate(store.params):
-            if not self.tracked[slot]:
-                if p.grad is not None:  # a frozen parameter's stray gradient, reset as native
-                    p.grad = None if set_to_none else p.grad.zero_()
+            g = p.grad
+            foreign = g is not None and g is not store.grad_views[slot] and not same_strides(g, p)
+            if not self.tracked[slot] or (foreign and slot in keep):
+                # a frozen parameter's stray gradient, or one laid out unlike its parameter
+                # that native keeps (zeroed in place) and accumulates into: reset as native
+                if g is not None:
+                    p.grad = None if set_to_none else g.zero_()
+                kept_outside.add(slot)
                 continue
             if p.grad is not store.grad_views[slot]:
                 p.grad = store.grad_views[slot]
             self.has_grad[slot] = False
             self.sparse[slot] = False
         self.callback_queued = False  # in case a failed backward never ran its callback
-        for slot in keep:
+        for slot in keep - kept_outside:
             store.grad_views[slot].zero_()
             self.has_grad[slot] = True
         self.resets += 1
