@@ -24,6 +24,7 @@ from cotangent.clipping import PackedClipper, clip_actual_tensors
 from cotangent.plan import Planner, StepPlan
 from cotangent.store import (
     FlatStore,
+    WatchedState,
     check_state,
     check_state_dict,
     compact_state,
@@ -153,6 +154,7 @@ class AdamW(torch.optim.AdamW):
         self._clipped: tuple[int, int] | None = None  # (backwards, resets) of clipped gradients
         self._prepared: _StepInputs | None = None  # found by this step()'s clip, for its body
         self._scale_applied = False  # this step's clip already divided by GradScaler's scale
+        self.state = WatchedState(dict, self.state)  # (no user code holds the old one yet)
         self._repack()
 
     # ------------------------------------------------------------------ the update
@@ -404,6 +406,8 @@ class AdamW(torch.optim.AdamW):
         (`load_state_dict` calls this on a live optimizer; it repacks afterwards itself.)"""
         live = "_store" in self.__dict__
         super().__setstate__(state)
+        # native load_state_dict and unpickling both install a new state container here
+        self.state = WatchedState(dict, self.state)
         if live:
             return
         self._store, self._tracker = None, None

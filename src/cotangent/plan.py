@@ -13,6 +13,7 @@ counts (`AdamWCalls.still_valid`, checked at every step).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import chain
 from operator import itemgetter
 
 import torch
@@ -20,7 +21,7 @@ from torch import Tensor
 
 from cotangent import merge
 from cotangent.packing import Segment, align_elements
-from cotangent.store import FlatStore, state_keys
+from cotangent.store import FlatStore
 
 
 def group_signature(group: dict) -> tuple:
@@ -57,6 +58,44 @@ class StepMerge:
     firsts: Tensor  # int64 position of each member's range head
 
 
+_COMMON = itemgetter("step", "exp_avg", "exp_avg_sq")
+
+
+@dataclass(slots=True)
+class StateSeen:
+    """The state entries a set of calls reads, as seen when the calls were built: the state
+    container and its edit count (`store.WatchedState`), the present parameters' `state[p]`
+    dicts, and the data pointers of their `step`, `exp_avg`, `exp_avg_sq` (and, at `amsgrad`
+    positions, `max_exp_avg_sq`) entries."""
+
+    container: object
+    edits: int
+    dicts: list[dict]
+    amsgrad: list[int]  # positions whose max_exp_avg_sq is read
+    ptrs: list[int]
+
+    @classmethod
+    def of(cls, state, params: list[Tensor], amsgrad: list[int]) -> StateSeen:
+        dicts = [state[p] for p in params]
+        seen = cls(state, getattr(state, "edits", -1), dicts, amsgrad, [])
+        seen.ptrs = seen._pointers(dicts)
+        return seen
+
+    def _pointers(self, dicts: list[dict]) -> list[int]:
+        ptrs = list(map(Tensor.data_ptr, chain.from_iterable(map(_COMMON, dicts))))
+        return ptrs + [dicts[i]["max_exp_avg_sq"].data_ptr() for i in self.amsgrad]
+
+    def unchanged(self, state, params: list[Tensor]) -> bool:
+        if state is self.container and getattr(state, "edits", -2) == self.edits:
+            dicts = self.dicts  # no entry of the container was assigned or removed
+        else:
+            dicts = list(map(state.get, params))  # .get: a defaultdict must not grow here
+        try:
+            return self._pointers(dicts) == self.ptrs
+        except (KeyError, TypeError, AttributeError):
+            return False
+
+
 @dataclass(slots=True)
 class AdamWCalls:
     """The calls of one plan, with what they were built on."""
@@ -65,21 +104,12 @@ class AdamWCalls:
     signatures: list[tuple]
     calls: list[AdamWCall]
     merges: list[StepMerge]
-    # (state key, positions in the plan's parameter list or None for all, data pointers)
-    state_checks: list[tuple[str, list[int] | None, list[int]]]
+    state_seen: StateSeen
 
     def state_unchanged(self, state, params: list[Tensor]) -> bool:
         """Whether every state entry these calls read is still the tensor they were built with
         (nothing assigned, replaced, popped or re-pointed with `.data` since)."""
-        try:
-            dicts = list(map(state.get, params))  # .get: a defaultdict must not grow here
-            for key, index, want in self.state_checks:
-                chosen = dicts if index is None else list(map(dicts.__getitem__, index))
-                if list(map(Tensor.data_ptr, map(itemgetter(key), chosen))) != want:
-                    return False
-        except (KeyError, TypeError, AttributeError):
-            return False
-        return True
+        return self.state_seen.unchanged(state, params)
 
     def merged_steps_equal(self) -> bool:
         """Whether every merged range's step counts are still equal (they may have been edited
@@ -168,27 +198,15 @@ class Planner:
                 for run in self._ranges(li, segs, kind, limit, group, state, override):
                     self._add(call, li, run, group, state, override, merges)
                 calls.append(call)
-        state_checks = []
-        for key, index in self._state_checks(plan, groups):
-            chosen = plan.params if index is None else [plan.params[i] for i in index]
-            state_checks.append((key, index, [state[p][key].data_ptr() for p in chosen]))
+        amsgrad = [i for i, s in enumerate(plan.present) if groups[self.group_of[s]]["amsgrad"]]
         built = AdamWCalls(
             self.epoch, [group_signature(groups[gi]) for gi, _ in plan.group_slots], calls,
             [StepMerge(buffer, torch.tensor(members), torch.tensor(firsts))
              for buffer, members, firsts in merges.values()],
-            state_checks)
+            StateSeen.of(state, plan.params, amsgrad))
         if not override:
             plan.calls = built
         return built
-
-    def _state_checks(self, plan: StepPlan, groups: list[dict]) -> list[tuple[str, list | None]]:
-        """Which state entries of which present parameters the calls read."""
-        amsgrad = [bool(groups[self.group_of[s]]["amsgrad"]) for s in plan.present]
-        checks: list[tuple[str, list | None]] = [(k, None) for k in state_keys(False)]
-        if any(amsgrad):
-            checks.append(("max_exp_avg_sq",
-                           None if all(amsgrad) else [i for i, a in enumerate(amsgrad) if a]))
-        return checks
 
     def _ranges(self, li, segs, kind, limit, group, state, override) -> list[list[Segment]]:
         """Split `segs` (buffer order) into runs that may share one list element."""

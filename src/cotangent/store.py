@@ -24,6 +24,44 @@ from cotangent.packing import FlatLayout, Segment, plan_layouts
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 
+class WatchedState(defaultdict):
+    """`optimizer.state` that counts edits of its entries (assigned, deleted, popped, cleared,
+    updated, created on first access), so that a step can tell in O(1) that every `state[p]` is
+    still the dict it saw. It pickles and copies as a plain `defaultdict(dict)`."""
+
+    __slots__ = ("edits",)
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.edits = 0
+
+    def __setitem__(self, key, value) -> None:
+        self.edits += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key) -> None:
+        self.edits += 1
+        super().__delitem__(key)
+
+    def _edited(name):
+        def method(self, *args, **kwargs):
+            self.edits += 1
+            return getattr(super(WatchedState, self), name)(*args, **kwargs)
+        method.__name__ = name
+        return method
+
+    pop = _edited("pop")
+    popitem = _edited("popitem")
+    clear = _edited("clear")
+    update = _edited("update")
+    setdefault = _edited("setdefault")
+    __ior__ = _edited("__ior__")
+    del _edited
+
+    def __reduce__(self):
+        return (defaultdict, (self.default_factory,), None, None, iter(self.items()))
+
+
 def state_keys(amsgrad: bool) -> tuple[str, ...]:
     """The state entries native AdamW reads at every step for a group with this `amsgrad`."""
     return ("step",) + (MOMENTS if amsgrad else MOMENTS[:2])
