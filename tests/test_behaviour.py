@@ -477,3 +477,20 @@ def test_nonfinite_norm_raises_before_modifying_anything():
         assert_same_bits(p.grad, g, "grad after refused step")
     assert not opt.state
 
+
+
+def test_saved_state_has_only_plain_containers():
+    """`optimizer.state` counts its edits (a defaultdict subclass) but never leaks that type:
+    a saved state_dict loads with `weights_only=True`, and the state pickles as a defaultdict."""
+    import pickle
+    from collections import defaultdict
+
+    m1, m2, o1, o2 = _pair(max_norm=0.05)
+    m2(torch.randn(5, 8)).sum().backward()
+    o2.step()
+    buf = io.BytesIO()
+    torch.save(o2.state_dict(), buf)
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    assert all(type(v) is dict for v in loaded["state"].values())
+    assert type(pickle.loads(pickle.dumps(o2.state))) is defaultdict
+    assert type(copy.deepcopy(o2.state)) is defaultdict
