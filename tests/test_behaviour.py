@@ -494,3 +494,30 @@ def test_saved_state_has_only_plain_containers():
     assert all(type(v) is dict for v in loaded["state"].values())
     assert type(pickle.loads(pickle.dumps(o2.state))) is defaultdict
     assert type(copy.deepcopy(o2.state)) is defaultdict
+
+
+@pytest.mark.parametrize("impl", ["fused", "foreach", "for-loop"])
+def test_backward_through_parameters_updated_since_the_forward_behaves_like_native(impl):
+    """For-loop and foreach AdamW bump every parameter's version counter, so a backward through
+    a graph that saved the old values raises; parameters updated inside a merged range must
+    too. Native fused AdamW (torch 2.13) bumps none and the backward runs: so must ours."""
+    outcomes = []
+    for cls in (torch.optim.AdamW, cotangent.AdamW):
+        torch.manual_seed(0)
+        model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])  # equal lengths: merged
+        opt = cls(model.parameters(), **{"fused": dict(fused=True), "foreach": dict(foreach=True),
+                                         "for-loop": dict(foreach=False)}[impl])
+        model(torch.ones(2, 4)).sum().backward()
+        opt.step()
+        if cls is cotangent.AdamW:
+            calls = opt.call_summary()
+            assert calls["calls"] < calls["parameters"], "the case must use merged ranges"
+        loss = model(torch.ones(2, 4)).sum()  # saves the current weights for backward
+        opt.step()  # updates them before that backward
+        try:
+            loss.backward()
+            outcomes.append("ran")
+        except RuntimeError as error:
+            assert "modified by an inplace operation" in str(error)
+            outcomes.append("refused")
+    assert outcomes[0] == outcomes[1] == ("ran" if impl == "fused" else "refused")

@@ -213,9 +213,36 @@ def test_model_cast_after_building_is_a_clear_error(cast):
         m.weight.data = m.weight.data.clone()
     else:
         getattr(m, cast)()
-    with pytest.raises(RuntimeError, match="no longer lives in cotangent.AdamW's flat buffer"):
+    cause = "its storage was replaced" if cast == "data replaced" else "it was cast or moved"
+    with pytest.raises(RuntimeError, match=f"no longer lives in this cotangent.AdamW's flat "
+                                           f"buffer: {cause}"):
         opt.zero_grad()
     with pytest.raises(RuntimeError, match="build the optimizer after moving or casting"):
+        opt.step()
+
+
+def test_a_second_packed_optimizer_over_the_same_parameters_is_named():
+    """Two cotangent.AdamW over one parameter (e.g. an encoder shared by two losses): the second
+    packs it into its own buffer; the first then says so instead of blaming `p.data = ...`."""
+    m = nn.Linear(8, 8)
+    first = cotangent.AdamW(m.parameters())
+    second = cotangent.AdamW(m.parameters())  # noqa: F841 (alive)
+    m(torch.ones(2, 8)).sum().backward()
+    with pytest.raises(RuntimeError, match="another cotangent.AdamW built later packed it"):
+        first.step()
+
+
+def test_shared_memory_parameters_are_refused():
+    """Hogwild: workers update parameters in shared memory; packing would move them into a
+    private buffer where other processes never see the updates."""
+    m = nn.Linear(8, 8)
+    m.share_memory()
+    with pytest.raises(ValueError, match="shared memory"):
+        cotangent.AdamW(m.parameters())
+    m2 = nn.Linear(8, 8)
+    opt = cotangent.AdamW(m2.parameters())
+    m2.share_memory()  # after building: the next step says what happened
+    with pytest.raises(RuntimeError, match="moved to shared memory"):
         opt.step()
 
 

@@ -81,10 +81,12 @@ class AdamW(torch.optim.AdamW):
         norm_type: p of the global p-norm (``float('inf')`` for the max norm), as `clip_grad_norm_`.
         error_if_nonfinite: raise before any tensor is modified when the total norm is inf or NaN,
             as `clip_grad_norm_`.
-        clip_order: the parameters exactly as you would pass them to `clip_grad_norm_` (e.g.
-            ``model.parameters()``); their order decides the bits of the total norm. Default: the
-            optimizer's order (param groups concatenated). It must contain every optimizer
-            parameter; others in it must have no gradient at `step()`.
+        clip_order: what you would pass to `clip_grad_norm_`; its order decides the bits of the
+            total norm. A module (``clip_order=model``: its ``parameters()`` are read afresh at
+            every clip, so wrapping or pruning mid-run is followed), a zero-argument callable
+            returning parameters, or a fixed iterable of them (e.g. ``model.parameters()`` as
+            it is now). Default: the optimizer's order (param groups concatenated). It must
+            contain every optimizer parameter; others in it must have no gradient at `step()`.
         batched_norms: use calibrated batched norms (default). ``False`` computes every
             per-tensor norm with the native call, keeping everything else packed: the
             "packing-only" cell of a factorial experiment.
@@ -148,7 +150,10 @@ class AdamW(torch.optim.AdamW):
         self.norm_type = norm_type
         self.error_if_nonfinite = bool(error_if_nonfinite)
         self.batched_norms = bool(batched_norms)
-        self._clip_order_params = None if clip_order is None else list(clip_order)
+        if clip_order is not None and not (isinstance(clip_order, torch.nn.Module)
+                                           or callable(clip_order)):
+            clip_order = list(clip_order)  # a snapshot of an iterable, as clip_grad_norm_ takes
+        self._clip_order_params = clip_order
         self._last_total_norm: Tensor | None = None
         self._norm_backwards = -1  # tracker.backwards when the norm was computed
         self._clipped: tuple[int, int] | None = None  # (backwards, resets) of clipped gradients
@@ -203,7 +208,7 @@ class AdamW(torch.optim.AdamW):
             else:
                 merge.run_native_adamw(call.kind, *args, group=group, grad_scale=grad_scale,
                                        found_inf=found_inf)
-        calls.fill_merged_steps()
+        calls.finish()
         self._tracker.release_absent(inputs.grads.present)
         self._clipped, self._scale_applied = None, False
         return loss
@@ -277,6 +282,7 @@ class AdamW(torch.optim.AdamW):
         """Notice every edit made since the last step, then list this step's gradients and check
         the state they will read. Raises (see the class docstring) before anything is modified."""
         self._refresh_structure()
+        self._refresh_clip_order()
         grads = self._tracker.scan()
         if grads.views_replaced:
             self._planner.invalidate()
@@ -341,14 +347,7 @@ class AdamW(torch.optim.AdamW):
         Everything is validated before anything is modified."""
         params = [p for g in self.param_groups for p in g["params"]]
         layouts = validate_params(params)
-        slot_of = {id(p): slot for slot, p in enumerate(params)}
-        order = self._clip_order_params
-        if order is not None:
-            listed = {id(q) for q in order}
-            missing = [slot for slot, p in enumerate(params) if id(p) not in listed]
-            if missing:
-                raise ValueError(f"clip_order lacks optimizer parameter(s) {missing}; it must "
-                                 "list every parameter the optimizer updates")
+        self._set_clip_order(params)
         old = self._tracker
         grads = gradients_to_carry(old, params)
         states = {slot: self.state[p] for slot, p in enumerate(params) if self.state.get(p)}
@@ -362,10 +361,45 @@ class AdamW(torch.optim.AdamW):
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
         self._planner = Planner(store, self._group_sizes)
         self._calibrate()
+        self._clipped, self._prepared = None, None
+
+    def _clip_order_list(self) -> list[Tensor] | None:
+        source = self._clip_order_params
+        if isinstance(source, torch.nn.Module):
+            return list(source.parameters())
+        return list(source()) if callable(source) else source
+
+    def _set_clip_order(self, params: list[Tensor], order: list[Tensor] | None = None) -> None:
+        """Slots in clip order, and the clip-order parameters outside the optimizer.
+
+        Raises:
+            ValueError: the clip order lacks an optimizer parameter.
+        """
+        order = self._clip_order_list() if order is None else order
+        slot_of = {id(p): slot for slot, p in enumerate(params)}
+        if order is not None:
+            listed = {id(q) for q in order}
+            missing = [slot for slot, p in enumerate(params) if id(p) not in listed]
+            if missing:
+                raise ValueError(
+                    f"clip_order lacks optimizer parameter(s) {missing}; it must list every "
+                    "parameter the optimizer updates (pass clip_order=model to follow the "
+                    "model's parameters as they change)")
+        self._clip_order_seen = order
         self._clip_order = (list(range(len(params))) if order is None
                             else [slot_of[id(p)] for p in order if id(p) in slot_of])
         self._clip_outsiders = [] if order is None else [p for p in order if id(p) not in slot_of]
-        self._clipped, self._prepared = None, None
+
+    def _refresh_clip_order(self) -> None:
+        """Re-read a live clip order (a module or callable); replan when its order changed."""
+        if self.max_norm is None or not (isinstance(self._clip_order_params, torch.nn.Module)
+                                         or callable(self._clip_order_params)):
+            return
+        order = self._clip_order_list()
+        seen = self._clip_order_seen
+        if len(order) != len(seen) or not all(map(operator.is_, order, seen)):
+            self._set_clip_order(self._store.params, order)
+            self._planner.invalidate(plans=True)
 
     def add_param_group(self, param_group: dict) -> None:
         """As `torch.optim.Optimizer.add_param_group`; afterwards all buffers are re-packed."""

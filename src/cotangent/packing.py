@@ -68,8 +68,20 @@ class FlatLayout:
         """The tensor of segment `seg` inside `flat` (same shape and strides as the parameter)."""
         return flat.as_strided(seg.shape, seg.stride, seg.offset)
 
+    def alias(self, flat: Tensor, seg: Segment) -> Tensor:
+        """Like `view`, but a tensor of its own that shares `flat`'s storage rather than an
+        autograd view of `flat`: in-place metadata operations user code applies to gradients and
+        optimizer state (``p.grad.detach_()``) work on it as on a separately allocated tensor."""
+        return alias(flat, seg.offset, seg.shape, seg.stride)
+
     def new_buffer(self, fill: float) -> Tensor:
         return torch.full((self.size,), fill, dtype=self.dtype, device=self.device)
+
+
+def alias(flat: Tensor, offset: int, shape: tuple[int, ...], stride: tuple[int, ...]) -> Tensor:
+    """A tensor over `flat`'s storage at element `offset` (not an autograd view of `flat`)."""
+    return torch.empty(0, dtype=flat.dtype, device=flat.device).set_(
+        flat.untyped_storage(), flat.storage_offset() + offset, shape, stride)
 
 
 def align_elements(dtype: torch.dtype) -> int:

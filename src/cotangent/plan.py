@@ -105,6 +105,9 @@ class AdamWCalls:
     calls: list[AdamWCall]
     merges: list[StepMerge]
     state_seen: StateSeen
+    # for-loop / foreach parameters updated through a merged range (a view of the flat buffer),
+    # whose own version counters the update does not bump (torch 2.13's fused kernel bumps none)
+    merged_params: list[Tensor] = field(default_factory=list)
 
     def state_unchanged(self, state, params: list[Tensor]) -> bool:
         """Whether every state entry these calls read is still the tensor they were built with
@@ -117,10 +120,15 @@ class AdamWCalls:
         return all(torch.equal(m.buffer.index_select(0, m.members),
                                m.buffer.index_select(0, m.firsts)) for m in self.merges)
 
-    def fill_merged_steps(self) -> None:
-        """After the update: each merged range's members take its head's new step count."""
+    def finish(self) -> None:
+        """After the update: each merged range's members take its head's new step count, and
+        every parameter updated through a range has its version counter bumped, as a native
+        in-place update bumps it (so that autograd still refuses a backward through a graph that
+        saved the old values)."""
         for m in self.merges:
             m.buffer.index_copy_(0, m.members, m.buffer.index_select(0, m.firsts))
+        if self.merged_params:
+            torch.autograd.graph.increment_version(self.merged_params)
 
 
 @dataclass(slots=True)
@@ -182,7 +190,7 @@ class Planner:
         is), those slots stay single and the calls are not cached."""
         store = self.store
         override = grad_override or {}
-        calls, merges = [], {}
+        calls, merges, merged_params = [], {}, []
         for gi, slots in plan.group_slots:
             group = groups[gi]
             kind = merge.implementation(group, [store.params[s] for s in slots])
@@ -197,13 +205,15 @@ class Planner:
                 call = AdamWCall(gi, kind, direct)
                 for run in self._ranges(li, segs, kind, limit, group, state, override):
                     self._add(call, li, run, group, state, override, merges)
+                    if len(run) > 1 and kind != "fused":  # native fused bumps no version
+                        merged_params += [store.params[seg.slot] for seg in run]
                 calls.append(call)
         amsgrad = [i for i, s in enumerate(plan.present) if groups[self.group_of[s]]["amsgrad"]]
         built = AdamWCalls(
             self.epoch, [group_signature(groups[gi]) for gi, _ in plan.group_slots], calls,
             [StepMerge(buffer, torch.tensor(members), torch.tensor(firsts))
              for buffer, members, firsts in merges.values()],
-            StateSeen.of(state, plan.params, amsgrad))
+            StateSeen.of(state, plan.params, amsgrad), merged_params)
         if not override:
             plan.calls = built
         return built

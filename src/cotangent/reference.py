@@ -20,8 +20,10 @@ class ReferenceUpdate:
         max_norm: clipping threshold, or None for no clipping.
         norm_type: p of the global norm.
         error_if_nonfinite: as `clip_grad_norm_`.
-        clip_order: the parameters passed to `clip_grad_norm_` (e.g. ``model.parameters()``);
-            default: the optimizer's parameters, param groups concatenated.
+        clip_order: what is passed to `clip_grad_norm_`: a module (its ``parameters()`` at each
+            clip, as a loop calling ``clip_grad_norm_(model.parameters(), ...)`` does), a
+            zero-argument callable, or a fixed list; default: the optimizer's parameters, param
+            groups concatenated.
         **adamw_kwargs: passed unchanged to `torch.optim.AdamW` (lr, betas, eps, weight_decay,
             amsgrad, maximize, foreach, fused, ...).
 
@@ -35,7 +37,10 @@ class ReferenceUpdate:
         self.max_norm = max_norm
         self.norm_type = norm_type
         self.error_if_nonfinite = error_if_nonfinite
-        self.clip_order = None if clip_order is None else list(clip_order)
+        if clip_order is not None and not (isinstance(clip_order, torch.nn.Module)
+                                           or callable(clip_order)):
+            clip_order = list(clip_order)
+        self.clip_order = clip_order
         self._clipped = False
 
     @property
@@ -45,7 +50,13 @@ class ReferenceUpdate:
     def clip_grad_norm_(self) -> Tensor:
         """The user's clip: `clip_grad_norm_` over the clip-order parameters; returns the total."""
         self._clipped = True
-        params = self.params if self.clip_order is None else self.clip_order
+        order = self.clip_order
+        if isinstance(order, torch.nn.Module):
+            params = order.parameters()
+        elif callable(order):
+            params = order()
+        else:
+            params = self.params if order is None else order
         return torch.nn.utils.clip_grad_norm_(params, self.max_norm, self.norm_type,
                                               self.error_if_nonfinite)
 

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from cotangent import _compat
-from cotangent.packing import FlatLayout, Segment, plan_layouts
+from cotangent.packing import FlatLayout, Segment, alias, plan_layouts
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -102,6 +102,11 @@ def validate_params(params: list[Tensor]) -> list[FlatLayout]:
         if p.device.type == "meta":
             raise ValueError(f"parameter {slot} is on the meta device (no data to pack); "
                              "build cotangent.AdamW after materialising the model")
+        if p.device.type == "cpu" and p.is_shared():
+            raise ValueError(
+                f"parameter {slot} lives in shared memory (`model.share_memory()`, Hogwild-style "
+                "multiprocessing): cotangent.AdamW would move it into a private flat buffer, "
+                "so other processes would never see its updates; use torch.optim.AdamW here")
     spans = sorted(
         (p.untyped_storage().data_ptr() + p.storage_offset() * p.element_size(),
          p.untyped_storage().data_ptr() + (p.storage_offset() + p.numel()) * p.element_size(),
@@ -262,7 +267,8 @@ class FlatStore:
             for pos, seg in enumerate(layout.segments):
                 self.where[seg.slot] = (li, seg)
                 self.position[seg.slot] = pos
-        self.grad_views: list[Tensor] = [self.view(self.flat_grads, s) for s in range(len(params))]
+        self.grad_views: list[Tensor] = [self.alias(self.flat_grads, s)
+                                         for s in range(len(params))]
         self.grad_ptrs = [g.data_ptr() for g in self.grad_views]
         self.param_ptrs: list[int] = []
 
@@ -300,9 +306,14 @@ class FlatStore:
         li, seg = self.where[slot]
         return self.layouts[li].view(buffers[li], seg)
 
+    def alias(self, buffers: list[Tensor], slot: int) -> Tensor:
+        """As `view`, but not an autograd view of the buffer (see `FlatLayout.alias`)."""
+        li, seg = self.where[slot]
+        return self.layouts[li].alias(buffers[li], seg)
+
     def refresh_grad_view(self, slot: int) -> None:
         """A new view object for a slot whose view's storage was replaced (`p.grad.data = x`)."""
-        self.grad_views[slot] = self.view(self.flat_grads, slot)
+        self.grad_views[slot] = self.alias(self.flat_grads, slot)
         self.grad_ptrs[slot] = self.grad_views[slot].data_ptr()
 
     def moment_view(self, slot: int, key: str) -> Tensor:
@@ -311,7 +322,7 @@ class FlatStore:
         buffers = self.flat_state[li]
         if key not in buffers:
             buffers[key] = self.layouts[li].new_buffer(0.0)
-        return self.layouts[li].view(buffers[key], seg)
+        return self.layouts[li].alias(buffers[key], seg)
 
     def step_view(self, slot: int, like: Tensor) -> Tensor:
         """A 0-dim view for slot `slot`'s step count in the step buffer of its layout for `like`'s
@@ -321,7 +332,7 @@ class FlatStore:
         if key not in self.step_buffers:
             n = len(self.layouts[li].segments)
             self.step_buffers[key] = torch.zeros(n, dtype=like.dtype, device=like.device)
-        return self.step_buffers[key][self.position[slot]]
+        return alias(self.step_buffers[key], self.position[slot], (), ())
 
     def is_ours(self, slot: int, key: str, value: Tensor) -> bool:
         """Whether `value` is (a view identical to) this store's tensor for `state[key]`."""
@@ -389,10 +400,23 @@ class FlatStore:
             return
         slot = self.moved_params()[0]
         p = self.params[slot]
+        li, _ = self.where[slot]
+        layout = self.layouts[li]
+        if p.dtype != layout.dtype or p.device != layout.device:
+            cause = (f"it was cast or moved from {str(layout.dtype).removeprefix('torch.')} on "
+                     f"{layout.device} (e.g. `model.half()`, `model.to(...)`)")
+        elif _is_packed(p):
+            cause = ("another cotangent.AdamW built later packed it into its own buffer (two "
+                     "packed optimizers cannot share a parameter: give each its own parameters, "
+                     "or use torch.optim.AdamW for one of them)")
+        elif p.device.type == "cpu" and p.is_shared():
+            cause = ("it was moved to shared memory (`share_memory()`); Hogwild-style training "
+                     "needs torch.optim.AdamW")
+        else:
+            cause = "its storage was replaced (e.g. `p.data = ...`)"
         raise RuntimeError(
-            f"{describe(slot, p)} no longer lives in cotangent.AdamW's flat buffer: its storage "
-            "was replaced after the optimizer was built (e.g. `p.data = ...`, `model.to(...)`, "
-            "`model.half()`); build the optimizer after moving or casting the model")
+            f"{describe(slot, p)} no longer lives in this cotangent.AdamW's flat buffer: {cause}; "
+            "build the optimizer after moving or casting the model")
 
 
 # --------------------------------------------------------------------------- pickling

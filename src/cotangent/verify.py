@@ -117,8 +117,8 @@ def verify(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], 
         params: what you would pass to the optimizer, built from `model`'s parameters: a list
             of them or of param-group dicts (e.g. no weight decay on biases). Default: all of
             `model.parameters()` in one group.
-        clip_order: the parameters you pass to `clip_grad_norm_`, from `model` (default: the
-            optimizer's order).
+        clip_order: the parameters you pass to `clip_grad_norm_`, from `model`, or `model` itself
+            (its parameters at every clip; default: the optimizer's order).
         norm_type, error_if_nonfinite: as `clip_grad_norm_`.
         **adamw_kwargs: `torch.optim.AdamW` arguments (lr, betas, weight_decay, fused, ...).
     Raises:
@@ -171,13 +171,14 @@ def _verify(model, loss_fn, batches, *, max_norm, arm, autocast_dtype, compile, 
     native_model, our_model = copy.deepcopy(model), copy.deepcopy(model)
     native_params, our_params = list(native_model.parameters()), list(our_model.parameters())
     spec = list(model.parameters() if params is None else params)
-    clip_order = None if clip_order is None else list(clip_order)
+    order_is_model = clip_order is model
+    clip_order = None if clip_order is None or order_is_model else list(clip_order)
     native_spec = _map_params(spec, model, native_params, "params")
     our_spec = _map_params(spec, model, our_params, "params")
-    native_order = None if clip_order is None else _map_params(clip_order, model, native_params,
-                                                               "clip_order")
-    our_order = None if clip_order is None else _map_params(clip_order, model, our_params,
-                                                            "clip_order")
+    native_order = native_model if order_is_model else None if clip_order is None else (
+        _map_params(clip_order, model, native_params, "clip_order"))
+    our_order = our_model if order_is_model else None if clip_order is None else (
+        _map_params(clip_order, model, our_params, "clip_order"))
     native = ReferenceUpdate(native_spec, max_norm=max_norm, norm_type=norm_type,
                              error_if_nonfinite=error_if_nonfinite, clip_order=native_order,
                              **adamw_kwargs)
