@@ -29,6 +29,15 @@ def test_bench_rows_are_bitwise_and_complete(capsys):
     assert result["pass_ms_per_element"] > 0
 
 
-def test_bench_rejects_unknown_shapes(capsys):
-    assert cli.main(["bench", "--shapes", "nope"]) == 2
-    assert "unknown shape" in capsys.readouterr().err
+def test_bench_rejects_unknown_shapes_and_lists_the_valid_ones(capsys):
+    from cotangent.harness.bench import IMPLS, SHAPES
+
+    assert cli.main(["bench", "--shapes", "many-small,foo"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "unknown shape(s) foo" in err and "many-small," not in err.split("valid:")[0]
+    assert all(shape in err.split("valid:")[1] for shape in SHAPES)
+    assert cli.main(["bench", "--impls", "fast"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "unknown implementation(s) fast" in err
+    assert all(impl in err.split("valid:")[1] for impl in IMPLS)

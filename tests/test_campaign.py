@@ -183,27 +183,64 @@ def test_campaign_end_to_end(finished):
         "fig-update-ms.png", "manifest.json", "report.html", "report.md"])
     assert "data:image/png;base64," in (finished / "report" / "report.html").read_text()
     assert results["protocol_sha256"] in (finished / "report" / "report.md").read_text()
+    # every run's machine-load record and timing flags, recomputed from its curve
+    import csv
+
+    with open(finished / "analysis" / "runs.csv") as f:
+        rows = list(csv.DictReader(f))
+    flags = results["timing_flags"]
+    assert flags["rules"]["slow_step_factor"] == 5.0 and flags["rules"]["busy_demand_ratio"] == 1.1
+    for row in rows:
+        curve = [json.loads(line) for line in
+                 (finished / row["run_dir"] / "curve.jsonl").read_text().splitlines()]
+        steps = [r for r in curve if "loss_bpb" in r]
+        assert float(row["cpu_s"]) == sum(r["cpu_s"] for r in steps) > 0
+        median = sorted(r["step_s"] for r in steps)[len(steps) // 2 - 1: len(steps) // 2 + 1]
+        slow = [r for r in steps if r["step_s"] > 5 * sum(median) / 2]
+        assert int(row["slow_steps"]) == len(slow)
+        assert (row["job"] in flags["flagged"]) == (row["flagged"] == "true")
+        if os.path.exists("/proc/stat"):
+            assert row["busy"] in ("true", "false") and row["host_cpus"] != ""
+    assert flags["load_not_measured"] == ([] if os.path.exists("/proc/stat") else
+                                          [r["job"] for r in rows])
+    assert "Timing quality" in (finished / "report" / "report.md").read_text()
 
 
 def test_time_to_target_is_the_first_crossing_probe_or_censored(finished):
     import csv
+    import dataclasses
 
     with open(finished / "analysis" / "runs.csv") as f:
         runs = list(csv.DictReader(f))
-    seen_censored = seen_crossed = False
+    protocol, frozen = campaign.load_frozen(finished)
+    jobs = {j["id"]: j for j in frozen["jobs"]}
+    crossed = censored = 0
     for r in runs:
         curve = [json.loads(line) for line in
                  (finished / r["run_dir"] / "curve.jsonl").read_text().splitlines()]
         probes = [p for p in curve if "probe_bpb" in p]
         assert [p["step"] for p in probes] == [4, 8, 12]
-        crossing = [p for p in probes if p["probe_bpb"] <= 7.9]
+        # runs.csv, at the protocol's target: training seconds at the first crossing, or empty
+        crossing = [p for p in probes if p["probe_bpb"] <= protocol.target_bpb[r["model"]]]
         if crossing:
-            seen_crossed = True
             assert float(r["time_to_target_s"]) == crossing[0]["training_s"]
         else:
-            seen_censored = True
             assert r["time_to_target_s"] == ""
-    assert seen_crossed or seen_censored
+        # Both branches, whatever this run's BPB: at each probe's own BPB as the target the
+        # run is timed at the first probe at or below it (training_s, not elapsed_s); just
+        # below its best probe it is censored (None, never dropped).
+        bpbs = [p["probe_bpb"] for p in probes]
+        for target in [*bpbs, min(bpbs) - 1e-6]:
+            at = dataclasses.replace(protocol, target_bpb={r["model"]: target})
+            got = analysis.read_run(finished, jobs[r["job"]], at)["time_to_target_s"]
+            first = next((p for p in probes if p["probe_bpb"] <= target), None)
+            if first is None:
+                censored += 1
+                assert got is None
+            else:
+                crossed += 1
+                assert got == first["training_s"] and got != first["elapsed_s"]
+    assert crossed == 3 * len(runs) and censored == len(runs)
 
 
 def test_audit_clean_standalone_with_a_bare_interpreter(finished):
@@ -334,6 +371,109 @@ def test_audit_names_an_extra_job_in_runs_csv_and_an_edited_step_time(finished, 
                for f in failures), failures
     assert any(f.startswith(summary.relative_to(camp).as_posix()) and "training_s" in f
                for f in failures), failures
+
+
+def _make_busy(camp: Path) -> tuple[Path, Path]:
+    """Rewrite one run's load record as if other work had kept 3 x its CPUs busy (with
+    consistent sums and flags) and re-analyse; returns (curve, summary) of that run."""
+    from cotangent.harness import contention
+
+    if not os.path.exists("/proc/stat"):  # the other runs would lack host_cpu_s
+        pytest.skip("needs a campaign with load records (Linux)")
+    curve_path = sorted(camp.glob("jobs/*/attempt-1/*/*/curve.jsonl"))[0]
+    summary_path = curve_path.parent / "summary.json"
+    meta = json.loads((curve_path.parent / "metadata.json").read_text())
+    summary = json.loads(summary_path.read_text())
+    cpus = summary["host_cpus"] or 2
+    rows = [json.loads(line) for line in curve_path.read_text().splitlines()]
+    for r in rows:
+        if "loss_bpb" in r:
+            r["host_cpu_s"] = r["cpu_s"] + 3 * cpus * r["step_s"]
+            r["host_steal_s"] = 0.0
+    steps = [r for r in rows if "loss_bpb" in r]
+    flags = contention.assess([r["step_s"] for r in steps], [r["cpu_s"] for r in steps],
+                              [r["host_cpu_s"] for r in steps], cpus,
+                              meta["environment"]["threads"])
+    flags.pop("median_step_s")
+    summary.update(flags, host_cpus=cpus, host_cpu_s=sum(r["host_cpu_s"] for r in steps),
+                   host_steal_s=0.0)
+    assert summary["busy"] is True and summary["flagged"] is True
+    curve_path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    summary_path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    analysis.analyze(camp, log=lambda *_: None)
+    return curve_path, summary_path
+
+
+def test_audit_recomputes_the_busy_flag_and_rejects_a_forged_not_busy(finished, tmp_path):
+    camp = _copy(finished, tmp_path)
+    shutil.rmtree(camp / "report")
+    curve_path, summary_path = _make_busy(camp)
+    job = curve_path.relative_to(camp).parts[1]
+    results = json.loads((camp / "analysis" / "results.json").read_text())
+    assert job in results["timing_flags"]["busy"] and job in results["timing_flags"]["flagged"]
+    assert audit_lines(camp) == (0, [])  # a consistent busy record audits clean, flagged
+    lines = analysis.format_results(results).splitlines()
+    assert lines[1].startswith("WARNING:") and any(job in line and "machine busy" in line
+                                                   for line in lines)
+    summary_rel = summary_path.relative_to(camp).as_posix()
+    # 1. the run's own summary says "not busy"
+    original = summary_path.read_text()
+    forged = json.loads(original)
+    forged.update(busy=False, flagged=False)
+    summary_path.write_text(json.dumps(forged, indent=2, sort_keys=True) + "\n")
+    _rehash(camp, summary_rel)
+    rc, failures = audit_lines(camp)
+    assert rc == 1 and any(f.startswith(summary_rel) and "busy (timing flag)" in f
+                           for f in failures), failures
+    summary_path.write_text(original)
+    _rehash(camp, summary_rel)
+    assert audit_lines(camp) == (0, [])
+    # 2. runs.csv and results.json say "not busy"
+    runs = camp / "analysis" / "runs.csv"
+    text = runs.read_text()
+    line = next(x for x in text.splitlines() if x.startswith(job))
+    runs.write_text(text.replace(line, line.replace(",true,", ",false,")))
+    _rehash(camp, "analysis/runs.csv")
+    res = json.loads((camp / "analysis" / "results.json").read_text())
+    res["timing_flags"]["busy"].remove(job)
+    (camp / "analysis" / "results.json").write_text(json.dumps(res, indent=2, sort_keys=True))
+    _rehash(camp, "analysis/results.json")
+    rc, failures = audit_lines(camp)
+    assert rc == 1
+    assert any(f.startswith("analysis/runs.csv") and f"{job}.busy" in f for f in failures)
+    assert any(f.startswith("analysis/results.json") and "timing_flags.busy" in f
+               for f in failures), failures
+
+
+def test_audit_finds_a_removed_load_record(finished, tmp_path):
+    camp = _copy(finished, tmp_path)
+    curve_path = sorted(camp.glob("jobs/*/attempt-1/*/*/curve.jsonl"))[2]
+    rel = curve_path.relative_to(camp).as_posix()
+    rows = [json.loads(line) for line in curve_path.read_text().splitlines()]
+    # a step row without its cpu_s
+    del rows[3]["cpu_s"]
+    curve_path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    _rehash(camp, rel)
+    rc, failures = audit_lines(camp)
+    assert rc == 1 and any(f.startswith(rel) and "lack a numeric cpu_s" in f
+                           for f in failures), failures
+    # the whole load record stripped from the curve and the summary: the other runs have one
+    for r in rows:
+        for key in ("cpu_s", "host_cpu_s", "host_steal_s"):
+            r.pop(key, None)
+    curve_path.write_text("".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
+    _rehash(camp, rel)
+    summary_path = curve_path.parent / "summary.json"
+    summary = json.loads(summary_path.read_text())
+    for key in ("cpu_s", "host_cpu_s", "host_steal_s", "threads", "slow_steps", "busy",
+                "slow_excess_fraction", "step_outliers", "others_cpus", "cpu_demand_ratio",
+                "flagged", "host_cpus", "load_avg_1m_start", "load_avg_1m_end"):
+        summary.pop(key)
+    summary_path.write_text(json.dumps(summary, indent=2, sort_keys=True) + "\n")
+    _rehash(camp, summary_path.relative_to(camp).as_posix())
+    rc, failures = audit_lines(camp)
+    assert rc == 1 and any(f.startswith(rel) and "has no cpu_s record" in f
+                           for f in failures), failures
 
 
 def test_audit_names_a_changed_job_set(finished, tmp_path):
@@ -538,9 +678,13 @@ def test_resume_after_ctrl_c_and_a_killed_runner(tmp_path):
         return False
 
     _wait_for(gone, timeout=10)  # PR_SET_PDEATHSIG: the job died with its runner
-    assert _states(camp)[jobs[2]["id"]] == ["running"]
-    assert any(jobs[2]["id"] in line and "attempt-1 running" in line
-               for line in campaign.status_lines(camp))
+    assert _states(camp)[jobs[2]["id"]] == ["running"]  # on disk, until the next run settles it
+    # `campaign status` does not call it running next to "no runner active"
+    lines = campaign.status_lines(camp)
+    assert lines[0].endswith("no runner active"), lines
+    line = next(line for line in lines if jobs[2]["id"] in line)
+    assert f"attempt-1 interrupted (was running, pid {child}; the runner stopped" in line, line
+    assert not any(" running (" in line for line in lines), lines
     with pytest.raises(ValueError, match="marked running but no runner is active"):
         analysis.analyze(camp, log=lambda *_: None)
     # 3. Resume: the dead attempt is recorded as interrupted, nothing finished runs again.
@@ -623,14 +767,19 @@ def test_symlinked_campaign_relative_data_and_an_attempt_without_status(tmp_path
         (data / f"{split}.txt").write_bytes(bytes(range(256)) * 64)
     proto = write_protocol(tmp_path, arms='["native", "cotangent"]', design="ab-ba")
     (tmp_path / "deep" / "er").mkdir(parents=True)
-    camp = campaign.freeze(str(proto), str(tmp_path / "deep" / "er" / "c"), str(data),
-                           log=lambda *_: None)
+    unknown = r"is not a known WikiText-2 (train|valid|test) file; using it anyway"
+    with pytest.warns(UserWarning, match=unknown) as record:  # these bytes are not WikiText-2
+        camp = campaign.freeze(str(proto), str(tmp_path / "deep" / "er" / "c"), str(data),
+                               log=lambda *_: None)
+    assert len(record) == 3
     link = tmp_path / "link"
     link.symlink_to(camp)
     jobs = json.loads((camp / "freeze.json").read_text())["jobs"]
     # A runner killed between creating an attempt directory and writing its status.
     (camp / "jobs" / jobs[0]["id"] / "attempt-1").mkdir(parents=True)
-    counts = campaign.run_campaign(link, log=lambda *_: None)
+    with pytest.warns(UserWarning, match=unknown) as record:
+        counts = campaign.run_campaign(link, log=lambda *_: None)
+    assert len(record) == 3
     assert counts == {"total": 4, "done": 4, "failed": 0, "pending": 0}
     first = [json.loads((a / "status.json").read_text()) for a in
              campaign.attempt_dirs(camp / "jobs" / jobs[0]["id"])]
@@ -638,6 +787,10 @@ def test_symlinked_campaign_relative_data_and_an_attempt_without_status(tmp_path
     assert first[0]["started_utc"] <= first[0]["ended_utc"] <= first[1]["started_utc"]
     analysis.analyze(link, log=lambda *_: None)
     assert audit_lines(camp) == (0, [])
+    # two arms, no factorial: four figures (five only with the 2x2 factorial's four arms)
+    report.build_report(link, log=lambda *_: None)
+    assert sorted(p.name for p in (camp / "report").glob("*.png")) == [
+        "fig-curves.png", "fig-quality.png", "fig-reductions.png", "fig-update-ms.png"]
 
 
 def test_a_second_runner_and_analyze_are_refused_while_one_is_active(tmp_path):
@@ -655,8 +808,21 @@ def test_a_second_runner_and_analyze_are_refused_while_one_is_active(tmp_path):
         with pytest.raises(ValueError, match="still active"):
             analysis.analyze(camp, log=lambda *_: None)
         assert (camp / ".lock").exists()
+        assert not any((camp / "jobs").iterdir())
+        # an attempt the (lock-holding) runner is running is shown as running
+        job = json.loads((camp / "freeze.json").read_text())["jobs"][0]
+        attempt = camp / "jobs" / job["id"] / "attempt-1"
+        attempt.mkdir(parents=True)
+        (attempt / "status.json").write_text(json.dumps(
+            {"job": job["id"], "attempt": 1, "state": "running", "pid": 4242}))
+        line = next(x for x in campaign.status_lines(camp) if job["id"] in x)
+        assert line.endswith("attempt-1 running (pid 4242)"), line
     assert not campaign.runner_active(camp)
-    assert not any((camp / "jobs").iterdir())
+    # the lock is free: that runner is gone, so its attempt is not running any more
+    lines = campaign.status_lines(camp)
+    assert lines[0].endswith("no runner active")
+    line = next(x for x in lines if job["id"] in x)
+    assert "attempt-1 interrupted (was running, pid 4242; the runner stopped" in line, line
 
 
 def test_run_refuses_another_thread_count(tmp_path):

@@ -137,6 +137,63 @@ def test_fetch_from_a_file_url_verifies_hashes(tmp_path):
     assert all("present, SHA-256 ok" in line for line in lines)
 
 
+@pytest.mark.skipif(not SHARED.is_dir(), reason="WikiText-2 not available")
+def test_fetch_reads_the_xz_files_train_reads(tmp_path):
+    # the WikiText-2 directory (SHARED) holds only train.txt.xz, valid.txt.xz and test.txt.xz
+    assert not (SHARED / "train.txt").exists() and (SHARED / "train.txt.xz").is_file()
+    lines = []
+    paths = D.fetch_wikitext2(tmp_path / "dest", SHARED.resolve().as_uri(), log=lines.append)
+    assert sorted(paths) == sorted(D.SPLITS)
+    assert all("txt.xz (decompressed), SHA-256 ok" in line for line in lines), lines
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # every fetched file is the known one
+        corpus = D.load_wikitext2(tmp_path / "dest")
+    assert len(corpus.splits["train"]) == 10_797_148
+
+
+def _serve(root: Path, files: dict[str, bytes]) -> str:
+    root.mkdir(parents=True, exist_ok=True)
+    for name, content in files.items():
+        (root / name).write_bytes(content)
+    return root.as_uri()
+
+
+def test_fetch_accepts_xz_by_the_decompressed_hash_and_rejects_corrupt_copies(tmp_path,
+                                                                              monkeypatch):
+    monkeypatch.setattr(D, "KNOWN_SHA256", {D.sha256_bytes(PAYLOAD[s]): ("wikitext-2", s)
+                                            for s in D.SPLITS})
+    good = {f"{s}.txt.xz": lzma.compress(PAYLOAD[s]) for s in D.SPLITS}
+    # a mix of names train reads: plain, .xz, and wiki.*.tokens.xz
+    mixed = {"train.txt": PAYLOAD["train"], "valid.txt.xz": good["valid.txt.xz"],
+             "wiki.test.tokens.xz": good["test.txt.xz"]}
+    lines = []
+    paths = D.fetch_wikitext2(tmp_path / "dest", _serve(tmp_path / "mixed", mixed),
+                              log=lines.append)
+    assert {s: paths[s].read_bytes() for s in D.SPLITS} == PAYLOAD
+    assert [p.name for p in paths.values()] == ["train.txt", "valid.txt", "test.txt"]
+    assert "wiki.test.tokens.xz (decompressed)" in lines[2]
+    # a corrupted .xz (one flipped byte: the xz check fails) is refused, nothing kept
+    broken = dict(good)
+    data = bytearray(broken["valid.txt.xz"])
+    data[len(data) // 2] ^= 0xFF
+    broken["valid.txt.xz"] = bytes(data)
+    dest = tmp_path / "dest-broken"
+    with pytest.raises(ValueError, match=r"valid.txt.xz: not a valid .xz file"):
+        D.fetch_wikitext2(dest, _serve(tmp_path / "broken", broken), log=lambda *_: None)
+    assert sorted(p.name for p in dest.iterdir()) == ["train.txt"]
+    # a valid .xz of other bytes: its decompressed SHA-256 is checked
+    wrong = dict(good, **{"test.txt.xz": lzma.compress(PAYLOAD["valid"])})
+    dest = tmp_path / "dest-wrong"
+    with pytest.raises(ValueError, match=r"test.txt.xz: SHA-256 .* is not WikiText-2's test"):
+        D.fetch_wikitext2(dest, _serve(tmp_path / "wrong", wrong), log=lambda *_: None)
+    assert sorted(p.name for p in dest.iterdir()) == ["train.txt", "valid.txt"]
+    # no accepted name at all: the error lists every name tried
+    with pytest.raises(OSError, match=r"none of train.txt, train.txt.xz, wiki.train.tokens, "
+                                      r"wiki.train.tokens.xz, wiki.train.raw, wiki.train.raw.xz"):
+        D.fetch_wikitext2(tmp_path / "dest-none", _serve(tmp_path / "empty", {}),
+                          log=lambda *_: None)
+
+
 def test_fetch_rejects_a_wrong_hash_and_keeps_nothing(tmp_path):
     src = tmp_path / "src"
     src.mkdir()

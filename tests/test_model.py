@@ -31,7 +31,8 @@ def test_init_is_seeded_and_residual_projections_are_scaled():
     assert abs(std_out - 0.02 / (2 * 4) ** 0.5) < 0.0005
 
 
-@pytest.mark.parametrize("name", ["tiny-transformer", "tiny-gated-gqa", "tiny-causal-conv"])
+@pytest.mark.parametrize("name", ["tiny-transformer", "tiny-gated-gqa", "tiny-causal-conv",
+                                  "tiny-transformer-medium"])
 def test_forward_shape_and_causality(name):
     model = build_model(name, 0)
     x = torch.randint(0, 256, (2, 32))
@@ -40,3 +41,30 @@ def test_forward_shape_and_causality(name):
     x2 = x.clone()
     x2[:, 20:] = (x2[:, 20:] + 1) % 256  # changing the future must not change the past
     assert torch.equal(model(x2)[:, :20], y[:, :20])
+
+
+def test_every_research_model_has_a_tiny_variant_of_its_family():
+    from cotangent.harness.model import MODELS, TINY
+    from cotangent.harness.verify_suite import MODELS as SUITE, suite_model
+
+    assert sorted(TINY) == sorted(SUITE)
+    for name, tiny in TINY.items():
+        assert tiny.startswith("tiny-") and tiny in MODELS
+        full, small = MODELS[name], MODELS[tiny]
+        assert small.family == full.family
+        assert small.width < full.width and small.context < full.context
+        n_full = sum(p.numel() for p in build_model(name, 0).parameters())
+        n_tiny = sum(p.numel() for p in build_model(tiny, 0).parameters())
+        assert n_tiny < n_full / 25
+        # `cotangent verify` runs exactly the tiny model `cotangent train --model` builds
+        for a, b in zip(suite_model(name, full_width=False, seed=3).parameters(),
+                        build_model(tiny, 3).parameters(), strict=True):
+            assert_same_bits(a, b, f"{name} -> {tiny}")
+
+
+def test_tiny_transformer_medium_shape():
+    model = build_model("tiny-transformer-medium", 0)
+    params = list(model.parameters())
+    # 2 embeddings + 3 blocks x 8 tensors + final norm (2) + head, like transformer-medium's
+    # 2 + 6 x 8 + 2 + 1 = 53 with half the blocks
+    assert len(params) == 29 and sum(p.numel() for p in params) == 109_728

@@ -40,11 +40,15 @@ def test_bootstrap_is_a_close_cross_check():
 
 
 def test_time_to_target_is_first_crossing_and_censors():
-    probes = [dict(probe_bpb=3.0, elapsed_s=1.0), dict(probe_bpb=2.4, elapsed_s=2.0),
-              dict(probe_bpb=2.5, elapsed_s=3.0), dict(probe_bpb=2.0, elapsed_s=4.0)]
+    # training seconds (the default, as analysis, audit and README use) differ from elapsed ones
+    probes = [dict(probe_bpb=3.0, training_s=1.0, elapsed_s=10.0),
+              dict(probe_bpb=2.4, training_s=2.0, elapsed_s=20.0),
+              dict(probe_bpb=2.5, training_s=3.0, elapsed_s=30.0),
+              dict(probe_bpb=2.0, training_s=4.0, elapsed_s=40.0)]
     assert stats.time_to_target(probes, 2.5) == 2.0  # first probe at or below, no interpolation
     assert stats.time_to_target(probes, 2.0) == 4.0
     assert stats.time_to_target(probes, 1.0) is None  # censored, not dropped
+    assert stats.time_to_target(probes, 2.5, time_key="elapsed_s") == 20.0
 
 
 def test_reduction_and_non_inferiority():

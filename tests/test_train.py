@@ -50,7 +50,8 @@ def test_bad_data_dir_is_a_clear_error(tmp_path, capsys):
     assert "does not exist" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("model", ["tiny-transformer", "tiny-gated-gqa", "tiny-causal-conv"])
+@pytest.mark.parametrize("model", ["tiny-transformer", "tiny-gated-gqa", "tiny-causal-conv",
+                                   "tiny-transformer-medium"])
 def test_all_four_arms_end_identical(model, tmp_path, capsys):
     args = ["train", "--model", model, "--steps", "12", "--val-bytes", "4096", "--out",
             str(tmp_path), "--arms", "native,cotangent,batched-norms-only,packing-only", "--json"]
@@ -113,6 +114,56 @@ def test_records_are_complete(tmp_path, capsys):
                     "peak_rss_kib"):
             assert key in summary, key
         assert abs(summary["training_s"] - sum(r["step_s"] for r in steps)) < 1e-9
+        # machine load beside every step's wall time, and the run's sums and timing flags
+        assert all(r["cpu_s"] >= 0 for r in steps)
+        assert summary["cpu_s"] == sum(r["cpu_s"] for r in steps)
+        assert summary["threads"] == meta["environment"]["threads"]
+        for key in ("load_avg_1m_start", "load_avg_1m_end", "host_cpus", "others_cpus",
+                    "cpu_demand_ratio", "busy", "slow_steps", "slow_excess_fraction",
+                    "step_outliers", "flagged"):
+            assert key in summary, key
+        if os.path.exists("/proc/stat"):  # Linux: the machine's busy time is measured
+            assert all(r["host_cpu_s"] >= 0 and r["host_steal_s"] >= 0 for r in steps)
+            assert summary["host_cpu_s"] == sum(r["host_cpu_s"] for r in steps)
+            assert summary["host_cpus"] == len(os.sched_getaffinity(0))
+            assert isinstance(summary["busy"], bool)
+            assert summary["flagged"] == (summary["busy"] or summary["step_outliers"])
+
+
+def test_progress_lines_without_a_terminal(tmp_path):
+    """stdout and stderr are pipes: plain, flushed progress lines on stdout, no tqdm bar."""
+    import re
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "cotangent.harness.cli", "train", "--model", "tiny", "--steps",
+         "40", "--val-bytes", "4096", "--out", str(tmp_path), "--progress-every", "0.05"],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "\r" not in proc.stdout + proc.stderr and "steps:" not in proc.stderr  # no bar
+    pattern = re.compile(r"progress: step (\d+)/40 \(\d+%\), [\d.]+ s, ETA \d+ s; median step "
+                         r"ms native [\d.]+, cotangent [\d.]+(; other work -?[\d.]+ CPUs)?$")
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("progress:")]
+    done = [int(pattern.match(line).group(1)) for line in lines]
+    assert len(done) >= 2 and done == sorted(set(done)) and done[-1] == 40, lines
+    # the lines come before the final comparison table, as the run goes
+    out = proc.stdout.splitlines()
+    assert out.index(lines[-1]) < next(i for i, line in enumerate(out) if line.startswith("arm "))
+
+
+def test_default_progress_without_a_terminal_is_a_final_line(tmp_path, capsys):
+    # capsys: stdout is not a terminal, no --progress-every: the default interval (20 s)
+    args = ["train", "--model", "tiny", "--steps", "5", "--val-bytes", "4096", "--out",
+            str(tmp_path)]
+    assert cli.main(args) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines()
+             if line.startswith("progress:")]
+    assert lines and lines[-1].startswith("progress: step 5/5 (100%)")
+    assert cli.main(args + ["--progress-every", "0"]) == 0
+    assert "progress:" not in capsys.readouterr().out
+    assert cli.main(args + ["--progress-every", "-1"]) == 2
+    assert "--progress-every must be" in capsys.readouterr().err
 
 
 def test_a_killed_run_stays_marked_incomplete(tmp_path):

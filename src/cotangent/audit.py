@@ -15,14 +15,23 @@ Exit status 0 only when every check passes; 1 when any fails (each failure names
    run record, whose metadata names the job's model, seed, arm, steps and probe cadence, the
    frozen code SHA-256 and torch version, and the frozen data SHA-256s; summary.json's
    training_s and update_s equal the sums of curve.jsonl's step_s and update_s; the curve has
-   one row per step and the summary's probes are the curve's.
+   one row per step and the summary's probes are the curve's. Machine load and timing flags
+   (`cotangent.harness.contention`): the summary's cpu_s, host_cpu_s and host_steal_s are the
+   sums of the step rows' values (every step row has them or none does), threads is the
+   metadata's, and its slow_steps, slow_excess_fraction, step_outliers, others_cpus,
+   cpu_demand_ratio, busy and flagged are recomputed from the step rows with this file's own
+   copy of the rules; every run of a campaign reports the same host_cpus, and either every
+   run or none has a load record (one code ran them all).
 4. Pairs: all arms of a (model, seed) block share the initial-model and LR-schedule hashes.
 5. Numbers: runs.csv, pairs.csv and results.json are recomputed from the records: per-run
    time-to-target, per-pair reductions and quality differences, and every paired Student-t
    interval (this file's own t quantile, from the regularized incomplete beta function) and
-   non-inferiority decision, to 1e-9 relative agreement. Bootstrap intervals depend on numpy's
-   generator, so for them the audit checks n, the mean, and low <= high inside the range of
-   the paired values (where every resampled mean lies).
+   non-inferiority decision, to 1e-9 relative agreement; the load and flag columns of
+   runs.csv, pairs.csv's timing_flagged, and results.json's timing_flags (the rules' numbers,
+   the flagged, step_outliers, busy and load_not_measured job lists, each flagged run's
+   numbers; its reason texts are not recomputed) and each comparison's timing_flagged_seeds.
+   Bootstrap intervals depend on numpy's generator, so for them the audit checks n, the mean,
+   and low <= high inside the range of the paired values (where every resampled mean lies).
 
 Definitions are those of `cotangent.harness.analysis` (its docstring is copied into
 results.json as "definitions").
@@ -42,6 +51,14 @@ from pathlib import Path
 
 RTOL = 1e-9
 FACTORIAL_ARMS = ("native", "batched-norms-only", "packing-only", "cotangent")
+# The timing-flag rules of cotangent.harness.contention (its docstring defines them).
+SLOW_STEP_FACTOR = 5.0
+OUTLIER_EXCESS_FRACTION = 0.02
+BUSY_DEMAND_RATIO = 1.1
+FLAG_KEYS = ("slow_steps", "slow_excess_fraction", "step_outliers", "others_cpus",
+             "cpu_demand_ratio", "busy", "flagged")
+LOAD_KEYS = ("cpu_s", "threads", "host_cpus", "host_steal_s", "load_avg_1m_start",
+             "load_avg_1m_end")
 
 
 # ----------------------------------------------------------------------------- t quantile
@@ -366,7 +383,10 @@ def load_run(a: Audit, job: dict, run_rel: str, protocol: dict, frozen: dict) ->
             f"arm is not {job['arm']}")
     target = protocol["target"][job["model"]]
     ttt = next((float(p["training_s"]) for p in probes if p["probe_bpb"] <= target), None)
-    return {
+    load = check_load(a, steps, meta, summary, curve_rel, s)
+    if load is None:
+        return None
+    return {**load,
         "job": job["id"], "model": job["model"], "seed": job["seed"], "arm": job["arm"],
         "run_dir": run_rel, "steps": summary.get("steps"),
         "training_s": summary.get("training_s"), "update_s": summary.get("update_s"),
@@ -407,6 +427,80 @@ def read_csv(a: Audit, rel: str) -> list[dict] | None:
     return None
 
 
+def timing_flags(step_s: list[float], cpu_s: list[float] | None,
+                 host_cpu_s: list[float] | None, host_cpus, threads) -> dict:
+    """The timing-flag rules: slow steps (step_s > SLOW_STEP_FACTOR x the median), the share
+    of the training time they added, step_outliers (> OUTLIER_EXCESS_FRACTION), the CPUs other
+    work kept busy, the CPU demand ratio (others + threads) / host_cpus and busy (>
+    BUSY_DEMAND_RATIO; None without a load record); flagged = step_outliers or busy."""
+    training = sum(step_s)
+    median = statistics.median(step_s)
+    slow = [x for x in step_s if x > SLOW_STEP_FACTOR * median]
+    excess = sum(x - median for x in slow) / training
+    others = demand = busy = None
+    if cpu_s is not None and host_cpu_s is not None and host_cpus:
+        others = (sum(host_cpu_s) - sum(cpu_s)) / training
+        demand = (others + threads) / host_cpus
+        busy = demand > BUSY_DEMAND_RATIO
+    outliers = excess > OUTLIER_EXCESS_FRACTION
+    return {"slow_steps": len(slow), "slow_excess_fraction": excess, "step_outliers": outliers,
+            "others_cpus": others, "cpu_demand_ratio": demand, "busy": busy,
+            "flagged": outliers or bool(busy)}
+
+
+def check_load(a: Audit, steps: list[dict], meta: dict, summary: dict, curve_rel: str,
+               s: str) -> dict | None:
+    """Check 3's machine-load part for one run; returns its load record and recomputed flags
+    (as runs.csv holds them), or None when the step rows cannot be used."""
+    if not steps:
+        a.fail(curve_rel, "no step rows")
+        return None
+    columns = {}
+    for key in ("cpu_s", "host_cpu_s", "host_steal_s"):
+        present = [key in r for r in steps]
+        if any(present) and not all(
+                isinstance(r.get(key), (int, float)) and not isinstance(r.get(key), bool)
+                for r in steps):
+            a.fail(curve_rel, f"some step rows lack a numeric {key} (all or none must have it)")
+            return None
+        columns[key] = [r[key] for r in steps] if all(present) else None
+    if (columns["host_cpu_s"] is not None and columns["cpu_s"] is None) or (
+            (columns["host_cpu_s"] is None) != (columns["host_steal_s"] is None)):
+        a.fail(curve_rel, "cpu_s, host_cpu_s and host_steal_s are not recorded together")
+        return None
+    threads = meta.get("environment", {}).get("threads")
+    host_cpus = summary.get("host_cpus")
+    if columns["host_cpu_s"] is not None:
+        a.check(isinstance(host_cpus, int) and not isinstance(host_cpus, bool) and host_cpus > 0,
+                s, f"host_cpus {host_cpus!r} is not a positive integer though the load was "
+                   "measured")
+    if not isinstance(threads, int) or threads < 1:
+        a.fail(f"{s.rsplit('/', 1)[0]}/metadata.json", f"environment.threads {threads!r}")
+        return None
+    mine = timing_flags([r["step_s"] for r in steps], columns["cpu_s"], columns["host_cpu_s"],
+                        host_cpus if columns["host_cpu_s"] is not None else None, threads)
+    record = {"cpu_s": None if columns["cpu_s"] is None else sum(columns["cpu_s"]),
+              "threads": threads, "host_cpus": host_cpus,
+              "host_steal_s": (None if columns["host_steal_s"] is None
+                               else sum(columns["host_steal_s"])),
+              "load_avg_1m_start": summary.get("load_avg_1m_start"),
+              "load_avg_1m_end": summary.get("load_avg_1m_end"), **mine}
+    if "cpu_s" in summary or columns["cpu_s"] is not None:  # a run that recorded its load
+        a.close(summary.get("cpu_s"), record["cpu_s"], s, "cpu_s vs the sum of curve cpu_s")
+        a.close(summary.get("host_cpu_s"), None if columns["host_cpu_s"] is None
+                else sum(columns["host_cpu_s"]), s, "host_cpu_s vs the sum of curve host_cpu_s")
+        a.close(summary.get("host_steal_s"), record["host_steal_s"], s,
+                "host_steal_s vs the sum of curve host_steal_s")
+        a.close(summary.get("threads"), threads, s, "threads vs metadata environment.threads")
+        for key in ("load_avg_1m_start", "load_avg_1m_end"):
+            value = summary.get(key)
+            a.check(value is None or (isinstance(value, (int, float)) and value >= 0), s,
+                    f"{key} {value!r} is not a load average")
+        for key in FLAG_KEYS:
+            a.close(summary.get(key), mine[key], s, f"{key} (timing flag) vs curve.jsonl")
+    return record
+
+
 def reduction(candidate: float, baseline: float) -> float:
     """1 - candidate / baseline."""
     return 1.0 - candidate / baseline
@@ -428,6 +522,9 @@ def make_pair(b: dict, c: dict) -> dict:
         "time_to_target_reduction": None if censored != "none" else reduction(tc, tb),
         "quality_difference_bpb": c["test_bpb"] - b["test_bpb"],
         "identical_final_hash": b["final_model_sha256"] == c["final_model_sha256"],
+        "timing_flagged": {(False, False): "none", (True, False): "baseline",
+                           (False, True): "candidate", (True, True): "both"}[
+                               (b["flagged"], c["flagged"])],
     }
 
 
@@ -504,6 +601,7 @@ def _audit(a: Audit) -> None:
     a.check(frozen.get("balanced") == (len(seeds) % len(arms) == 0), "freeze.json",
             "balanced does not follow from the seed and arm counts")
     runs = load_runs(a, protocol, frozen)
+    check_load_consistency(a, frozen, runs)
     done = {(r["model"], r["seed"], r["arm"]): r for r in runs.values() if r}
     shared = {}
     for r in sorted(done.values(), key=lambda r: r["metadata"]):
@@ -540,7 +638,8 @@ def _audit(a: Audit) -> None:
             if run:
                 for key in ("run_dir", "steps", "training_s", "update_s", "update_ms_median",
                             "step_ms_median", "time_to_target_s", "test_bpb", "val_bpb",
-                            "final_model_sha256", "init_model_sha256", "schedule_sha256"):
+                            "final_model_sha256", "init_model_sha256", "schedule_sha256",
+                            *LOAD_KEYS, *FLAG_KEYS):
                     a.close(row.get(key), run[key], "analysis/runs.csv", f"{job['id']}.{key}")
     # pairs.csv and results.json
     baseline = arms[0]
@@ -623,7 +722,70 @@ def _audit(a: Audit) -> None:
         a.close(ident.get("identical"), sum(r["identical_final_hash"] for r in rows_mc), f,
                 f"{where}.identical_final_hash")
         a.close(ident.get("pairs"), len(rows_mc), f, f"{where}.identical_final_hash.pairs")
+        a.check(rec.get("timing_flagged_seeds") == [r["seed"] for r in rows_mc
+                                                    if r["timing_flagged"] != "none"], f,
+                f"{where}.timing_flagged_seeds")
+    check_timing_flags(a, results, frozen, runs)
     check_factorial(a, results, models, arms, seeds, done, level)
+
+
+def check_load_consistency(a: Audit, frozen: dict, runs: dict) -> None:
+    """Across the campaign's done runs: one machine (the same host_cpus), and a load record in
+    every run or in none."""
+    done = [(j["id"], runs[j["id"]]) for j in sorted(frozen["jobs"], key=lambda j: j["index"])
+            if runs.get(j["id"])]
+    # One code ran every job (checked above), and it records cpu_s always and host_cpu_s
+    # wherever /proc/stat is readable: a run without them among runs with them was stripped.
+    for key in ("cpu_s", "host_steal_s"):
+        have = [r for _, r in done if r[key] is not None]
+        if have:
+            for _, r in done:
+                a.check(r[key] is not None, r["metadata"].replace("metadata.json", "curve.jsonl"),
+                        f"has no {key} record while {have[0]['metadata']}'s run of the same "
+                        "campaign has one (load record removed?)")
+    measured = [r for _, r in done if r["host_cpus"] is not None]
+    for r in measured[1:]:
+        a.check(r["host_cpus"] == measured[0]["host_cpus"],
+                r["metadata"].replace("metadata.json", "summary.json"),
+                f"host_cpus {r['host_cpus']} differs from {measured[0]['metadata']}'s run "
+                f"({measured[0]['host_cpus']}): one machine ran the campaign")
+
+
+def check_timing_flags(a: Audit, results: dict, frozen: dict, runs: dict) -> None:
+    """results.json's timing_flags against the runs' recomputed flags and this file's rules."""
+    f = "analysis/results.json"
+    flags = results.get("timing_flags")
+    if not a.check(isinstance(flags, dict), f, "timing_flags missing"):
+        return
+    rules = flags.get("rules") or {}
+    for key, value in (("slow_step_factor", SLOW_STEP_FACTOR),
+                       ("outlier_excess_fraction", OUTLIER_EXCESS_FRACTION),
+                       ("busy_demand_ratio", BUSY_DEMAND_RATIO)):
+        a.close(rules.get(key), value, f, f"timing_flags.rules.{key}")
+    done = [(j["id"], runs[j["id"]]) for j in sorted(frozen["jobs"], key=lambda j: j["index"])
+            if runs.get(j["id"])]
+    for key, test in (("flagged", lambda r: r["flagged"]),
+                      ("step_outliers", lambda r: r["step_outliers"]),
+                      ("busy", lambda r: r["busy"] is True),
+                      ("load_not_measured", lambda r: r["busy"] is None)):
+        a.check(flags.get(key) == [job for job, r in done if test(r)], f,
+                f"timing_flags.{key} is not the recomputed list")
+    listed = flags.get("runs")
+    flagged = [(job, r) for job, r in done if r["flagged"]]
+    if not a.check(isinstance(listed, list) and len(listed) == len(flagged), f,
+                   "timing_flags.runs: not one entry per flagged run"):
+        return
+    for entry, (job, r) in zip(listed, flagged):
+        a.check(isinstance(entry, dict) and entry.get("job") == job, f,
+                f"timing_flags.runs: {job} missing or out of order")
+        if not isinstance(entry, dict):
+            continue
+        for key in ("model", "seed", "arm", "host_cpus", *FLAG_KEYS):
+            a.close(entry.get(key), r[key], f, f"timing_flags.runs[{job}].{key}")
+        reasons = entry.get("reasons")
+        a.check(isinstance(reasons, list) and bool(reasons)
+                and all(isinstance(x, str) for x in reasons), f,
+                f"timing_flags.runs[{job}].reasons: a flagged run needs its reasons")
 
 
 def _shape_ok(a: Audit, p: dict, frozen: dict) -> bool:

@@ -13,6 +13,15 @@ Per pair (same model and seed, baseline arm vs one candidate arm):
     quality_difference_bpb    test BPB candidate - baseline (non-inferiority against the margin)
     identical_final_hash      both runs ended with the same model SHA-256
 
+Timing flags (rules in `cotangent.harness.contention`, recomputed here from each run's
+curve.jsonl): a run is flagged when its slow steps (step_s > 5 x its median) added more than 2%
+to its training time (step_outliers), or when the machine was busy while its steps were timed:
+(others_cpus + threads) / host_cpus > 1.1, others_cpus being the CPUs other work kept busy
+(busy; empty in runs.csv when the load was not recorded). runs.csv has every run's load record
+and flags, pairs.csv says which run of a pair is flagged (timing_flagged: none, baseline,
+candidate, both), results.json lists the flagged runs under timing_flags and each
+comparison's flagged seeds; the statistics include flagged pairs (nothing is dropped).
+
 Each is summarised by a paired Student-t interval at the protocol's level and a seed-bootstrap
 percentile interval (scipy) as a cross-check; `cotangent.harness.stats` has the formulas. With
 the four factorial arms, the 2x2 contrasts are computed on the per-seed reductions relative to
@@ -30,7 +39,7 @@ import csv
 import io
 from pathlib import Path
 
-from cotangent.harness import records, stats
+from cotangent.harness import contention, records, stats
 from cotangent.harness.campaign import (
     Protocol,
     attempt_dirs,
@@ -49,14 +58,19 @@ FACTORIAL_ARMS = ("native", "batched-norms-only", "packing-only", "cotangent")
 RUN_COLUMNS = ("job", "index", "block", "position", "model", "seed", "arm", "state", "run_dir",
                "steps", "training_s", "update_s", "update_ms_median", "step_ms_median",
                "target_bpb", "time_to_target_s", "test_bpb", "val_bpb", "final_model_sha256",
-               "init_model_sha256", "schedule_sha256")
+               "init_model_sha256", "schedule_sha256", "cpu_s", "threads", "host_cpus",
+               "host_steal_s", "load_avg_1m_start", "load_avg_1m_end", "others_cpus",
+               "cpu_demand_ratio", "busy", "slow_steps", "slow_excess_fraction",
+               "step_outliers", "flagged")
+FLAG_COLUMNS = ("others_cpus", "cpu_demand_ratio", "busy", "slow_steps", "slow_excess_fraction",
+                "step_outliers", "flagged")
 PAIR_METRICS = ("training_time_reduction", "update_phase_reduction",
                 "time_to_target_reduction", "quality_difference_bpb")
 PAIR_COLUMNS = ("model", "seed", "baseline", "candidate", "baseline_training_s",
                 "candidate_training_s", "baseline_update_s", "candidate_update_s",
                 "baseline_time_to_target_s", "candidate_time_to_target_s", "censored",
                 "baseline_test_bpb", "candidate_test_bpb") + PAIR_METRICS + (
-                "identical_final_hash",)
+                "identical_final_hash", "timing_flagged")
 
 
 def read_run(campaign: Path, job: dict, protocol: Protocol) -> dict:
@@ -73,6 +87,7 @@ def read_run(campaign: Path, job: dict, protocol: Protocol) -> dict:
     curve = records.read_jsonl(run_dir / "curve.jsonl")
     probes = [r for r in curve if "probe_bpb" in r]
     ttt = stats.time_to_target(probes, row["target_bpb"], time_key="training_s")
+    row.update(load_record(curve, meta, summary))
     row.update(run_dir=status["run_dir"], steps=summary["steps"],
                training_s=summary["training_s"], update_s=summary["update_s"],
                update_ms_median=summary["update_ms"], step_ms_median=summary["step_ms"],
@@ -81,6 +96,26 @@ def read_run(campaign: Path, job: dict, protocol: Protocol) -> dict:
                init_model_sha256=meta["init_model_sha256"],
                schedule_sha256=meta["schedule_sha256"])
     return row
+
+
+def load_record(curve: list[dict], meta: dict, summary: dict) -> dict:
+    """A run's machine-load record and timing flags, recomputed from its curve.jsonl step rows
+    (`contention.assess`); load fields a run did not record (older records, no /proc/stat)
+    are None."""
+    steps = [r for r in curve if "loss_bpb" in r]
+
+    def column(key: str) -> list[float] | None:
+        return [r[key] for r in steps] if all(key in r for r in steps) else None
+
+    cpu, host, steal = column("cpu_s"), column("host_cpu_s"), column("host_steal_s")
+    threads = meta["environment"]["threads"]
+    host_cpus = summary.get("host_cpus")
+    flags = contention.assess([r["step_s"] for r in steps], cpu, host, host_cpus, threads)
+    return {"cpu_s": None if cpu is None else sum(cpu), "threads": threads,
+            "host_cpus": host_cpus, "host_steal_s": None if steal is None else sum(steal),
+            "load_avg_1m_start": summary.get("load_avg_1m_start"),
+            "load_avg_1m_end": summary.get("load_avg_1m_end"),
+            "median_step_s": flags.pop("median_step_s"), **flags}
 
 
 def _pair(base: dict, cand: dict) -> dict:
@@ -99,6 +134,9 @@ def _pair(base: dict, cand: dict) -> dict:
         "time_to_target_reduction": None if censored != "none" else stats.reduction(tc, tb),
         "quality_difference_bpb": cand["test_bpb"] - base["test_bpb"],
         "identical_final_hash": base["final_model_sha256"] == cand["final_model_sha256"],
+        "timing_flagged": {(False, False): "none", (True, False): "baseline",
+                           (False, True): "candidate", (True, True): "both"}[
+                               (base["flagged"], cand["flagged"])],
     }
 
 
@@ -175,6 +213,8 @@ def _analyze(campaign: Path, protocol: Protocol, frozen: dict, log) -> dict:
                 "quality_difference_bpb": quality,
                 "identical_final_hash": {"pairs": len(rows), "identical": sum(
                     p["identical_final_hash"] for p in rows)},
+                "timing_flagged_seeds": [p["seed"] for p in rows
+                                         if p["timing_flagged"] != "none"],
             })
     factorial = []
     if set(FACTORIAL_ARMS) <= set(protocol.arms) and baseline == "native":
@@ -210,6 +250,7 @@ def _analyze(campaign: Path, protocol: Protocol, frozen: dict, log) -> dict:
                  "failed": [r["job"] for r in runs if r["state"] == "failed"]},
         "comparisons": comparisons,
         "factorial": factorial,
+        "timing_flags": timing_flags(list(done.values())),
         "definitions": __doc__,
     }
     out = campaign / ANALYSIS
@@ -220,6 +261,23 @@ def _analyze(campaign: Path, protocol: Protocol, frozen: dict, log) -> dict:
     write_manifest(campaign, out / MANIFEST, exclude_dirs=(REPORT,), exclude_files=(".lock",))
     log(f"analysed {len(done)} runs, {len(pairs)} pairs: {out}")
     return results
+
+
+def timing_flags(done_runs: list[dict]) -> dict:
+    """results.json's `timing_flags`: the rules, the job ids flagged by each rule (in job
+    order), those whose load was not recorded, and per flagged run its numbers and reasons."""
+    runs = sorted(done_runs, key=lambda r: r["index"])
+    return {
+        "rules": contention.RULES,
+        "flagged": [r["job"] for r in runs if r["flagged"]],
+        "step_outliers": [r["job"] for r in runs if r["step_outliers"]],
+        "busy": [r["job"] for r in runs if r["busy"]],
+        "load_not_measured": [r["job"] for r in runs if r["busy"] is None],
+        "runs": [{"job": r["job"], **{k: r[k] for k in ("model", "seed", "arm", "host_cpus")
+                                      + FLAG_COLUMNS},
+                  "reasons": contention.reasons(r, r["host_cpus"])}
+                 for r in runs if r["flagged"]],
+    }
 
 
 def _csv(columns: tuple[str, ...], rows: list[dict]) -> str:
@@ -268,6 +326,7 @@ def format_results(results: dict) -> str:
 
     lines = [f"campaign {results['campaign']}: {results['jobs']['done']}/"
              f"{results['jobs']['total']} runs done, {level:.0%} paired t intervals"]
+    lines += flag_lines(results)
     for c in results["comparisons"]:
         ttt = c["time_to_target_reduction"]
         cens = sum(len(v) for v in ttt["censored_pairs"].values())
@@ -284,9 +343,28 @@ def format_results(results: dict) -> str:
                f"{'non-inferior' if q['non_inferior'] else 'NOT shown non-inferior'}"
                if q["t"] is not None else ""),
             f"  identical final hash      {c['identical_final_hash']['identical']}/"
-            f"{c['identical_final_hash']['pairs']} pairs"]
+            f"{c['identical_final_hash']['pairs']} pairs",
+            f"  timing-flagged pairs      {len(c['timing_flagged_seeds'])}"
+            + (f" (seeds {c['timing_flagged_seeds']})" if c["timing_flagged_seeds"] else "")]
     for f in results["factorial"]:
         lines.append(f"{f['model']} factorial on {f['metric']} ({len(f['seeds'])} seeds):")
         for name, s in f["contrasts"].items():
             lines.append(f"  {name:<14}{iv(s)}")
     return "\n".join(lines)
+
+
+def flag_lines(results: dict) -> list[str]:
+    """The warning lines about timing-flagged runs (empty when none is flagged and every run
+    recorded its load)."""
+    flags = results["timing_flags"]
+    done = results["jobs"]["done"]
+    lines = []
+    if flags["flagged"]:
+        lines.append(f"WARNING: {len(flags['flagged'])} of {done} runs are timing-flagged; their "
+                     "times may reflect the machine rather than the code (pairs are kept):")
+        lines += [f"  {r['job']}: " + "; ".join(r["reasons"]) for r in flags["runs"]]
+    if flags["load_not_measured"]:
+        lines.append(f"note: {len(flags['load_not_measured'])} of {done} runs have no machine-load "
+                     "record (older records or no /proc/stat): the busy rule was not applied "
+                     "to them")
+    return lines

@@ -194,7 +194,9 @@ def bench_row(shape: str, impl: str, *, pass_ms: float, repeats: int, warmup: in
                allocs["native"][1], allocs["cotangent"][1], repeats)
 
 
-# (native implementation, shape predicate, quantity, bound, description) from issue 3.
+# The project's update-phase goals, checked on every run: (native implementation, shape
+# predicate, quantity, bound, description); `ratio` = cotangent_ms / native_ms,
+# `cotangent_over_floor` = cotangent_ms / floor10_ms. None as the implementation: every row.
 TARGETS = [
     ("fused", lambda r: r.shape == "many-small", "ratio", 0.35, "vs fused, many-small"),
     ("fused", lambda r: r.shape in ("transformer-small", "causal-conv"), "ratio", 0.75,

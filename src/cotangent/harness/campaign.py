@@ -654,9 +654,25 @@ def runner_active(campaign: Path) -> bool:
     return False
 
 
+def _attempt_label(status: dict | None, active: bool) -> str:
+    """How `campaign status` shows one attempt. A 'running' attempt (or one without a status)
+    while no runner holds the lock was cut short: its runner, and with it its job, is gone, so
+    it is shown as interrupted; the next `campaign run` records it so."""
+    if status is None:
+        return "without status" if active else "interrupted (no status: the runner stopped)"
+    if status["state"] != "running":
+        return status["state"]
+    pid = f"pid {status['pid']}" if "pid" in status else "no pid yet"
+    if active:
+        return f"running ({pid})"
+    return (f"interrupted (was running, {pid}; the runner stopped; recorded as interrupted by "
+            "the next `cotangent campaign run`)")
+
+
 def status_lines(campaign: Path) -> list[str]:
     """`cotangent campaign status`: state counts, then every job that is not done with the
-    states of its attempts (running, interrupted, failed)."""
+    states of its attempts (running, interrupted, failed); with no runner active, an attempt
+    still marked running is shown as interrupted."""
     campaign = Path(campaign)
     protocol, frozen = load_frozen(campaign)
     active = runner_active(campaign)
@@ -667,9 +683,7 @@ def status_lines(campaign: Path) -> list[str]:
         if state == "done":
             continue
         attempts = [(a.name, read_status(a)) for a in attempt_dirs(campaign / "jobs" / job["id"])]
-        detail = ", ".join(f"{name} {st['state'] if st else 'without status'}"
-                           + (f" (pid {st['pid']})" if st and st["state"] == "running"
-                              and "pid" in st else "") for name, st in attempts)
+        detail = ", ".join(f"{name} {_attempt_label(st, active)}" for name, st in attempts)
         lines.append(f"  {state:<8}{job['id']}" + (f": {detail}" if detail else ""))
     head = (f"campaign {protocol.name}: {len(frozen['jobs'])} jobs: {counts['done']} done, "
             f"{counts['failed']} failed, {counts['pending']} pending; "

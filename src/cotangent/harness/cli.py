@@ -9,6 +9,7 @@ campaigns), `analyze` (their statistics), `audit` (re-check them, standard libra
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -27,6 +28,8 @@ from cotangent.harness.train import (
     run_train,
     validate_config,
 )
+
+PROGRESS_EVERY_S = 20.0  # plain progress lines of `cotangent train` without a terminal
 
 
 
@@ -67,6 +70,10 @@ def _train_parser(sub) -> None:
                         "corpus of Python standard-library sources)")
     p.add_argument("--out", default=None, help=f"parent directory for run records ({d.out})")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+    p.add_argument("--progress-every", type=float, default=None, metavar="SECONDS",
+                   help="print a plain progress line at most every SECONDS of training, and "
+                        f"after the last step (default: {PROGRESS_EVERY_S:g} when stdout is not a "
+                        "terminal; on a terminal a progress bar instead; 0 = no lines)")
 
 
 def resolve_train_config(args) -> TrainConfig:
@@ -120,6 +127,15 @@ def cmd_train(args) -> int:
     cfg = resolve_train_config(args)
     validate_config(cfg)
     check_device(cfg.device)
+    if args.progress_every is not None and not 0 <= args.progress_every < float("inf"):
+        raise ValueError("--progress-every must be a finite number >= 0, got "
+                         f"{args.progress_every}")
+    # Without a terminal (a pipe, a log file, a campaign job): plain lines, each flushed.
+    interactive = sys.stdout.isatty()
+    if not interactive and hasattr(sys.stdout, "reconfigure"):
+        sys.stdout.reconfigure(line_buffering=True)
+    every = args.progress_every if args.progress_every is not None else (
+        0.0 if interactive else PROGRESS_EVERY_S)
     data_dir = args.data_dir or os.environ.get(DATA_ENV)
     if data_dir:
         corpus = load_wikitext2(data_dir)
@@ -130,7 +146,9 @@ def cmd_train(args) -> int:
         print(f"data: no WikiText-2 directory given (--data-dir or ${DATA_ENV}); using the "
               f"{corpus.note}")
     print("config:\n  " + format_config(cfg).replace("\n", "\n  "))
-    result = run_train(cfg, corpus, config_toml=format_config(cfg))
+    result = run_train(cfg, corpus, config_toml=format_config(cfg),
+                       show_progress=interactive and sys.stderr.isatty() and every == 0,
+                       progress_every_s=every)
     print(format_comparison(result))
     if args.json:
         print(result_json(result))
@@ -145,8 +163,10 @@ def _bench_parser(sub) -> None:
         description="Time the update phase (clip_grad_norm_ + AdamW step vs cotangent.AdamW "
                     "step) per shape and native AdamW implementation, interleaved in one "
                     "process; medians, bitwise check per row, memory, and a 10-pass floor.")
-    p.add_argument("--shapes", default=",".join(SHAPES), help="comma-separated shapes")
-    p.add_argument("--impls", default=",".join(IMPLS), help="comma-separated: default,foreach,fused")
+    p.add_argument("--shapes", default=",".join(SHAPES),
+                   help=f"comma-separated, from {', '.join(SHAPES)} (default: all)")
+    p.add_argument("--impls", default=",".join(IMPLS),
+                   help=f"comma-separated, from {', '.join(IMPLS)} (default: all)")
     p.add_argument("--repeats", type=int, default=20, help="timed repeats per arm (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="discarded repeats per arm (default 3)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
@@ -158,10 +178,14 @@ def cmd_bench(args) -> int:
 
     shapes = [s for s in args.shapes.split(",") if s]
     impls = [i for i in args.impls.split(",") if i]
-    unknown = [s for s in shapes if s not in bench.SHAPES] + [i for i in impls
-                                                             if i not in bench.IMPLS]
-    if unknown:
-        raise ValueError(f"unknown shape or implementation: {', '.join(unknown)}")
+    bad_shapes = [s for s in shapes if s not in bench.SHAPES]
+    if bad_shapes:
+        raise ValueError(f"unknown shape(s) {', '.join(bad_shapes)} in --shapes; valid: "
+                         f"{', '.join(bench.SHAPES)}")
+    bad_impls = [i for i in impls if i not in bench.IMPLS]
+    if bad_impls:
+        raise ValueError(f"unknown implementation(s) {', '.join(bad_impls)} in --impls; valid: "
+                         f"{', '.join(bench.IMPLS)}")
     if not shapes or not impls:
         raise ValueError("--shapes and --impls must each name at least one")
     if args.repeats < 1 or args.warmup < 0:
@@ -187,10 +211,42 @@ def _calibrate_parser(sub) -> None:
     p = sub.add_parser(
         "calibrate", help="run and show the bitwise calibration probes for a model",
         description="Build the model, pack it with cotangent.AdamW for each native AdamW "
-                    "implementation, run the calibration probes, and list every verdict "
-                    "(cached in memory and in the user cache file).")
+                    "implementation, run the calibration probes its layout needs, and list "
+                    "those verdicts (cached in memory and in the user cache file); verdicts "
+                    "cached for other models are not listed.")
     p.add_argument("--model", default="transformer-small", choices=sorted(MODELS))
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="print the verdicts as one JSON list "
+                   "as the last line")
+
+
+@contextlib.contextmanager
+def _calibration_keys_used():
+    """Collect the key of every calibration verdict looked up or recorded inside the block
+    (the probes a layout needs, whether they ran now or came from the cache)."""
+    from cotangent import calibration
+
+    used: set[str] = set()
+    lookup, record = calibration.lookup, calibration.record
+
+    def traced_lookup(key, *a, **k):
+        used.add(key)
+        return lookup(key, *a, **k)
+
+    def traced_record(key, *a, **k):
+        used.add(key)
+        return record(key, *a, **k)
+
+    calibration.lookup, calibration.record = traced_lookup, traced_record
+    try:
+        yield used
+    finally:
+        calibration.lookup, calibration.record = lookup, record
+
+
+def calibration_key(row: dict) -> str:
+    """The cache key of one `cotangent.calibration.table()` row."""
+    return "|".join([row["kind"], row["machine"], row["torch"], str(row["threads"]),
+                     *row["args"]])
 
 
 def cmd_calibrate(args) -> int:
@@ -200,19 +256,21 @@ def cmd_calibrate(args) -> int:
     from cotangent import calibration
     from cotangent.harness.model import build_model
 
-    for flags in ({"fused": True}, {"foreach": True}, {"foreach": False}):
-        model = build_model(args.model, 0)
-        params = list(model.parameters())
-        opt = cotangent.AdamW(params, max_norm=1.0, **flags)
-        torch.autograd.backward(params, [torch.zeros_like(p) for p in params])
-        opt.step()  # builds the merged AdamW calls (their probes run here)
-        summary = opt.layout_summary()
-        calls = opt.call_summary()
-        print(f"{args.model} {flags}: {summary[0]['tensors']} tensors in "
-              f"{summary[0]['buckets']} length buckets, {summary[0]['batched_buckets']} with "
-              f"batched norms; AdamW in {calls['calls']} list elements for "
-              f"{calls['parameters']} parameters")
-    rows = calibration.table()
+    with _calibration_keys_used() as used:
+        for flags in ({"fused": True}, {"foreach": True}, {"foreach": False}):
+            model = build_model(args.model, 0)
+            params = list(model.parameters())
+            opt = cotangent.AdamW(params, max_norm=1.0, **flags)
+            torch.autograd.backward(params, [torch.zeros_like(p) for p in params])
+            opt.step()  # builds the merged AdamW calls (their probes run here)
+            summary = opt.layout_summary()
+            calls = opt.call_summary()
+            print(f"{args.model} {flags}: {summary[0]['tensors']} tensors in "
+                  f"{summary[0]['buckets']} length buckets, {summary[0]['batched_buckets']} "
+                  f"with batched norms; AdamW in {calls['calls']} list elements for "
+                  f"{calls['parameters']} parameters")
+    every = calibration.table()
+    rows = [r for r in every if calibration_key(r) in used]
     path = calibration.cache_path()
     if path is None:
         print("cache: off (memory only)")
@@ -220,6 +278,8 @@ def cmd_calibrate(args) -> int:
         print(f"cache: {path}")
     else:
         print(f"cache: {path} could not be written: verdicts stay in memory for this process")
+    print(f"{len(rows)} verdicts used by {args.model} ({len(every) - len(rows)} others known "
+          "to this process or the cache, not listed):")
     for r in rows:
         print(f"  {'yes' if r['verdict'] else 'no ':<4}{r['kind']:<20}{' '.join(r['args'])}  "
               f"[{r['machine']}, torch {r['torch']}, {r['threads']} threads]")
@@ -371,8 +431,9 @@ def cmd_audit(args) -> int:
 def _report_parser(sub) -> None:
     p = sub.add_parser(
         "report", help="figures and a Markdown/HTML report of an analysed campaign",
-        description="Writes RUNS/report/: five PNG figures, report.md, a self-contained "
-                    "report.html and a manifest.")
+        description="Writes RUNS/report/: four PNG figures (five when the campaign ran the "
+                    "four arms of the 2x2 factorial), report.md, a self-contained report.html "
+                    "and a manifest.")
     p.add_argument("runs", metavar="RUNS", help="campaign directory (after `cotangent analyze`)")
 
 

@@ -27,8 +27,10 @@ import torch
 
 SPLITS = ("train", "valid", "test")
 
-# SHA-256 of the decompressed bytes -> (dataset, split). Sources: ../shared/data/*/SHA256SUMS and
-# the checksums pytorch/examples publishes for word_language_model/data/wikitext-2.
+# SHA-256 of the decompressed bytes -> (dataset, split): the hashes of the tokenized WikiText-2
+# files as pytorch/examples ships them (word_language_model/data/wikitext-2/{train,valid,test}.txt)
+# and of the raw release's valid and test files (wiki.{valid,test}.raw of wikitext-2-raw-v1.zip;
+# its train file is not listed, so a raw train file loads with a warning).
 KNOWN_SHA256: dict[str, tuple[str, str]] = {
     "9e9fa1ad55b1c2c95b08e37dd8e653f638fac2c6de904b79e813611eefbc985f": ("wikitext-2", "train"),
     "f0737ed31fc1329026e95cb8b98e19c2a182c39c240ab909dc31abf2f8af58e8": ("wikitext-2", "valid"),
@@ -76,6 +78,7 @@ class Corpus:
 
 
 def sha256_bytes(data: bytes) -> str:
+    """SHA-256 (hex) of `data`."""
     return hashlib.sha256(data).hexdigest()
 
 
@@ -225,17 +228,19 @@ WIKITEXT2_URL = ("https://raw.githubusercontent.com/pytorch/examples/main/"
 
 def fetch_wikitext2(dest: str | os.PathLike, base_url: str = WIKITEXT2_URL, *,
                     timeout_s: float = 60.0, log=print) -> dict[str, Path]:
-    """Download `train.txt`, `valid.txt` and `test.txt` from `base_url` into `dest`.
+    """Download WikiText-2's three splits from `base_url` into `dest` as `{split}.txt`.
 
-    Each file is written to a temporary name, its SHA-256 checked against the known WikiText-2
-    hash of its split, then renamed into place; a file already present with the right hash is
-    kept. Returns {split: path}.
+    For each split the names `load_wikitext2` reads are tried at `base_url` in its order
+    (`train.txt`, `train.txt.xz`, `wiki.train.tokens`, ...); the first that exists is
+    downloaded, decompressed if its name ends in `.xz`, and its SHA-256 (of the decompressed
+    bytes) checked against the known WikiText-2 hash of its split before it is written to a
+    temporary name and renamed into place. A `{split}.txt` already present with the right hash
+    is kept. Returns {split: path}.
     Raises:
-        ValueError: a downloaded file has the wrong SHA-256 (nothing is kept for it).
-        OSError: the download failed (names the URL).
+        ValueError: a downloaded file has the wrong SHA-256 or is a corrupt `.xz` (nothing is
+            kept for it).
+        OSError: the download failed, or no accepted name exists at `base_url` (names the URLs).
     """
-    import urllib.request
-
     root = Path(dest)
     root.mkdir(parents=True, exist_ok=True)
     expected = {split: digest for digest, (name, split) in KNOWN_SHA256.items()
@@ -247,12 +252,12 @@ def fetch_wikitext2(dest: str | os.PathLike, base_url: str = WIKITEXT2_URL, *,
             log(f"{target}: present, SHA-256 ok")
             paths[split] = target
             continue
-        url = base_url.rstrip("/") + f"/{split}.txt"
-        try:
-            with urllib.request.urlopen(url, timeout=timeout_s) as response:
-                data = response.read()
-        except OSError as exc:
-            raise OSError(f"download of {url} failed: {exc}") from exc
+        url, data = _download_first(base_url, split, timeout_s)
+        if url.endswith(".xz"):
+            try:
+                data = lzma.decompress(data)
+            except lzma.LZMAError as exc:
+                raise ValueError(f"{url}: not a valid .xz file ({exc}); not saved") from None
         digest = sha256_bytes(data)
         if digest != expected[split]:
             raise ValueError(f"{url}: SHA-256 {digest} is not WikiText-2's {split} "
@@ -260,9 +265,37 @@ def fetch_wikitext2(dest: str | os.PathLike, base_url: str = WIKITEXT2_URL, *,
         tmp = target.with_name(f".{target.name}.part")
         tmp.write_bytes(data)
         os.replace(tmp, target)
-        log(f"{target}: {len(data):,} bytes from {url}, SHA-256 ok")
+        log(f"{target}: {len(data):,} bytes from {url}"
+            + (" (decompressed)" if url.endswith(".xz") else "") + ", SHA-256 ok")
         paths[split] = target
     return paths
+
+
+def _download_first(base_url: str, split: str, timeout_s: float) -> tuple[str, bytes]:
+    """(url, bytes) of the first of `split`'s accepted file names that exists at `base_url`.
+    A missing name (HTTP 404, or no such file) moves on to the next; any other failure, or no
+    name found, raises OSError naming the URL(s)."""
+    import urllib.error
+    import urllib.request
+
+    tried = []
+    for name in FILE_NAMES[split]:
+        for candidate in (name, name + ".xz"):
+            url = base_url.rstrip("/") + "/" + candidate
+            try:
+                with urllib.request.urlopen(url, timeout=timeout_s) as response:
+                    return url, response.read()
+            except urllib.error.HTTPError as exc:
+                if exc.code != 404:
+                    raise OSError(f"download of {url} failed: {exc}") from None
+            except urllib.error.URLError as exc:
+                if not isinstance(exc.reason, FileNotFoundError):
+                    raise OSError(f"download of {url} failed: {exc}") from None
+            except OSError as exc:
+                raise OSError(f"download of {url} failed: {exc}") from None
+            tried.append(candidate)
+    raise OSError(f"download of WikiText-2 {split} from {base_url} failed: none of "
+                  f"{', '.join(tried)} is there")
 
 
 def describe(data_dir: str | os.PathLike | None) -> list[str]:

@@ -59,7 +59,7 @@ class ModelConfig:
 
 
 MODELS: dict[str, ModelConfig] = {
-    # 3,346,944 parameters in 37 tensors (the walking skeleton's model).
+    # 3,346,944 parameters in 37 tensors (the default model of `cotangent train`).
     "transformer-small": ModelConfig(),
     # 19,280,896 parameters in 53 tensors.
     "transformer-medium": ModelConfig(width=512, n_layer=6, n_head=8),
@@ -69,7 +69,7 @@ MODELS: dict[str, ModelConfig] = {
     # 3,746,816 parameters in 53 tensors.
     "causal-conv": ModelConfig(family="causal-conv", width=256, n_layer=6),
     # 862,464 parameters in 37 tensors: transformer-small at half the width and a quarter of the
-    # context, for the 15-minute CPU campaign (protocols/cpu-quick.toml).
+    # context, for the ~10-minute CPU campaign (protocols/cpu-quick.toml).
     "transformer-quick": ModelConfig(context=64, width=128, n_layer=4, n_head=4),
     # About 50M parameters, for the update-phase benchmark.
     "transformer-50m": ModelConfig(width=768, n_layer=7, n_head=12),
@@ -78,8 +78,18 @@ MODELS: dict[str, ModelConfig] = {
     "tiny-gated-gqa": ModelConfig(family="gated-gqa", context=32, width=48, n_layer=2, n_head=6,
                                   n_kv_head=2, ffn_hidden=96),
     "tiny-causal-conv": ModelConfig(family="causal-conv", context=32, width=32, n_layer=3),
+    "tiny-transformer-medium": ModelConfig(context=32, width=48, n_layer=3, n_head=4),
 }
 MODELS["tiny"] = MODELS["tiny-transformer"]
+
+# The tiny variant of each research model: same family and block structure, fewer features
+# (`cotangent verify` runs these unless --full-width).
+TINY: dict[str, str] = {
+    "transformer-small": "tiny-transformer",
+    "transformer-medium": "tiny-transformer-medium",
+    "gated-gqa": "tiny-gated-gqa",
+    "causal-conv": "tiny-causal-conv",
+}
 
 
 def model_config(name: str, **overrides) -> ModelConfig:

@@ -76,8 +76,13 @@ def code_fingerprint() -> str:
     return h.hexdigest()
 
 
+THREAD_ENV = ("OMP_NUM_THREADS", "OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "KMP_BLOCKTIME",
+              "MKL_NUM_THREADS")
+
+
 def environment() -> dict:
-    """Versions and machine facts recorded with every run."""
+    """Versions and machine facts recorded with every run (`thread_env`: the threading
+    environment variables, None when unset)."""
     return {
         "python": sys.version.split()[0],
         "platform": platform.platform(),
@@ -91,6 +96,8 @@ def environment() -> dict:
         "cpu_model": cpu_model(),
         "cotangent": cotangent.__version__,
         "code_sha256": code_fingerprint(),
+        # how idle OpenMP threads wait decides how badly a busy machine slows the steps
+        "thread_env": {k: os.environ.get(k) for k in THREAD_ENV},
     }
 
 

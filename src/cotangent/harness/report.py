@@ -220,7 +220,7 @@ def build_report(campaign: Path, *, log=print) -> Path:
     fig_update_ms(results, runs, out / figures[3][0])
     if fig_factorial(results, out / "fig-factorial.png"):
         figures.insert(2, ("fig-factorial.png", "2x2 factorial contrasts"))
-    blocks = _report_blocks(results, figures)
+    blocks = _report_blocks(results, figures, runs)
     records.write_atomic(out / "report.md", _markdown(blocks))
     records.write_atomic(out / "report.html", _html(blocks, out))
     built_from = {f"{ANALYSIS}/{name}": sha256_file(campaign / ANALYSIS / name)
@@ -230,7 +230,50 @@ def build_report(campaign: Path, *, log=print) -> Path:
     return out / "report.md"
 
 
-def _report_blocks(results: dict, figures: list[tuple[str, str]]) -> list[tuple]:
+def _num(text: str, fmt: str, scale: float = 1.0) -> str:
+    """A runs.csv cell formatted as a number, or '-' when empty (not recorded)."""
+    return "-" if text in ("", None) else format(scale * float(text), fmt)
+
+
+def _timing_blocks(results: dict, runs: list[dict]) -> list[tuple]:
+    """The timing-quality section: the rules, the flagged runs with their reasons, and every
+    run's load record (runs.csv)."""
+    flags = results["timing_flags"]
+    rules = flags["rules"]
+    blocks: list[tuple] = [
+        ("h2", "Timing quality: machine load and step-time outliers"),
+        ("p", f"A run is flagged when its slow steps (step_s > {rules['slow_step_factor']:g}x its "
+              f"median) added more than {100 * rules['outlier_excess_fraction']:g}% to its "
+              "training time, or when the machine was busy while its steps were timed: "
+              "(CPUs kept busy by other work + the run's torch threads) / the CPUs it may run "
+              f"on > {rules['busy_demand_ratio']:g}. Flagged pairs stay in the statistics above; "
+              "their times may reflect the machine rather than the code."),
+    ]
+    if flags["runs"]:
+        blocks.append(("p", f"{len(flags['flagged'])} of {results['jobs']['done']} runs are "
+                            "flagged:"))
+        blocks.append(("table", ["job", "reasons"],
+                       [[r["job"], "; ".join(r["reasons"])] for r in flags["runs"]]))
+    else:
+        blocks.append(("p", f"No run is flagged ({results['jobs']['done']} runs)."))
+    if flags["load_not_measured"]:
+        blocks.append(("p", f"{len(flags['load_not_measured'])} runs have no machine-load record "
+                            "(older records, or no /proc/stat): the busy rule was not applied "
+                            "to them."))
+    header = ["job", "training s", "CPU s", "other work, CPUs", "CPU demand", "load avg 1m (end)",
+              "slow steps", "slow-step excess %", "flagged"]
+    rows = [[r["job"], _num(r["training_s"], ".2f"), _num(r["cpu_s"], ".2f"),
+             _num(r["others_cpus"], ".2f"), _num(r["cpu_demand_ratio"], ".2f"),
+             _num(r["load_avg_1m_end"], ".2f"), r["slow_steps"],
+             _num(r["slow_excess_fraction"], ".1f", 100.0),
+             "yes" if r["flagged"] == "true" else "no"]
+            for r in runs if r["state"] == "done"]
+    blocks.append(("table", header, rows))
+    return blocks
+
+
+def _report_blocks(results: dict, figures: list[tuple[str, str]],
+                   runs: list[dict]) -> list[tuple]:
     p, env, code = results["protocol"], results["environment"], results["code"]
     level = f"{p['level']:.0%}"
     blocks: list[tuple] = [
@@ -257,7 +300,8 @@ def _report_blocks(results: dict, figures: list[tuple[str, str]]) -> list[tuple]
     ]
     header = ["model", "candidate", "pairs", "training-time reduction",
               "update-phase reduction", "time-to-target reduction (censored)",
-              "test BPB difference", "non-inferior", "identical final hash"]
+              "test BPB difference", "non-inferior", "identical final hash",
+              "timing-flagged pairs"]
     rows = []
     for c in results["comparisons"]:
         ttt = c["time_to_target_reduction"]
@@ -267,12 +311,14 @@ def _report_blocks(results: dict, figures: list[tuple[str, str]]) -> list[tuple]
                      _pct(c["training_time_reduction"]), _pct(c["update_phase_reduction"]),
                      f"{_pct(ttt)} ({cens})", _bpb(q),
                      ("yes" if q["non_inferior"] else "no") if q["t"] is not None else "-",
-                     f"{c['identical_final_hash']['identical']}/{c['identical_final_hash']['pairs']}"])
+                     f"{c['identical_final_hash']['identical']}/{c['identical_final_hash']['pairs']}",
+                     str(len(c["timing_flagged_seeds"]))])
     blocks.append(("table", header, rows))
     blocks.append(("p", f"Reductions are 1 - candidate/baseline (positive = faster), mean "
                         f"[{level} t interval] (bootstrap interval). Time to target: training "
                         "seconds at the first probe at or below the target BPB; pairs where "
                         "either run never reached it are censored and counted, not dropped."))
+    blocks += _timing_blocks(results, runs)
     if results["factorial"]:
         blocks.append(("h2", "2x2 factorial (batched norms x packing)"))
         fheader = ["model", "metric"] + list(CONTRASTS)

@@ -1,9 +1,10 @@
-"""Paired-seed statistics for native-vs-Cotangent comparisons (the analysis side of issue #5).
+"""Paired-seed statistics for native-vs-Cotangent comparisons (used by `cotangent analyze`).
 
 Pure functions over per-pair numbers; scipy supplies the distributions and the bootstrap.
 Definitions (one pair = the same seed trained by a baseline arm and a candidate arm):
 
-- time-to-target: elapsed seconds at the first probe whose BPB is <= the target; no
+- time-to-target: training seconds (the sum of the step times so far, the probe's `training_s`;
+  evaluation and set-up excluded) at the first probe whose BPB is <= the target; no
   interpolation; a run that never reaches it is *censored* (None), never dropped.
 - fixed-budget reduction: 1 - T_candidate / T_baseline.
 - quality difference: candidate test BPB - baseline test BPB (lower BPB is better).
@@ -72,8 +73,9 @@ def bootstrap_interval(differences: Sequence[float], level: float, *, resamples:
 
 
 def time_to_target(probes: Sequence[dict], target: float, *, key: str = "probe_bpb",
-                   time_key: str = "elapsed_s") -> float | None:
-    """Seconds at the first probe with `key` <= `target`; None (censored) if none reaches it."""
+                   time_key: str = "training_s") -> float | None:
+    """`time_key` seconds (default: training seconds) at the first probe with `key` <=
+    `target`; None (censored) if none reaches it."""
     for probe in probes:
         if probe[key] <= target:
             return float(probe[time_key])

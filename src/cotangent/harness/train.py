@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import cotangent
-from cotangent.harness import records
+from cotangent.harness import contention, records
 from cotangent.harness.data import (
     BITS_PER_NAT,
     TRAIN_FRACTION,
@@ -210,26 +210,31 @@ def schedule_sha256(cfg: TrainConfig) -> str:
 
 
 def run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None = None,
-              log=print, config_toml: str | None = None) -> dict:
+              log=print, config_toml: str | None = None, progress_every_s: float = 0.0) -> dict:
     """Run `_run_train`; with `compile`, under `torch.use_deterministic_algorithms(True)`.
 
     Why: inductor's CPU code for the embedding backward accumulates in an order that depends
     on thread scheduling, so two compiled copies of the same native model gave different
     gradients here (2 threads); deterministic mode makes it reproducible, so the arms can be
     compared bit for bit.
+
+    `show_progress`: a tqdm bar on stderr (default: when stderr is a terminal).
+    `progress_every_s`: when > 0, one plain progress line through `log` at most every this
+    many seconds of the training loop, and one after the last step (`progress_line`); the
+    CLI turns it on when stdout is not a terminal.
     """
     previous = torch.are_deterministic_algorithms_enabled()
     try:
         if cfg.compile:
             torch.use_deterministic_algorithms(True)
         return _run_train(cfg, corpus, show_progress=show_progress, log=log,
-                          config_toml=config_toml)
+                          config_toml=config_toml, progress_every_s=progress_every_s)
     finally:
         torch.use_deterministic_algorithms(previous)
 
 
 def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, log,
-               config_toml: str | None) -> dict:
+               config_toml: str | None, progress_every_s: float = 0.0) -> dict:
     """Train the arms interleaved, probe, evaluate, write records; returns the comparison dict.
 
     Each arm's run directory holds `metadata.json` (written first), `curve.jsonl` and
@@ -239,7 +244,9 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
 
     The dict has `arms`, `identical_final_hash` and, per arm, `update_ms` and `step_ms` (medians
     over steps), `val_bpb`, `test_bpb`, `final_model_sha256`, `run_dir` and the rest of the
-    summary.
+    summary, including the machine-load record and timing flags of
+    `cotangent.harness.contention` (`cpu_s`, `host_cpu_s`, ..., `step_outliers`, `busy`,
+    `flagged`).
     """
     t_start = time.perf_counter()
     device = torch.device(cfg.device)
@@ -312,6 +319,11 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
     probes: dict[str, list[dict]] = {name: [] for name in cfg.arms}
     if show_progress is None:
         show_progress = sys.stderr.isatty()
+    host = contention.HostSampler()
+    threads = torch.get_num_threads()
+    load_start = contention.load_average_1m()
+    loop_start = last_line = time.perf_counter()
+    since_line: dict[str, list[dict]] = {name: [] for name in cfg.arms}
     order = list(cfg.arms)
     for step in tqdm(range(cfg.steps), disable=not show_progress, desc="steps", unit="step"):
         for name in order:
@@ -319,6 +331,9 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
             batch = samplers[name].next_batch().to(device)
             lr = arm.optimizer.param_groups[0]["lr"]
             sync(device)
+            # Machine load around the step, read outside the timed region.
+            h0 = host.sample()
+            c0 = time.process_time()
             t0 = time.perf_counter()
             with autocast():
                 logits = arm.forward(batch[:, :-1])  # (B, T, 256)
@@ -330,12 +345,18 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
             total = arm.update_phase()
             sync(device)
             t2 = time.perf_counter()
+            c1 = time.process_time()
+            h1 = host.sample()
             arm.scheduler.step()
             trained_s[name] += t2 - t0
-            record(name, {
-                "step": step, "loss_bpb": loss.item() * BITS_PER_NAT, "lr": lr,
-                "grad_norm": total.item(), "step_s": t2 - t0, "update_s": t2 - t1,
-            })
+            row = {"step": step, "loss_bpb": loss.item() * BITS_PER_NAT, "lr": lr,
+                   "grad_norm": total.item(), "step_s": t2 - t0, "update_s": t2 - t1,
+                   "cpu_s": c1 - c0}
+            if h0 is not None and h1 is not None:
+                row["host_cpu_s"] = h1[0] - h0[0]
+                row["host_steal_s"] = h1[1] - h0[1]
+            record(name, row)
+            since_line[name].append(row)
             if probe is not None and (step + 1) % cfg.eval_every == 0:
                 bpb, _ = evaluate_bpb(arm.model, probe, batch=cfg.eval_batch, device=device,
                                       autocast=autocast)
@@ -345,6 +366,13 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
                 probes[name].append(probe_row)
                 record(name, probe_row)
         order.reverse()
+        now = time.perf_counter()
+        if progress_every_s > 0 and (now - last_line >= progress_every_s
+                                     or step == cfg.steps - 1):
+            log(progress_line(step + 1, cfg.steps, now - loop_start, since_line))
+            since_line = {name: [] for name in cfg.arms}
+            last_line = now
+    load_end = contention.load_average_1m()
     result: dict = {}
     for name, arm in arms.items():
         val_bpb, val_targets = evaluate_bpb(arm.model, val, batch=cfg.eval_batch,
@@ -354,6 +382,15 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
         steps = [r for r in curves[name] if "loss_bpb" in r]
         step_s = [r["step_s"] for r in steps]
         update_s = [r["update_s"] for r in steps]
+        cpu_s = [r["cpu_s"] for r in steps]
+        measured = all("host_cpu_s" in r for r in steps)
+        if not measured:  # /proc/stat failed for some step: the run's load is not measured
+            for r in steps:
+                r.pop("host_cpu_s", None)
+                r.pop("host_steal_s", None)
+        host_cpu_s = [r["host_cpu_s"] for r in steps] if measured else None
+        host_cpus = host.cpus if measured else None
+        flags = contention.assess(step_s, cpu_s, host_cpu_s, host_cpus, threads)
         summary = {
             "arm": name,
             "steps": cfg.steps,
@@ -374,6 +411,15 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
             "final_model_sha256": records.model_sha256(arm.model),
             "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
             "run_dir": str(run_root / name),
+            # machine load while the steps were timed, and the timing flags (contention.py)
+            "cpu_s": sum(cpu_s),
+            "host_cpu_s": sum(host_cpu_s) if measured else None,
+            "host_steal_s": sum(r["host_steal_s"] for r in steps) if measured else None,
+            "host_cpus": host_cpus,
+            "threads": threads,
+            "load_avg_1m_start": load_start,
+            "load_avg_1m_end": load_end,
+            **{k: v for k, v in flags.items() if k != "median_step_s"},
         }
         run_dir = run_root / name
         partial[name].close()
@@ -386,6 +432,25 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
     result["identical_final_hash"] = len(
         {result[name]["final_model_sha256"] for name in cfg.arms}) == 1
     return result
+
+
+def progress_line(done: int, steps: int, elapsed_s: float, rows: dict[str, list[dict]]) -> str:
+    """One plain progress line: steps done, seconds of the training loop so far and the
+    estimated seconds left, each arm's median step time (ms) over the `rows` since the last
+    line, and how many CPUs other work kept busy meanwhile (when measured)."""
+    eta = elapsed_s / done * (steps - done)
+    parts = [f"step {done}/{steps} ({100 * done / steps:.0f}%), {elapsed_s:.1f} s, "
+             f"ETA {eta:.0f} s"]
+    medians = [f"{name} {1e3 * statistics.median(r['step_s'] for r in arm_rows):.1f}"
+               for name, arm_rows in rows.items() if arm_rows]
+    if medians:
+        parts.append("median step ms " + ", ".join(medians))
+    flat = [r for arm_rows in rows.values() for r in arm_rows]
+    wall = sum(r["step_s"] for r in flat)
+    if flat and wall > 0 and all("host_cpu_s" in r for r in flat):
+        others = (sum(r["host_cpu_s"] for r in flat) - sum(r["cpu_s"] for r in flat)) / wall
+        parts.append(f"other work {others:.2f} CPUs")
+    return "progress: " + "; ".join(parts)
 
 
 def _device_name(device: torch.device) -> str:
@@ -429,6 +494,11 @@ def format_comparison(result: dict) -> str:
         lines.append(f"{name} / {arms[0]} (medians per step): update phase "
                      f"{r['update_ms'] / base['update_ms']:.3f}, whole step "
                      f"{r['step_ms'] / base['step_ms']:.3f}")
+    for name in arms:
+        r = result[name]
+        for reason in contention.reasons({**r, "median_step_s": r["step_ms"] / 1e3},
+                                         r["host_cpus"]):
+            lines.append(f"WARNING: {name}: {reason}; its times may not reflect the code")
     lines.append(f"records: {Path(base['run_dir']).parent}")
     return "\n".join(lines)
 

@@ -8,28 +8,21 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from cotangent.harness.model import build_model, model_config, Transformer
+from cotangent.harness.model import TINY, Transformer, build_model
 from cotangent.verify import ARMS, verify
 
 MODELS = ("transformer-small", "transformer-medium", "gated-gqa", "causal-conv")
-# Tiny widths of the four models (same families and block structure, fewer features).
-TINY = {
-    "transformer-small": dict(context=32, width=32, n_layer=2, n_head=2),
-    "transformer-medium": dict(context=32, width=48, n_layer=3, n_head=4),
-    "gated-gqa": dict(context=32, width=48, n_layer=2, n_head=6, n_kv_head=2, ffn_hidden=96),
-    "causal-conv": dict(context=32, width=32, n_layer=3),
-}
 HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
 
 
 def suite_model(name: str, full_width: bool, seed: int = 0) -> Transformer:
-    if full_width:
-        return build_model(name, seed)
-    torch.manual_seed(seed)
-    return Transformer(model_config(name, **TINY[name]))
+    """Research model `name` (or, unless `full_width`, its `tiny-*` variant from
+    `cotangent.harness.model.TINY`) with the initial weights of `seed`."""
+    return build_model(name if full_width else TINY[name], seed)
 
 
 def lm_loss(model, batch):
+    """Next-byte cross-entropy (nats) of `model` on a (B, T + 1) batch of byte ids."""
     logits = model(batch[:, :-1])  # (B, T, 256)
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
 
@@ -62,4 +55,5 @@ def run_suite(*, models=MODELS, precisions=("fp32", "bf16"), arms=ARMS, steps: i
 
 
 def write_report(result: dict, path: str) -> None:
+    """Write `run_suite`'s result to `path` as indented JSON."""
     Path(path).write_text(json.dumps(result, indent=2) + "\n")

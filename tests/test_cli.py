@@ -1,0 +1,64 @@
+"""Command-line truths: `calibrate` lists the model's own verdicts, help texts match behaviour."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from cotangent import calibration
+from cotangent.harness import cli
+
+
+def _calibrate(model: str, capsys) -> tuple[list[str], list[dict]]:
+    assert cli.main(["calibrate", "--model", model, "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    return lines, json.loads(lines[-1])
+
+
+def test_calibrate_lists_only_the_verdicts_of_that_models_layout(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("COTANGENT_CACHE_DIR", str(tmp_path))
+    # A verdict some other model left in the cache file (a length no tiny model has).
+    foreign = calibration.full_key("bucket_norm", "cpu", ("torch.float32", 123457, 3, 2.0))
+    calibration.record(foreign, True)
+    assert foreign in {cli.calibration_key(r) for r in calibration.table()}
+
+    lines, rows = _calibrate("tiny-transformer", capsys)
+    keys = {cli.calibration_key(r) for r in rows}
+    assert rows and foreign not in keys
+    assert not any("123457" in line for line in lines)
+    assert f"{len(rows)} verdicts used by tiny-transformer" in "\n".join(lines)
+    every = {cli.calibration_key(r) for r in calibration.table()}
+    assert keys < every  # a strict subset: the cache holds more than this model uses
+
+    _, conv_rows = _calibrate("tiny-causal-conv", capsys)
+    conv_keys = {cli.calibration_key(r) for r in conv_rows}
+    assert conv_keys and foreign not in conv_keys
+    assert conv_keys != keys  # another layout (depthwise conv weights), other verdicts
+    # run again from the cache: the same verdicts, none dropped, none added
+    _, again = _calibrate("tiny-transformer", capsys)
+    assert {cli.calibration_key(r) for r in again} == keys
+
+
+def test_calibrate_restores_the_calibration_functions(capsys):
+    lookup, record = calibration.lookup, calibration.record
+    _calibrate("tiny", capsys)
+    assert (calibration.lookup, calibration.record) == (lookup, record)
+
+
+def test_report_help_counts_the_figures_it_writes(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["report", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "five PNG figures," not in text
+    assert "four PNG figures (five when the campaign ran the four arms of the 2x2 factorial)" \
+        in text
+
+
+def test_bench_help_names_the_shapes(capsys):
+    from cotangent.harness.bench import SHAPES
+
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(shape in text for shape in SHAPES)
