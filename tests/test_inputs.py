@@ -203,47 +203,118 @@ def test_grad_scaler_with_clipping_and_overflow_steps(impl, unscale):
 
 # ------------------------------------------------------------------ 6. clear errors
 
-@pytest.mark.parametrize("cast", ["half", "double", "bfloat16", "to float64", "data replaced"])
+@pytest.mark.parametrize("cast", ["half", "double", "bfloat16", "to float64", "reshaped"])
 def test_model_cast_after_building_is_a_clear_error(cast):
     m = nn.Linear(8, 8)
     opt = cotangent.AdamW(m.parameters())
     if cast == "to float64":
         m.to(torch.float64)
-    elif cast == "data replaced":
-        m.weight.data = m.weight.data.clone()
+    elif cast == "reshaped":
+        m.weight.data = m.weight.data.reshape(4, 16).clone()
     else:
         getattr(m, cast)()
-    cause = "its storage was replaced" if cast == "data replaced" else "it was cast or moved"
+    cause = "its shape or strides changed" if cast == "reshaped" else "it was cast or moved"
     with pytest.raises(RuntimeError, match=f"no longer lives in this cotangent.AdamW's flat "
-                                           f"buffer: {cause}"):
+                                           f"buffer and cannot be followed: {cause}"):
         opt.zero_grad()
     with pytest.raises(RuntimeError, match="build the optimizer after moving or casting"):
         opt.step()
 
 
-def test_a_second_packed_optimizer_over_the_same_parameters_is_named():
-    """Two cotangent.AdamW over one parameter (e.g. an encoder shared by two losses): the second
-    packs it into its own buffer; the first then says so instead of blaming `p.data = ...`."""
-    m = nn.Linear(8, 8)
-    first = cotangent.AdamW(m.parameters())
-    second = cotangent.AdamW(m.parameters())  # noqa: F841 (alive)
-    m(torch.ones(2, 8)).sum().backward()
-    with pytest.raises(RuntimeError, match="another cotangent.AdamW built later packed it"):
-        first.step()
-
-
-def test_shared_memory_parameters_are_refused():
-    """Hogwild: workers update parameters in shared memory; packing would move them into a
-    private buffer where other processes never see the updates."""
-    m = nn.Linear(8, 8)
-    m.share_memory()
-    with pytest.raises(ValueError, match="shared memory"):
-        cotangent.AdamW(m.parameters())
-    m2 = nn.Linear(8, 8)
-    opt = cotangent.AdamW(m2.parameters())
-    m2.share_memory()  # after building: the next step says what happened
-    with pytest.raises(RuntimeError, match="moved to shared memory"):
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_parameter_data_replaced_is_followed_like_native(impl):
+    """`p.data = t` (SAM restoring the weights, a momentum encoder, a parametrization): native
+    updates `t` from then on; so does Cotangent (that parameter is then updated by its own
+    call), and `t` keeps aliasing the parameter."""
+    torch.manual_seed(0)
+    m1 = nn.Sequential(*[nn.Linear(4, 4) for _ in range(4)])
+    m2 = copy.deepcopy(m1)
+    ref = cotangent.ReferenceUpdate(m1.parameters(), max_norm=0.05, **HP, **IMPLS[impl])
+    opt = cotangent.AdamW(m2.parameters(), max_norm=0.05, **HP, **IMPLS[impl])
+    assigned = {}
+    gen = torch.Generator().manual_seed(1)
+    for step in range(5):
+        x = torch.randn(3, 4, generator=gen)
+        if step in (1, 3):
+            for m in (m1, m2):  # a fresh tensor of the same shape, dtype and strides
+                assigned[id(m)] = m[1].weight.data.clone() * 0.5
+                m[1].weight.data = assigned[id(m)]
+        for m, o in ((m1, ref), (m2, opt)):
+            o.zero_grad()
+            m(x).square().sum().backward()
+        total = ref.step()
         opt.step()
+        assert_same_bits(total, opt.last_total_norm, f"step {step} total norm")
+        assert_same_update(m1.parameters(), ref.optimizer.state, m2.parameters(), opt.state,
+                           f"step {step}")
+        if step >= 1:  # the assigned tensor is the parameter's memory, updated in place
+            assert m2[1].weight.data_ptr() == assigned[id(m2)].data_ptr()
+            assert_same_bits(assigned[id(m1)], assigned[id(m2)], f"step {step} assigned")
+
+
+def test_parameters_tied_through_data_are_a_clear_error():
+    """`b.weight.data = a.weight.data` after building: native updates that memory twice, in its
+    own order; Cotangent refuses (and refuses it at construction too)."""
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    opt = cotangent.AdamW(list(a.parameters()) + list(b.parameters()))
+    b.weight.data = a.weight.data
+    with pytest.raises(RuntimeError, match="overlaps parameter 0"):
+        opt.step()
+
+
+@pytest.mark.parametrize("impl", ["fused", "for-loop"])
+def test_two_optimizers_sharing_parameters(impl):
+    """An encoder updated by two optimizers (e.g. SAC-AE's critic and decoder): the second
+    packs the shared parameters; the first follows them there, as native's both update them."""
+    torch.manual_seed(0)
+    base = nn.ModuleDict({"enc": nn.Linear(8, 8), "a": nn.Linear(8, 4), "b": nn.Linear(8, 4)})
+    sides = []
+    for cls in (torch.optim.AdamW, cotangent.AdamW):
+        m = copy.deepcopy(base)
+        o1 = cls(list(m["enc"].parameters()) + list(m["a"].parameters()), **HP, **IMPLS[impl])
+        o2 = cls(list(m["enc"].parameters()) + list(m["b"].parameters()), **HP, **IMPLS[impl])
+        sides.append((m, o1, o2))
+    gen = torch.Generator().manual_seed(1)
+    for step in range(5):
+        x = torch.randn(3, 8, generator=gen)
+        for m, o1, o2 in sides:
+            o1.zero_grad()
+            m["a"](m["enc"](x)).square().sum().backward()
+            o1.step()
+            o2.zero_grad()
+            m["b"](m["enc"](x)).square().sum().backward()
+            o2.step()
+        (m1, n1, n2), (m2, c1, c2) = sides
+        for native, ours in ((n1, c1), (n2, c2)):
+            assert_same_update(m1.parameters(), native.state, m2.parameters(), ours.state,
+                               f"step {step}")
+
+
+def test_shared_memory_parameters_stay_in_place():
+    """Hogwild: workers update parameters in shared memory. They are not moved into a private
+    buffer (other processes would never see the updates) but updated where they are."""
+    torch.manual_seed(0)
+    m1 = nn.Linear(8, 8)
+    m2 = copy.deepcopy(m1)
+    for m in (m1, m2):
+        m.share_memory()
+    ptrs = [p.data_ptr() for p in m2.parameters()]
+    ref = torch.optim.AdamW(m1.parameters(), **HP)
+    opt = cotangent.AdamW(m2.parameters(), **HP)
+    for step in range(3):
+        for m, o in ((m1, ref), (m2, opt)):
+            o.zero_grad()
+            m(torch.ones(2, 8)).sum().backward()
+            o.step()
+        assert_same_update(m1.parameters(), ref.state, m2.parameters(), opt.state, f"step {step}")
+    assert [p.data_ptr() for p in m2.parameters()] == ptrs
+    assert all(p.is_shared() for p in m2.parameters())
+    m3 = nn.Linear(8, 8)
+    opt3 = cotangent.AdamW(m3.parameters())
+    m3.share_memory()  # after building: the whole buffer moved into shared memory
+    m3(torch.ones(2, 8)).sum().backward()
+    opt3.step()
+    assert all(p.is_shared() for p in m3.parameters())
 
 
 def test_lazy_and_subclass_parameters_are_refused_clearly():

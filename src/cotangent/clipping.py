@@ -63,7 +63,8 @@ class PackedClipper:
     def groups(self, present: tuple[int, ...], clip_order: list[int]) -> list:
         """Native (device, dtype) groups of the present gradients in clip order: per group, its
         layout, the positions of its norms in that layout's norm vector (None when they are the
-        whole vector in order) and its slots."""
+        whole vector in order), its slots, and whether the layout's every present gradient is
+        in the clip (so that one multiply over the whole buffer may stand for native's)."""
         present_set = set(present)
         ordered = [s for s in clip_order if s in present_set]
         grads = [self.store.grad_views[s] for s in ordered]
@@ -76,7 +77,8 @@ class PackedClipper:
             order = [out_pos[s] for s in slots]
             index = None if order == list(range(len(out_pos))) else torch.tensor(
                 order, device=self.store.layouts[li].device)
-            groups.append((li, index, slots))
+            whole = {s for s in present if self.store.where[s][0] == li} <= set(slots)
+            groups.append((li, index, slots, whole))
         return groups
 
     def total_norm(self, groups: list) -> Tensor:
@@ -85,7 +87,7 @@ class PackedClipper:
             return torch.tensor(0.0)
         norms: dict[int, Tensor] = {}
         parts = []
-        for li, index, _ in groups:
+        for li, index, _, _ in groups:
             if li not in norms:
                 norms[li] = run_norm_program(self.programs[li], self.norm_type, None)
             parts.append(norms[li] if index is None else norms[li].index_select(0, index))
@@ -96,7 +98,7 @@ class PackedClipper:
 
     def scale(self, groups: list, coef: Tensor) -> None:
         """Multiply the gradients of `groups` by `coef` in place, as native clipping does."""
-        for li, _, slots in groups:
+        for li, _, slots, whole in groups:
             layout = self.store.layouts[li]
             coef_dev = coef.to(layout.device)
             if multiply_is_identity(coef_dev):
@@ -105,7 +107,7 @@ class PackedClipper:
             if key not in self.multiply_exact:  # probe once per buffer and coefficient dtype
                 self.multiply_exact[key] = flat_multiply_is_exact(
                     layout.device, layout.dtype, coef_dev.dtype)
-            if self.multiply_exact[key]:
+            if self.multiply_exact[key] and whole:
                 # absent gradients' views are multiplied too: they are refilled by zero_grad
                 # before any backward can accumulate into them
                 self.store.flat_grads[li].mul_(coef_dev)

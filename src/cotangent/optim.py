@@ -85,8 +85,9 @@ class AdamW(torch.optim.AdamW):
             total norm. A module (``clip_order=model``: its ``parameters()`` are read afresh at
             every clip, so wrapping or pruning mid-run is followed), a zero-argument callable
             returning parameters, or a fixed iterable of them (e.g. ``model.parameters()`` as
-            it is now). Default: the optimizer's order (param groups concatenated). It must
-            contain every optimizer parameter; others in it must have no gradient at `step()`.
+            it is now). Default: the optimizer's order (param groups concatenated). As with
+            native code, optimizer parameters missing from it are updated unclipped, and others
+            in it are clipped too.
         batched_norms: use calibrated batched norms (default). ``False`` computes every
             per-tensor norm with the native call, keeping everything else packed: the
             "packing-only" cell of a factorial experiment.
@@ -102,8 +103,7 @@ class AdamW(torch.optim.AdamW):
         ValueError / RuntimeError at construction: everything `torch.optim.AdamW` raises for bad
             arguments; a parameter that appears twice, shares storage with another, is sparse,
             complex, integer, on the meta device, a DTensor or other wrapper subclass, an
-            uninitialised lazy parameter, or not dense; non-numeric `max_norm`; a `clip_order`
-            that misses an optimizer parameter.
+            uninitialised lazy parameter, or not dense; non-numeric `max_norm`.
         NotImplementedError: ``capturable=True`` or ``differentiable=True`` (also when set on a
             group later).
         RuntimeError from `step()`, `clip_grad_norm_()` and `zero_grad()`, before anything is
@@ -111,8 +111,8 @@ class AdamW(torch.optim.AdamW):
             ``model.half()``); a sparse gradient; a gradient whose shape, dtype or device differs
             from its parameter's; a non-finite total norm with ``error_if_nonfinite``; a
             ``state[p]`` that lacks an entry native AdamW reads, or holds a tensor of another
-            shape, dtype or device, or a non-tensor or non-0-dim step; a `clip_order` parameter
-            outside the optimizer that has a gradient; a tensor ``lr`` with ``foreach=True``; the
+            shape, dtype or device, or a non-tensor or non-0-dim step; a tensor ``lr`` with
+            ``foreach=True``; the
             call happening inside ``torch.compile``; and what native AdamW raises itself.
 
     Example::
@@ -262,10 +262,12 @@ class AdamW(torch.optim.AdamW):
             # run the update without the scale.
             _compat.unscale_grads_([grads.tensor(store, s) for s in grads.present], grad_scale)
             self._scale_applied = True
-        if grads.foreign:
+        if grads.foreign or any(p.grad is not None for p in self._clip_outsiders):
+            # gradients that are not all in the buffer: clip them where they are
             present = set(grads.present)
             total = clip_actual_tensors(
-                [grads.tensor(store, s) for s in self._clip_order if s in present],
+                [q.grad if s is None else grads.tensor(store, s) for s, q in self._clip_sequence
+                 if (q.grad is not None if s is None else s in present)],
                 self.max_norm, self.norm_type, self.error_if_nonfinite)
         else:
             plan = inputs.plan
@@ -283,14 +285,11 @@ class AdamW(torch.optim.AdamW):
         the state they will read. Raises (see the class docstring) before anything is modified."""
         self._refresh_structure()
         self._refresh_clip_order()
+        if self._store.sync_params():
+            self._planner.invalidate()
         grads = self._tracker.scan()
         if grads.views_replaced:
             self._planner.invalidate()
-        for p in self._clip_outsiders:
-            if p.grad is not None:
-                raise RuntimeError(
-                    f"a parameter in clip_order (shape {tuple(p.shape)}) has a gradient but is "
-                    "not updated by this optimizer; native clip_grad_norm_ would include it")
         plan = self._planner.plan(grads.present)
         valid = self._planner.calls_valid(plan, self.state, self.param_groups)
         if not valid:
@@ -351,9 +350,10 @@ class AdamW(torch.optim.AdamW):
         old = self._tracker
         grads = gradients_to_carry(old, params)
         states = {slot: self.state[p] for slot, p in enumerate(params) if self.state.get(p)}
+        detached = {id(old.store.params[s]) for s in old.store.detached} if old else set()
         if old is not None:
             old.remove_hooks()
-        store = FlatStore.pack(params, layouts, grads, states)
+        store = FlatStore.pack(params, layouts, grads, states, detached)
         tracker = GradientTracker(store, *((old.backwards, old.resets) if old else (0, 0)))
         for slot in grads:
             tracker.has_grad[slot] = True
@@ -370,25 +370,16 @@ class AdamW(torch.optim.AdamW):
         return list(source()) if callable(source) else source
 
     def _set_clip_order(self, params: list[Tensor], order: list[Tensor] | None = None) -> None:
-        """Slots in clip order, and the clip-order parameters outside the optimizer.
-
-        Raises:
-            ValueError: the clip order lacks an optimizer parameter.
-        """
+        """What the clip covers, in order: optimizer slots (an optimizer parameter missing from
+        the clip order is updated unclipped, as native), and the clip-order parameters outside
+        the optimizer (clipped where their gradients are, if they have any)."""
         order = self._clip_order_list() if order is None else order
         slot_of = {id(p): slot for slot, p in enumerate(params)}
-        if order is not None:
-            listed = {id(q) for q in order}
-            missing = [slot for slot, p in enumerate(params) if id(p) not in listed]
-            if missing:
-                raise ValueError(
-                    f"clip_order lacks optimizer parameter(s) {missing}; it must list every "
-                    "parameter the optimizer updates (pass clip_order=model to follow the "
-                    "model's parameters as they change)")
         self._clip_order_seen = order
-        self._clip_order = (list(range(len(params))) if order is None
-                            else [slot_of[id(p)] for p in order if id(p) in slot_of])
-        self._clip_outsiders = [] if order is None else [p for p in order if id(p) not in slot_of]
+        self._clip_sequence = ([(s, p) for s, p in enumerate(params)] if order is None
+                               else [(slot_of.get(id(p)), p) for p in order])
+        self._clip_order = [s for s, _ in self._clip_sequence if s is not None]
+        self._clip_outsiders = [p for s, p in self._clip_sequence if s is None]
 
     def _refresh_clip_order(self) -> None:
         """Re-read a live clip order (a module or callable); replan when its order changed."""
@@ -465,7 +456,8 @@ class AdamW(torch.optim.AdamW):
         """
         _compat.refuse_under_compile("cotangent.AdamW.zero_grad()")
         self._refresh_structure()
-        self._store.check_params_in_place()
+        if self._store.sync_params():
+            self._planner.invalidate()
         self._tracker.zero_grad(set_to_none)
 
     # ------------------------------------------------------------------ introspection

@@ -228,7 +228,8 @@ class Planner:
         for seg in segs:
             end = seg.offset + -(-seg.numel // align) * align
             step = state[store.params[seg.slot]]["step"]
-            ok = (seg.contiguous and seg.slot not in override and step.device.type == "cpu"
+            ok = (seg.contiguous and seg.slot not in override and seg.slot not in store.detached
+                  and step.device.type == "cpu"
                   and merge.merge_is_exact(kind, store.layouts[li].device,
                                            store.layouts[li].dtype, seg.numel, group))
             if (ok and runs and run_end == seg.offset

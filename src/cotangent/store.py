@@ -102,11 +102,6 @@ def validate_params(params: list[Tensor]) -> list[FlatLayout]:
         if p.device.type == "meta":
             raise ValueError(f"parameter {slot} is on the meta device (no data to pack); "
                              "build cotangent.AdamW after materialising the model")
-        if p.device.type == "cpu" and p.is_shared():
-            raise ValueError(
-                f"parameter {slot} lives in shared memory (`model.share_memory()`, Hogwild-style "
-                "multiprocessing): cotangent.AdamW would move it into a private flat buffer, "
-                "so other processes would never see its updates; use torch.optim.AdamW here")
     spans = sorted(
         (p.untyped_storage().data_ptr() + p.storage_offset() * p.element_size(),
          p.untyped_storage().data_ptr() + (p.storage_offset() + p.numel()) * p.element_size(),
@@ -271,21 +266,29 @@ class FlatStore:
                                          for s in range(len(params))]
         self.grad_ptrs = [g.data_ptr() for g in self.grad_views]
         self.param_ptrs: list[int] = []
+        # slots whose parameter's data lives outside the flat buffer (assigned by `p.data = t`,
+        # or in shared memory): updated by per-parameter calls on the parameter itself
+        self.detached: set[int] = set()
 
     @classmethod
     @torch.no_grad()
     def pack(cls, params: list[Tensor], layouts: list[FlatLayout], grads: dict[int, Tensor],
-             states: dict[int, dict]) -> FlatStore:
+             states: dict[int, dict], keep_in_place: set[int] = frozenset()) -> FlatStore:
         """Move `params` into new flat buffers (re-pointing `p.data`) and set their gradients from
         `grads` (slot -> tensor; a gradient laid out like its parameter is copied into the buffer,
         another stays where it is; slots without one read None); the valid entries of the state
         dicts `states` (slot -> dict) are copied in and replaced by views. The caller validates
-        the parameters (`validate_params`) and the gradients' shapes and dtypes."""
+        the parameters (`validate_params`) and the gradients' shapes and dtypes. Parameters in
+        shared memory (`stays_in_place`) and those whose `id` is in `keep_in_place` (following a
+        `p.data = t` of the previous store) stay where they are."""
         store = cls(params, layouts)
         for slot, p in enumerate(params):
-            view = store.view(store.flat_params, slot)
-            view.copy_(p)
-            p.data = view
+            if stays_in_place(p) or id(p) in keep_in_place:
+                store.detached.add(slot)
+            else:
+                view = store.view(store.flat_params, slot)
+                view.copy_(p)
+                p.data = view
             grad = grads.get(slot)
             if grad is None:
                 p.grad = None
@@ -389,34 +392,65 @@ class FlatStore:
                     changed |= self.adopt(slot, entry, adoptable_keys(self.params[slot], entry))
         return changed
 
-    def moved_params(self) -> list[int]:
-        """Slots whose parameter no longer lives in its flat-buffer segment."""
-        return [s for s, (p, ptr) in enumerate(zip(self.params, self.param_ptrs))
-                if p.data_ptr() != ptr]
+    def sync_params(self) -> bool:
+        """Follow parameters whose data moved since the last step, as native does.
 
-    def check_params_in_place(self) -> None:
-        """Raise a clear RuntimeError if any parameter's storage was replaced since packing."""
+        A parameter whose storage was replaced by one of the same shape, dtype, device and
+        strides (``p.data = t``: SAM restoring weights, a momentum encoder's update, a
+        parametrization, another optimizer packing it) stays where it now is, its update runs
+        on the parameter itself; one whose flat buffer moved as a whole (``share_memory()``) is
+        still in it. Returns whether a parameter left the buffer (cached calls must be rebuilt).
+
+        Raises:
+            RuntimeError: a parameter cast or moved to another dtype or device (``model.half()``,
+                ``model.to(...)``), reshaped or re-strided, or now sharing memory with another
+                parameter (native would update that memory twice, in its own order).
+        """
         if list(map(Tensor.data_ptr, self.params)) == self.param_ptrs:
-            return
-        slot = self.moved_params()[0]
-        p = self.params[slot]
-        li, _ = self.where[slot]
-        layout = self.layouts[li]
+            return False
+        left = False
+        for slot, (p, ptr) in enumerate(zip(self.params, self.param_ptrs)):
+            if p.data_ptr() == ptr:
+                continue
+            li, seg = self.where[slot]
+            flat = self.flat_params[li]
+            if slot not in self.detached and p.data_ptr() == (
+                    flat.data_ptr() + seg.offset * flat.element_size()):
+                self.param_ptrs[slot] = p.data_ptr()  # the whole buffer moved
+                continue
+            problem = self._move_problem(slot, p)
+            if problem:
+                raise RuntimeError(
+                    f"{describe(slot, p)} no longer lives in this cotangent.AdamW's flat buffer "
+                    f"and cannot be followed: {problem}; build the optimizer after moving or "
+                    "casting the model")
+            left |= slot not in self.detached
+            self.detached.add(slot)
+            self.param_ptrs[slot] = p.data_ptr()
+        return left
+
+    def _move_problem(self, slot: int, p: Tensor) -> str | None:
+        layout = self.layouts[self.where[slot][0]]
+        seg = self.where[slot][1]
         if p.dtype != layout.dtype or p.device != layout.device:
-            cause = (f"it was cast or moved from {str(layout.dtype).removeprefix('torch.')} on "
-                     f"{layout.device} (e.g. `model.half()`, `model.to(...)`)")
-        elif _is_packed(p):
-            cause = ("another cotangent.AdamW built later packed it into its own buffer (two "
-                     "packed optimizers cannot share a parameter: give each its own parameters, "
-                     "or use torch.optim.AdamW for one of them)")
-        elif p.device.type == "cpu" and p.is_shared():
-            cause = ("it was moved to shared memory (`share_memory()`); Hogwild-style training "
-                     "needs torch.optim.AdamW")
-        else:
-            cause = "its storage was replaced (e.g. `p.data = ...`)"
-        raise RuntimeError(
-            f"{describe(slot, p)} no longer lives in this cotangent.AdamW's flat buffer: {cause}; "
-            "build the optimizer after moving or casting the model")
+            return (f"it was cast or moved from {str(layout.dtype).removeprefix('torch.')} on "
+                    f"{layout.device} (e.g. `model.half()`, `model.to(...)`)")
+        if tuple(p.shape) != seg.shape or not same_strides(p, self.grad_views[slot]):
+            return f"its shape or strides changed (now {tuple(p.shape)}, stride {p.stride()})"
+        start = p.data_ptr()
+        end = start + p.numel() * p.element_size()
+        for other, q in enumerate(self.params):
+            if other != slot and q.numel() and p.numel() and (
+                    q.data_ptr() < end and start < q.data_ptr() + q.numel() * q.element_size()):
+                return (f"its new storage overlaps parameter {other}'s (parameters tied through "
+                        "`.data`: tie modules by sharing one Parameter object instead)")
+        return None
+
+
+def stays_in_place(p: Tensor) -> bool:
+    """Whether packing must leave a parameter where it is: in shared memory (Hogwild workers
+    update it there for each other), it is updated per parameter, as native."""
+    return p.device.type == "cpu" and p.is_shared()
 
 
 # --------------------------------------------------------------------------- pickling

@@ -166,8 +166,8 @@ class GradientTracker:
         into it (one copy; native bits are unchanged because views behave as separate tensors).
 
         Raises:
-            RuntimeError: a parameter's storage was replaced; a sparse gradient; a gradient whose
-                shape, dtype or device differs from its parameter's.
+            RuntimeError: a sparse gradient; a gradient whose shape, dtype or device differs
+                from its parameter's.
         """
         store = self.store
         params = store.params
@@ -176,9 +176,7 @@ class GradientTracker:
         if (all(self.has_grad) and not any(self.sparse)
                 and all(map(operator.is_, grads, store.grad_views))
                 and list(map(Tensor.data_ptr, grads)) == store.grad_ptrs):
-            store.check_params_in_place()
             return Gradients(self.all_slots)
-        store.check_params_in_place()
         present, outside, foreign = [], [], {}
         views_replaced = False
         for slot, p in enumerate(params):
