@@ -138,26 +138,29 @@ class GradientTracker:
         store = self.store
         keep = set() if set_to_none else {
             s for s in self.all_slots if self.tracked[s] and self.has_logical_grad(s)}
-        kept_outside = set()
         for flat_g in store.flat_grads:
             flat_g.fill_(-0.0)
-        for slot, p in enumerate(store.params):
-            g = p.grad
-            foreign = g is not None and g is not store.grad_views[slot] and not same_strides(g, p)
-            if not self.tracked[slot] or (foreign and slot in keep):
+        views = store.grad_views
+        n = len(views)
+        kept_outside = set()
+        # Only gradients that are not their buffer view need a look (none in the usual step).
+        for slot, (p, g, view) in enumerate(zip(store.params, map(_GRAD, store.params), views)):
+            if g is view and self.tracked[slot]:
+                continue
+            if not self.tracked[slot] or (g is not None and slot in keep
+                                          and not same_strides(g, p)):
                 # a frozen parameter's stray gradient, or one laid out unlike its parameter
                 # that native keeps (zeroed in place) and accumulates into: reset as native
                 if g is not None:
                     p.grad = None if set_to_none else g.zero_()
                 kept_outside.add(slot)
                 continue
-            if p.grad is not store.grad_views[slot]:
-                p.grad = store.grad_views[slot]
-            self.has_grad[slot] = False
-            self.sparse[slot] = False
+            p.grad = view
+        self.has_grad = [False] * n
+        self.sparse = [False] * n
         self.callback_queued = False  # in case a failed backward never ran its callback
         for slot in keep - kept_outside:
-            store.grad_views[slot].zero_()
+            views[slot].zero_()
             self.has_grad[slot] = True
         self.resets += 1
 
