@@ -14,6 +14,8 @@ this library's drop-ins for the native functions on the actual tensors.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import Tensor
 
@@ -30,6 +32,7 @@ from cotangent.norms import (
     total_norm,
 )
 from cotangent.store import FlatStore
+from cotangent.tracking import Gradients
 
 
 class PackedClipper:
@@ -139,3 +142,57 @@ def clip_actual_tensors(grads: list[Tensor], max_norm: float, norm_type: float,
     total = get_total_norm(grads, norm_type, error_if_nonfinite)
     scale_grads_(grads, max_norm, total)
     return total
+
+
+class ClipOrder:
+    """What the clip covers, in which order: `clip_grad_norm_`'s parameter list.
+
+    `source` is a module (its ``parameters()`` read at every clip, as a loop calling
+    ``clip_grad_norm_(model.parameters(), ...)`` reads them), a zero-argument callable, a fixed
+    list, or None (the optimizer's parameters in param-group order). As with native code,
+    optimizer parameters missing from it are updated unclipped, and parameters in it that the
+    optimizer does not hold are clipped too (where their gradients are).
+    """
+
+    def __init__(self, source, params: list[Tensor]) -> None:
+        self.source = source
+        self.resolve(params)
+
+    @property
+    def live(self) -> bool:
+        return isinstance(self.source, torch.nn.Module) or callable(self.source)
+
+    def current(self) -> list[Tensor] | None:
+        if isinstance(self.source, torch.nn.Module):
+            return list(self.source.parameters())
+        return list(self.source()) if callable(self.source) else self.source
+
+    def resolve(self, params: list[Tensor], order: list[Tensor] | None = None) -> None:
+        """Map the order onto `params` (the optimizer's slots): `slots` in clip order, and
+        `sequence` = (slot or None for an outside parameter, parameter) in clip order."""
+        order = self.current() if order is None else order
+        slot_of = {id(p): slot for slot, p in enumerate(params)}
+        self.seen = order
+        self.sequence = (list(enumerate(params)) if order is None
+                         else [(slot_of.get(id(p)), p) for p in order])
+        self.slots = [s for s, _ in self.sequence if s is not None]
+        self.outsiders = [p for s, p in self.sequence if s is None]
+
+    def refresh(self, params: list[Tensor]) -> bool:
+        """Re-read a live source; returns whether the order changed (plans must be rebuilt)."""
+        if not self.live:
+            return False
+        order = self.current()
+        if len(order) == len(self.seen) and all(map(operator.is_, order, self.seen)):
+            return False
+        self.resolve(params, order)
+        return True
+
+    def tensors_if_outside(self, grads: Gradients, store: FlatStore) -> list[Tensor] | None:
+        """The gradients to clip, in clip order, when some are not in the flat buffer (foreign
+        strides, or parameters outside the optimizer); None when all are."""
+        if not grads.foreign and not any(p.grad is not None for p in self.outsiders):
+            return None
+        present = set(grads.present)
+        return [q.grad if s is None else grads.tensor(store, s) for s, q in self.sequence
+                if (q.grad is not None if s is None else s in present)]

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from cotangent import _compat, merge
-from cotangent.clipping import PackedClipper, clip_actual_tensors
+from cotangent.clipping import ClipOrder, PackedClipper, clip_actual_tensors
 from cotangent.plan import Planner, StepPlan
 from cotangent.store import (
     FlatStore,
@@ -59,15 +59,17 @@ class AdamW(torch.optim.AdamW):
 
     Packing: at construction every parameter's storage moves into one flat buffer per
     (device, dtype), ordered by length, keeping its shape and strides (`p.data` is re-pointed; the
-    `Parameter` objects and modules are unchanged). Gradients live in a matching flat buffer that
-    autograd accumulates into; `state[p]` holds views of flat moment and step buffers.
+    `Parameter` objects and modules are unchanged; parameters in shared memory stay where they
+    are). Gradients live in a matching flat buffer that autograd accumulates into; `state[p]`
+    holds tensors over flat moment and step buffers.
 
     Edits from outside are followed as native follows them (it reads everything afresh at every
     step): parameters added to, removed from or replaced inside ``param_groups`` (repacked),
     ``state[p]`` entries assigned, replaced, cleared or edited in place (assigned tensors are
-    validated and copied in, as `load_state_dict` does), hyperparameter edits, gradients assigned
-    or written without a backward, a changed thread count. What cannot be followed is a clear
-    error at the next `step()` (see Raises), never a silent difference.
+    validated and copied in, as `load_state_dict` does), ``p.data = t`` (that parameter is then
+    updated where it is), hyperparameter edits, gradients assigned or written without a backward,
+    a changed thread count. What cannot be followed is a clear error (see Raises), never a silent
+    difference.
 
     Args:
         params: iterable of parameters or of param-group dicts, as for `torch.optim.AdamW`.
@@ -107,13 +109,13 @@ class AdamW(torch.optim.AdamW):
         NotImplementedError: ``capturable=True`` or ``differentiable=True`` (also when set on a
             group later).
         RuntimeError from `step()`, `clip_grad_norm_()` and `zero_grad()`, before anything is
-            modified: a parameter's storage was replaced (`p.data = ...`, ``model.to(...)``,
-            ``model.half()``); a sparse gradient; a gradient whose shape, dtype or device differs
-            from its parameter's; a non-finite total norm with ``error_if_nonfinite``; a
-            ``state[p]`` that lacks an entry native AdamW reads, or holds a tensor of another
-            shape, dtype or device, or a non-tensor or non-0-dim step; a tensor ``lr`` with
-            ``foreach=True``; the
-            call happening inside ``torch.compile``; and what native AdamW raises itself.
+            modified: a parameter cast, moved, reshaped or tied to another through ``.data``
+            after building (``model.half()``, ``model.to(...)``); a sparse gradient; a gradient
+            whose shape, dtype or device differs from its parameter's; a non-finite total norm
+            with ``error_if_nonfinite``; a ``state[p]`` that lacks an entry native AdamW reads,
+            or holds a tensor of another shape, dtype or device, or a non-tensor or non-0-dim
+            step; a tensor ``lr`` with ``foreach=True``; the call happening inside
+            ``torch.compile``; and what native AdamW raises itself.
 
     Example::
 
@@ -165,11 +167,19 @@ class AdamW(torch.optim.AdamW):
     # ------------------------------------------------------------------ the update
 
     def step(self, closure=None):
-        """Clip (if ``max_norm`` is set) and apply one AdamW update; returns the closure's loss.
+        """Clip (if ``max_norm`` is set) and apply one AdamW update.
 
         The clip runs where user code calls `clip_grad_norm_`: before the step pre-hooks, or,
         with a closure, right after the closure has computed the gradients. It is skipped when
         `clip_grad_norm_()` already clipped these gradients.
+
+        Args:
+            closure: optional callable that re-evaluates the model and returns the loss (run
+                under `torch.enable_grad`), as for `torch.optim.AdamW.step`.
+        Returns:
+            The closure's loss, or None.
+        Raises:
+            See the class docstring; nothing is modified before an error is raised.
         """
         _compat.refuse_under_compile("cotangent.AdamW.step()")
         self._scale_applied = False
@@ -262,17 +272,14 @@ class AdamW(torch.optim.AdamW):
             # run the update without the scale.
             _compat.unscale_grads_([grads.tensor(store, s) for s in grads.present], grad_scale)
             self._scale_applied = True
-        if grads.foreign or any(p.grad is not None for p in self._clip_outsiders):
-            # gradients that are not all in the buffer: clip them where they are
-            present = set(grads.present)
-            total = clip_actual_tensors(
-                [q.grad if s is None else grads.tensor(store, s) for s, q in self._clip_sequence
-                 if (q.grad is not None if s is None else s in present)],
-                self.max_norm, self.norm_type, self.error_if_nonfinite)
+        outside = self._clip_order.tensors_if_outside(grads, store)
+        if outside is not None:  # not all in the buffer: clip them where they are
+            total = clip_actual_tensors(outside, self.max_norm, self.norm_type,
+                                        self.error_if_nonfinite)
         else:
             plan = inputs.plan
             if plan.clip is None:
-                plan.clip = self._clipper.groups(plan.present, self._clip_order)
+                plan.clip = self._clipper.groups(plan.present, self._clip_order.slots)
             total = self._clipper.clip(plan.clip, self.max_norm, self.error_if_nonfinite)
         self._last_total_norm = total
         self._norm_backwards = self._tracker.backwards
@@ -284,7 +291,8 @@ class AdamW(torch.optim.AdamW):
         """Notice every edit made since the last step, then list this step's gradients and check
         the state they will read. Raises (see the class docstring) before anything is modified."""
         self._refresh_structure()
-        self._refresh_clip_order()
+        if self.max_norm is not None and self._clip_order.refresh(self._store.params):
+            self._planner.invalidate(plans=True)
         if self._store.sync_params():
             self._planner.invalidate()
         grads = self._tracker.scan()
@@ -346,7 +354,7 @@ class AdamW(torch.optim.AdamW):
         Everything is validated before anything is modified."""
         params = [p for g in self.param_groups for p in g["params"]]
         layouts = validate_params(params)
-        self._set_clip_order(params)
+        self._clip_order = ClipOrder(self._clip_order_params, params)
         old = self._tracker
         grads = gradients_to_carry(old, params)
         states = {slot: self.state[p] for slot, p in enumerate(params) if self.state.get(p)}
@@ -362,35 +370,6 @@ class AdamW(torch.optim.AdamW):
         self._planner = Planner(store, self._group_sizes)
         self._calibrate()
         self._clipped, self._prepared = None, None
-
-    def _clip_order_list(self) -> list[Tensor] | None:
-        source = self._clip_order_params
-        if isinstance(source, torch.nn.Module):
-            return list(source.parameters())
-        return list(source()) if callable(source) else source
-
-    def _set_clip_order(self, params: list[Tensor], order: list[Tensor] | None = None) -> None:
-        """What the clip covers, in order: optimizer slots (an optimizer parameter missing from
-        the clip order is updated unclipped, as native), and the clip-order parameters outside
-        the optimizer (clipped where their gradients are, if they have any)."""
-        order = self._clip_order_list() if order is None else order
-        slot_of = {id(p): slot for slot, p in enumerate(params)}
-        self._clip_order_seen = order
-        self._clip_sequence = ([(s, p) for s, p in enumerate(params)] if order is None
-                               else [(slot_of.get(id(p)), p) for p in order])
-        self._clip_order = [s for s, _ in self._clip_sequence if s is not None]
-        self._clip_outsiders = [p for s, p in self._clip_sequence if s is None]
-
-    def _refresh_clip_order(self) -> None:
-        """Re-read a live clip order (a module or callable); replan when its order changed."""
-        if self.max_norm is None or not (isinstance(self._clip_order_params, torch.nn.Module)
-                                         or callable(self._clip_order_params)):
-            return
-        order = self._clip_order_list()
-        seen = self._clip_order_seen
-        if len(order) != len(seen) or not all(map(operator.is_, order, seen)):
-            self._set_clip_order(self._store.params, order)
-            self._planner.invalidate(plans=True)
 
     def add_param_group(self, param_group: dict) -> None:
         """As `torch.optim.Optimizer.add_param_group`; afterwards all buffers are re-packed."""
@@ -465,18 +444,9 @@ class AdamW(torch.optim.AdamW):
     def layout_summary(self) -> list[dict]:
         """Per flat buffer: device, dtype, elements (with padding), tensors, buckets and how many
         buckets use the batched norm."""
-        return [
-            dict(device=str(l.device), dtype=str(l.dtype).removeprefix("torch."), elements=l.size,
-                 tensors=len(l.segments), buckets=len(l.buckets),
-                 batched_buckets=sum(b.batched for b in l.buckets))
-            for l in self._store.layouts
-        ]
+        return self._store.layout_summary()
 
     def call_summary(self) -> dict:
         """How the last step ran AdamW: native list elements (per-parameter tensors plus merged
-        ranges) against parameters, over the calls of the current plan."""
-        plan = self._planner.last
-        calls = plan.calls.calls if plan is not None and plan.calls is not None else []
-        return dict(calls=sum(len(c.params) for c in calls),
-                    parameters=sum(c.parameters for c in calls),
-                    implementations=sorted({c.kind for c in calls}))
+        ranges) against parameters, and the implementations used."""
+        return self._planner.call_summary()

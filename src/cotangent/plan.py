@@ -176,6 +176,14 @@ class Planner:
         self.last = plan
         return plan
 
+    def call_summary(self) -> dict:
+        """The last plan's calls: native list elements, parameters they update, implementations."""
+        plan = self.last
+        calls = plan.calls.calls if plan is not None and plan.calls is not None else []
+        return dict(calls=sum(len(c.params) for c in calls),
+                    parameters=sum(c.parameters for c in calls),
+                    implementations=sorted({c.kind for c in calls}))
+
     def calls_valid(self, plan: StepPlan, state, groups: list[dict]) -> bool:
         """Whether `plan`'s cached calls may run this step (see the module docstring)."""
         c = plan.calls

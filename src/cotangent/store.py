@@ -392,6 +392,13 @@ class FlatStore:
                     changed |= self.adopt(slot, entry, adoptable_keys(self.params[slot], entry))
         return changed
 
+    def layout_summary(self) -> list[dict]:
+        """Per flat buffer: device, dtype, elements (with padding), tensors, buckets and how many
+        buckets use the batched norm."""
+        return [dict(device=str(l.device), dtype=str(l.dtype).removeprefix("torch."),
+                     elements=l.size, tensors=len(l.segments), buckets=len(l.buckets),
+                     batched_buckets=sum(b.batched for b in l.buckets)) for l in self.layouts]
+
     def sync_params(self) -> bool:
         """Follow parameters whose data moved since the last step, as native does.
 
