@@ -417,7 +417,11 @@ def test_module_zero_grad_keep_before_the_first_backward_keeps_negative_zero():
         mod.p = p
         mod.zero_grad(set_to_none=False)
         (p * coef).sum().backward()
+    assert torch.signbit(p2.grad[0]), "the -0.0 gradient lost its sign"
     assert_same_bits(p1.grad, p2.grad, "first gradient")
+    o1.step()
+    o2.step()  # and the update that reads it
+    assert_same_update([p1], o1.state, [p2], o2.state, "after the first step")
 
 
 def test_meta_parameters_are_refused_clearly():
