@@ -179,24 +179,29 @@ def tensor_kind_refusal(p: Tensor) -> str | None:
     return None
 
 
-def _refuse(what: str, dummy: Tensor) -> Tensor:
-    raise RuntimeError(
-        f"{what} cannot run inside torch.compile: Cotangent's packed update is plain eager "
-        "code whose bits are proven against eager native AdamW, and a compiled native step "
-        "rounds differently. Compile the model and call the optimizer outside the compiled "
-        "function (or use torch.optim.AdamW if you need a compiled step)."
-    )
+def _compile_refusal(what: str):
+    """A function Dynamo refuses to trace (`torch._dynamo.forbid_in_graph` sets the same
+    attribute; setting it directly avoids importing Dynamo with the library). Tracing a call to
+    it stops the compilation with an error that shows its name: this message."""
+    def refusal() -> None:
+        raise RuntimeError(f"{what} cannot run inside torch.compile")
+
+    refusal._dynamo_forbidden = True
+    refusal.__qualname__ = (
+        f"{what} cannot run inside torch.compile: Cotangent's packed update is eager code "
+        "proven against eager native AdamW, and a compiled native step rounds differently; "
+        "compile the model and call the optimizer outside the compiled function")
+    return refusal
 
 
-# Dynamo calls graph functions with fake tensors while tracing: the error above then stops the
-# compilation instead of being traced into a graph break that would silently run eagerly.
-_refuse_in_graph = torch.compiler.allow_in_graph(_refuse)
+_REFUSALS = {what: _compile_refusal(what) for what in (
+    "cotangent.AdamW.step()", "cotangent.AdamW.zero_grad()", "cotangent.AdamW.clip_grad_norm_()")}
 
 
 def refuse_under_compile(what: str) -> None:
-    """Raise a clear RuntimeError when called while torch.compile (Dynamo) is tracing."""
+    """Stop torch.compile (Dynamo) when it traces into `what` (one of `_REFUSALS`' keys)."""
     if torch.compiler.is_compiling():
-        _refuse_in_graph(what, torch.zeros(()))
+        _REFUSALS[what]()
 
 
 def install_parameter_reducer(is_packed) -> None:
