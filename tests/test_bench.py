@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from cotangent.harness import cli
 
 REQUIRED = {"shape", "params", "tensors", "native_impl", "native_ms", "cotangent_ms", "ratio",
@@ -12,6 +14,7 @@ REQUIRED = {"shape", "params", "tensors", "native_impl", "native_ms", "cotangent
             "cotangent_alloc_bytes", "native_largest_alloc_bytes", "cotangent_largest_alloc_bytes"}
 
 
+@pytest.mark.e2e
 def test_bench_rows_are_bitwise_and_complete(capsys):
     code = cli.main(["bench", "--shapes", "many-small", "--impls", "default,foreach,fused",
                      "--repeats", "2", "--warmup", "1", "--json"])

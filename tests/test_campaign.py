@@ -65,6 +65,16 @@ def finished(tmp_path_factory) -> Path:
     return camp
 
 
+def test_every_test_of_the_finished_campaign_is_marked_e2e():
+    """`pytest -m "not e2e"` never builds the campaign of the `finished` fixture."""
+    tree = ast.parse(Path(__file__).read_text())
+    tests = [node for node in tree.body if isinstance(node, ast.FunctionDef)
+             and node.name.startswith("test_") and any(a.arg == "finished" for a in node.args.args)]
+    assert len(tests) >= 10
+    for node in tests:
+        assert "pytest.mark.e2e" in map(ast.unparse, node.decorator_list), node.name
+
+
 def audit_lines(path: Path) -> tuple[int, list[str]]:
     a = audit.audit(path)
     return (0 if not a.failures else 1), a.failures
@@ -78,12 +88,12 @@ def audit_lines(path: Path) -> tuple[int, list[str]]:
     ("level = 1.5", "level must be a number in [0.5, 1)"),
     ("margin_bpb = inf", "margin_bpb must be a positive number"),
     ('name = ".."', "name must be a directory name"),
-    ("seeds = [0, -1]", "seed must be in [0, 2**63 - 100000), got -1"),
+    ("seeds = [0, -1]", "seed must be an integer in [0, 2**63 - 100000), got -1"),
     ("bootstrap_resamples = 1000000000000", "bootstrap_resamples must be an integer from 1"),
     ("margin_bpb = 0", "margin_bpb must be a positive number"),
     ("eval_every = 13", "eval_every must be at most steps"),
     ("seeds = [1, 1]", "seeds must be a list of at least two distinct integers"),
-    ("target_bpb = {other = 3.0}", "target_bpb must be a number, or a table"),
+    ("target_bpb = {other = 3.0}", "target_bpb must be a positive number, or a table"),
 ])
 def test_protocol_errors_name_the_key(tmp_path, edit, message):
     text = write_protocol(tmp_path).read_text()
@@ -98,9 +108,9 @@ def test_protocol_errors_name_the_key(tmp_path, edit, message):
 @pytest.mark.parametrize("train, message", [
     ("model = 'tiny'", "[train] may not set model"),
     ("steps = 3", "[train] may not set steps"),
-    ("nonsense = 3", "[train] unknown setting nonsense"),
-    ("batch_size = 'x'", "[train] batch_size must be int"),
-    ("batch_size = 0", "batch_size must be >= 1"),
+    ("nonsense = 3", "[train] unknown setting(s) nonsense"),
+    ("batch_size = 'x'", "[train] batch_size must be an integer >= 1, got 'x'"),
+    ("batch_size = 0", "[train] batch_size must be an integer >= 1, got 0"),
 ])
 def test_protocol_train_table_is_checked(tmp_path, train, message):
     text = write_protocol(tmp_path).read_text() + train + "\n"
@@ -155,6 +165,7 @@ def test_audit_interval_agrees_with_stats_module():
 
 # ---------------------------------------------------------------- end to end
 
+@pytest.mark.e2e
 def test_campaign_end_to_end(finished):
     frozen = json.loads((finished / "freeze.json").read_text())
     assert frozen["protocol_sha256"] == hashlib.sha256(
@@ -206,6 +217,7 @@ def test_campaign_end_to_end(finished):
     assert "Timing quality" in (finished / "report" / "report.md").read_text()
 
 
+@pytest.mark.e2e
 def test_time_to_target_is_the_first_crossing_probe_or_censored(finished):
     import csv
     import dataclasses
@@ -243,6 +255,7 @@ def test_time_to_target_is_the_first_crossing_probe_or_censored(finished):
     assert crossed == 3 * len(runs) and censored == len(runs)
 
 
+@pytest.mark.e2e
 def test_audit_clean_standalone_with_a_bare_interpreter(finished):
     # -I (isolated) and -S (no site-packages): no torch, numpy or scipy can be imported.
     proc = subprocess.run([sys.executable, "-I", "-S", str(AUDIT_PY), str(finished)],
@@ -263,6 +276,7 @@ def test_audit_imports_only_the_standard_library():
     assert modules and modules <= set(sys.stdlib_module_names) | {"__future__"}, modules
 
 
+@pytest.mark.e2e
 def test_figures_have_deterministic_bytes(finished, tmp_path):
     copy = tmp_path / "c"
     shutil.copytree(finished, copy)
@@ -286,6 +300,7 @@ def _rehash(camp: Path, rel: str) -> None:
     path.write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
+@pytest.mark.e2e
 def test_audit_fails_on_one_changed_byte_in_any_file(finished, tmp_path):
     camp = _copy(finished, tmp_path)
     # every record; `.lock` (empty, the runner's lock, not a record) is the one file ignored
@@ -303,6 +318,7 @@ def test_audit_fails_on_one_changed_byte_in_any_file(finished, tmp_path):
     assert audit_lines(camp) == (0, [])
 
 
+@pytest.mark.e2e
 def test_audit_names_a_removed_file(finished, tmp_path):
     camp = _copy(finished, tmp_path)
     victim = next(camp.glob("jobs/*/attempt-1/*/*/curve.jsonl"))
@@ -312,6 +328,7 @@ def test_audit_names_a_removed_file(finished, tmp_path):
                            for f in failures)
 
 
+@pytest.mark.e2e
 def test_audit_names_an_extra_run(finished, tmp_path):
     camp = _copy(finished, tmp_path)
     run = next(p for p in camp.glob("jobs/000-*/attempt-1/*") if p.is_dir())
@@ -327,6 +344,7 @@ def test_audit_names_an_extra_run(finished, tmp_path):
     assert rc == 1 and any("status.json" in f and "only run record" in f for f in failures)
 
 
+@pytest.mark.e2e
 def test_audit_recomputes_an_edited_number_even_with_a_forged_manifest(finished, tmp_path):
     camp = _copy(finished, tmp_path)
     results = json.loads((camp / "analysis" / "results.json").read_text())
@@ -339,6 +357,7 @@ def test_audit_recomputes_an_edited_number_even_with_a_forged_manifest(finished,
                            for f in failures), failures
 
 
+@pytest.mark.e2e
 def test_audit_names_a_mismatched_init_hash(finished, tmp_path):
     camp = _copy(finished, tmp_path)
     meta_path = sorted(camp.glob("jobs/*/attempt-1/*/*/metadata.json"))[3]
@@ -352,6 +371,7 @@ def test_audit_names_a_mismatched_init_hash(finished, tmp_path):
                            (rel in f or "runs.csv" in f) for f in failures), failures
 
 
+@pytest.mark.e2e
 def test_audit_names_an_extra_job_in_runs_csv_and_an_edited_step_time(finished, tmp_path):
     camp = _copy(finished, tmp_path)
     runs = camp / "analysis" / "runs.csv"
@@ -404,6 +424,7 @@ def _make_busy(camp: Path) -> tuple[Path, Path]:
     return curve_path, summary_path
 
 
+@pytest.mark.e2e
 def test_audit_recomputes_the_busy_flag_and_rejects_a_forged_not_busy(finished, tmp_path):
     camp = _copy(finished, tmp_path)
     shutil.rmtree(camp / "report")
@@ -445,6 +466,7 @@ def test_audit_recomputes_the_busy_flag_and_rejects_a_forged_not_busy(finished, 
                for f in failures), failures
 
 
+@pytest.mark.e2e
 def test_audit_finds_a_removed_load_record(finished, tmp_path):
     camp = _copy(finished, tmp_path)
     curve_path = sorted(camp.glob("jobs/*/attempt-1/*/*/curve.jsonl"))[2]
@@ -476,6 +498,7 @@ def test_audit_finds_a_removed_load_record(finished, tmp_path):
                            for f in failures), failures
 
 
+@pytest.mark.e2e
 def test_audit_names_a_changed_job_set(finished, tmp_path):
     camp = _copy(finished, tmp_path)
     frozen = json.loads((camp / "freeze.json").read_text())
@@ -502,6 +525,7 @@ def _first(camp: Path, pattern: str) -> str:
                                   "interrupted_holds_finished_run", "second_done_attempt",
                                   "identical_pairs", "incomplete_marker", "lr_in_config",
                                   "removed_attempt"])
+@pytest.mark.e2e
 def test_audit_catches_consistent_forgeries(finished, tmp_path, kind):
     """Edits whose manifest entries were updated too: the cross-checks must still fail."""
     camp = _copy(finished, tmp_path)
@@ -559,6 +583,7 @@ def test_audit_catches_consistent_forgeries(finished, tmp_path, kind):
     assert rc == 1 and any(f.startswith(expect) for f in failures), failures
 
 
+@pytest.mark.e2e
 def test_audit_finds_a_stale_report(finished, tmp_path):
     camp = _copy(finished, tmp_path)
     results = json.loads((camp / "analysis" / "results.json").read_text())
@@ -573,6 +598,7 @@ def test_audit_finds_a_stale_report(finished, tmp_path):
     ("freeze.json", "[1, 2]"),
     ("analysis/results.json", "[1]"),
 ])
+@pytest.mark.e2e
 def test_audit_names_a_malformed_file(finished, tmp_path, rel, content):
     camp = _copy(finished, tmp_path)
     (camp / rel).write_text(content)
@@ -636,6 +662,7 @@ def _states(camp: Path) -> dict[str, list[str]]:
     return out
 
 
+@pytest.mark.e2e
 def test_resume_after_ctrl_c_and_a_killed_runner(tmp_path):
     proto = write_protocol(tmp_path, arms='["native", "cotangent"]', design="ab-ba")
     camp = campaign.freeze(str(proto), str(tmp_path / "c"), None, log=lambda *_: None)
@@ -704,6 +731,7 @@ def test_resume_after_ctrl_c_and_a_killed_runner(tmp_path):
     assert audit_lines(camp) == (0, [])
 
 
+@pytest.mark.e2e
 def test_failed_jobs_are_recorded_never_silently_rerun(tmp_path, monkeypatch):
     proto = write_protocol(tmp_path, arms='["native", "cotangent"]', design="ab-ba",
                            seeds="[0, 1, 2]")
@@ -760,6 +788,7 @@ def test_failed_jobs_are_recorded_never_silently_rerun(tmp_path, monkeypatch):
     assert audit_lines(camp) == (0, [])  # failed then done on retry is a clean record
 
 
+@pytest.mark.e2e
 def test_symlinked_campaign_relative_data_and_an_attempt_without_status(tmp_path):
     data = tmp_path / "data"
     data.mkdir()
@@ -854,6 +883,7 @@ def test_analyze_refuses_unfinished_campaigns(tmp_path):
         analysis.analyze(camp, log=lambda *_: None)
 
 
+@pytest.mark.e2e
 def test_committed_cpu_quick_results_audit_clean():
     camp = ROOT / "results" / "cpu-quick"
     assert (camp / "analysis" / "results.json").is_file(), "results/cpu-quick is committed"

@@ -16,6 +16,7 @@ def _calibrate(model: str, capsys) -> tuple[list[str], list[dict]]:
     return lines, json.loads(lines[-1])
 
 
+@pytest.mark.e2e
 def test_calibrate_lists_only_the_verdicts_of_that_models_layout(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("COTANGENT_CACHE_DIR", str(tmp_path))
     # A verdict some other model left in the cache file (a length no tiny model has).
@@ -40,6 +41,7 @@ def test_calibrate_lists_only_the_verdicts_of_that_models_layout(tmp_path, monke
     assert {cli.calibration_key(r) for r in again} == keys
 
 
+@pytest.mark.e2e
 def test_calibrate_restores_the_calibration_functions(capsys):
     lookup, record = calibration.lookup, calibration.record
     _calibrate("tiny", capsys)

@@ -83,7 +83,7 @@ def test_audit_rules_agree_bit_for_bit_with_the_harness():
         for args in ((steps, cpu, host, cpus, threads), (steps, None, None, None, threads)):
             mine = contention.assess(*args)
             mine.pop("median_step_s")
-            assert audit.timing_flags(*args) == mine
+            assert audit.assess_timing(*args) == mine
 
 
 def test_host_sampler_reads_the_cpus_of_its_affinity_set(tmp_path, monkeypatch):

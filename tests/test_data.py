@@ -208,6 +208,6 @@ def test_fetch_rejects_a_wrong_hash_and_keeps_nothing(tmp_path):
 
 def test_info_names_files_hashes_and_unknowns(tmp_path):
     _write_splits(tmp_path, {s: f"{s}.txt" for s in D.SPLITS}, PAYLOAD)
-    text = "\n".join(D.describe(tmp_path))
+    text = "\n".join(D.describe_corpus(tmp_path))
     assert "UNKNOWN" in text and D.sha256_bytes(PAYLOAD["train"]) in text
-    assert "standard-library" in "\n".join(D.describe(None))
+    assert "standard-library" in "\n".join(D.describe_corpus(None))

@@ -44,13 +44,13 @@ def test_forward_shape_and_causality(name):
 
 
 def test_every_research_model_has_a_tiny_variant_of_its_family():
-    from cotangent.harness.model import MODELS, TINY
-    from cotangent.harness.verify_suite import MODELS as SUITE, suite_model
+    from cotangent.harness.model import MODEL_CONFIGS, TINY
+    from cotangent.harness.verify_suite import VERIFY_MODELS, suite_model
 
-    assert sorted(TINY) == sorted(SUITE)
+    assert sorted(TINY) == sorted(VERIFY_MODELS)
     for name, tiny in TINY.items():
-        assert tiny.startswith("tiny-") and tiny in MODELS
-        full, small = MODELS[name], MODELS[tiny]
+        assert tiny.startswith("tiny-") and tiny in MODEL_CONFIGS
+        full, small = MODEL_CONFIGS[name], MODEL_CONFIGS[tiny]
         assert small.family == full.family
         assert small.width < full.width and small.context < full.context
         n_full = sum(p.numel() for p in build_model(name, 0).parameters())

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import itertools
 import json
 
 import pytest
@@ -10,8 +12,8 @@ import torch
 import cotangent
 from cotangent import norms
 from cotangent.harness import cli
-from cotangent.harness.verify_suite import lm_loss, suite_model
-from cotangent.verify import ulp_distance
+from cotangent.harness.verify_suite import VERIFY_MODELS, lm_loss, run_suite, suite_model
+from cotangent.verify import ARMS, ulp_distance
 
 
 def _batches(n=3):
@@ -43,19 +45,46 @@ def test_verify_names_the_first_difference_when_the_update_is_broken(monkeypatch
     assert "ULP" in message
 
 
+def test_suite_runs_every_model_precision_and_arm_and_a_compiled_model():
+    """`cotangent verify`'s suite: 4 model families x {fp32, bf16} x the 3 Cotangent arms, and
+    the first model compiled; every case identical on every step."""
+    lines = []
+    result = run_suite(steps=2, log=lines.append)
+    assert result["passed"] and len(result["cases"]) == 25 and len(lines) == 25
+    assert all(c["passed"] and c["steps"] == 2 and c["checks"] > 0 for c in result["cases"])
+    plain = [(c["model"], c["precision"], c["arm"]) for c in result["cases"] if not c["compiled"]]
+    assert sorted(plain) == sorted(itertools.product(VERIFY_MODELS, ("fp32", "bf16"), ARMS))
+    compiled = [c for c in result["cases"] if c["compiled"]]
+    assert [(c["model"], c["precision"], c["arm"]) for c in compiled] == [
+        (VERIFY_MODELS[0], "fp32", "cotangent")]
+    assert result["steps"] == 2 * 25 and result["checks"] == sum(c["checks"] for c in
+                                                               result["cases"])
+
+
+@pytest.mark.e2e
 def test_cli_verify_writes_a_report_and_fails_on_injection(tmp_path, monkeypatch, capsys):
+    # The command's wiring (flags, report, exit status) on one model and one step; the whole
+    # suite is the test above.
+    from cotangent.harness import verify_suite
+
+    monkeypatch.setattr(verify_suite, "run_suite",
+                        functools.partial(verify_suite.run_suite, models=("transformer-small",)))
     out = tmp_path / "verify.json"
-    assert cli.main(["verify", "--steps", "4", "--json", str(out)]) == 0
+    assert cli.main(["verify", "--steps", "1", "--json", str(out)]) == 0
     report = json.loads(out.read_text())
-    assert report["passed"] and report["steps"] >= 96 and len(report["cases"]) == 25
-    assert any(c["compiled"] for c in report["cases"])
+    assert report["passed"] and report["steps"] == 7 and len(report["cases"]) == 7
+    assert [c["model"] for c in report["cases"] if c["compiled"]] == ["transformer-small"]
+    assert "7/7 cases identical, 7 update steps" in capsys.readouterr().out
     import cotangent.clipping as clipping
 
     monkeypatch.setattr(clipping, "clip_coefficient",
                         lambda t, m: torch.nextafter(norms.clip_coefficient(t, m),
                                                      torch.tensor(0.0)))
-    assert cli.main(["verify", "--steps", "1", "--no-compile"]) == 1
+    assert cli.main(["verify", "--steps", "1", "--no-compile", "--json", str(out)]) == 1
     assert "FAILED" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert not report["passed"] and len(report["cases"]) == 6
+    assert not any(c["compiled"] for c in report["cases"])
 
 
 def test_ulp_distance():

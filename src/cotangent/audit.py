@@ -427,9 +427,11 @@ def read_csv(a: Audit, rel: str) -> list[dict] | None:
     return None
 
 
-def timing_flags(step_s: list[float], cpu_s: list[float] | None,
-                 host_cpu_s: list[float] | None, host_cpus, threads) -> dict:
-    """The timing-flag rules: slow steps (step_s > SLOW_STEP_FACTOR x the median), the share
+def assess_timing(step_s: list[float], cpu_s: list[float] | None,
+                  host_cpu_s: list[float] | None, host_cpus, threads) -> dict:
+    """This file's copy of `cotangent.harness.contention.assess` (less its median_step_s).
+
+    The timing-flag rules: slow steps (step_s > SLOW_STEP_FACTOR x the median), the share
     of the training time they added, step_outliers (> OUTLIER_EXCESS_FRACTION), the CPUs other
     work kept busy, the CPU demand ratio (others + threads) / host_cpus and busy (>
     BUSY_DEMAND_RATIO; None without a load record); flagged = step_outliers or busy."""
@@ -477,8 +479,8 @@ def check_load(a: Audit, steps: list[dict], meta: dict, summary: dict, curve_rel
     if not isinstance(threads, int) or threads < 1:
         a.fail(f"{s.rsplit('/', 1)[0]}/metadata.json", f"environment.threads {threads!r}")
         return None
-    mine = timing_flags([r["step_s"] for r in steps], columns["cpu_s"], columns["host_cpu_s"],
-                        host_cpus if columns["host_cpu_s"] is not None else None, threads)
+    mine = assess_timing([r["step_s"] for r in steps], columns["cpu_s"], columns["host_cpu_s"],
+                         host_cpus if columns["host_cpu_s"] is not None else None, threads)
     record = {"cpu_s": None if columns["cpu_s"] is None else sum(columns["cpu_s"]),
               "threads": threads, "host_cpus": host_cpus,
               "host_steal_s": (None if columns["host_steal_s"] is None
@@ -570,99 +572,156 @@ def audit(root: Path) -> Audit:
 
 
 def _audit(a: Audit) -> None:
-    root = a.root
+    """Checks 1-5 of the module docstring, in order, as named steps; records a step cannot
+    interpret stop the audit after its failure is recorded."""
     check_integrity(a)
+    loaded = load_protocol(a)
+    if loaded is None:
+        return
+    protocol, frozen = loaded
+    if not check_protocol(a, protocol, frozen):
+        return
+    runs = load_runs(a, protocol, frozen)
+    check_load_consistency(a, frozen, runs)
+    done = {(r["model"], r["seed"], r["arm"]): r for r in runs.values() if r}
+    check_shared_settings(a, done)
+    check_blocks(a, protocol, done)
+    check_runs_csv(a, protocol, frozen, runs)
+    results = a.load_json("analysis/results.json")
+    comparisons = make_comparisons(protocol, done)
+    check_pairs_csv(a, [pair for _, _, pairs in comparisons for pair in pairs])
+    if results is None:
+        return
+    check_results_header(a, results, protocol, frozen, runs, done)
+    if check_comparisons(a, results, protocol, comparisons):
+        check_timing_flags(a, results, frozen, runs)
+        check_factorial(a, results, protocol["models"], protocol["arms"], protocol["seeds"],
+                        done, protocol["level"])
+
+
+def load_protocol(a: Audit) -> tuple[dict, dict] | None:
+    """protocol.toml (with its bytes' SHA-256 under "sha256") and freeze.json, or None after
+    a failure when either cannot be read."""
     frozen = a.load_json("freeze.json")
     try:
-        raw = (root / "protocol.toml").read_bytes()
+        raw = (a.root / "protocol.toml").read_bytes()
         p = tomllib.loads(raw.decode("utf-8"))
     except FileNotFoundError:
         a.fail("protocol.toml", "missing")
-        return
+        return None
     except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
         a.fail("protocol.toml", f"not valid TOML ({exc})")
-        return
+        return None
     if frozen is None:
-        return
-    a.check(hashlib.sha256(raw).hexdigest() == frozen.get("protocol_sha256"), "protocol.toml",
+        return None
+    return {"toml": p, "sha256": hashlib.sha256(raw).hexdigest()}, frozen
+
+
+def check_protocol(a: Audit, protocol: dict, frozen: dict) -> bool:
+    """Check 2: protocol.toml is the frozen one, holds what the audit reads, and the frozen
+    job set is its models x seeds x arms. Fills `protocol` with what the later checks read
+    (models, arms, seeds, steps, eval_every, train, target per model, level, margin); False
+    when protocol.toml or freeze.json lack what they need."""
+    p = protocol["toml"]
+    a.check(protocol["sha256"] == frozen.get("protocol_sha256"), "protocol.toml",
             "SHA-256 differs from freeze.json's protocol_sha256")
     if not _shape_ok(a, p, frozen):
-        return
+        return False
     models, arms, seeds = p["models"], p["arms"], p["seeds"]
     target = p["target_bpb"]
-    protocol = {"steps": p["steps"], "eval_every": p["eval_every"], "train": p.get("train", {}),
-                "target": {m: float(target[m] if isinstance(target, dict) else target)
-                           for m in models}}
-    level, margin = float(p["level"]), float(p["margin_bpb"])
+    protocol.update(
+        models=models, arms=arms, seeds=seeds, steps=p["steps"], eval_every=p["eval_every"],
+        train=p.get("train", {}), level=float(p["level"]), margin=float(p["margin_bpb"]),
+        target={m: float(target[m] if isinstance(target, dict) else target) for m in models})
     expected = sorted((m, s, arm) for m in models for s in seeds for arm in arms)
     got = sorted((j["model"], j["seed"], j["arm"]) for j in frozen.get("jobs", []))
     a.check(got == expected, "freeze.json", "the frozen job set is not models x seeds x arms "
                                             "of protocol.toml, each once")
     a.check(frozen.get("balanced") == (len(seeds) % len(arms) == 0), "freeze.json",
             "balanced does not follow from the seed and arm counts")
-    runs = load_runs(a, protocol, frozen)
-    check_load_consistency(a, frozen, runs)
-    done = {(r["model"], r["seed"], r["arm"]): r for r in runs.values() if r}
+    return True
+
+
+def check_shared_settings(a: Audit, done: dict) -> None:
+    """Within a model, the done runs' settings differ only in seed and arm."""
     shared = {}
     for r in sorted(done.values(), key=lambda r: r["metadata"]):
         cfg = {k: v for k, v in r["config"].items() if k not in ("seed", "arms", "out")}
         first = shared.setdefault(r["model"], (cfg, r["metadata"]))
         a.check(cfg == first[0], r["metadata"], f"its settings differ from {first[1]}'s "
                                                 "(only seed and arm may differ within a model)")
-    # Pairs (blocks) share the initial model and the LR schedule.
-    for m in models:
-        for s in seeds:
-            block = [done[(m, s, arm)] for arm in arms if (m, s, arm) in done]
+
+
+def check_blocks(a: Audit, protocol: dict, done: dict) -> None:
+    """Check 4: the arms of a (model, seed) block share the initial model and LR schedule."""
+    for m in protocol["models"]:
+        for s in protocol["seeds"]:
+            block = [done[(m, s, arm)] for arm in protocol["arms"] if (m, s, arm) in done]
             for key in ("init_model_sha256", "schedule_sha256"):
                 for r in block[1:]:
                     a.check(r[key] == block[0][key], r["metadata"],
                             f"{key} differs from {block[0]['metadata']} (same model and seed)")
-    # runs.csv
+
+
+def check_runs_csv(a: Audit, protocol: dict, frozen: dict, runs: dict) -> None:
+    """runs.csv: one row per frozen job, each as recomputed from the job and its records."""
     rows = read_csv(a, "analysis/runs.csv")
-    if rows is not None:
-        by_job = {r.get("job"): r for r in rows}
-        a.check(len(by_job) == len(rows) == len(frozen["jobs"]) and set(by_job) == {
-            j["id"] for j in frozen["jobs"]}, "analysis/runs.csv",
-            "its rows are not exactly the frozen jobs")
-        for job in frozen["jobs"]:
-            row = by_job.get(job["id"])
-            if row is None:
-                continue
-            run = runs.get(job["id"])
-            a.check(row.get("state") == ("done" if run else "failed"), "analysis/runs.csv",
-                    f"{job['id']}: state {row.get('state')!r}")
-            for key in ("index", "block", "position", "model", "seed", "arm"):
-                a.close(row.get(key), job[key], "analysis/runs.csv", f"{job['id']}.{key}")
-            a.close(row.get("target_bpb"), protocol["target"][job["model"]], "analysis/runs.csv",
-                    f"{job['id']}.target_bpb")
-            if run:
-                for key in ("run_dir", "steps", "training_s", "update_s", "update_ms_median",
-                            "step_ms_median", "time_to_target_s", "test_bpb", "val_bpb",
-                            "final_model_sha256", "init_model_sha256", "schedule_sha256",
-                            *LOAD_KEYS, *FLAG_KEYS):
-                    a.close(row.get(key), run[key], "analysis/runs.csv", f"{job['id']}.{key}")
-    # pairs.csv and results.json
-    baseline = arms[0]
-    pairs = []
-    results = a.load_json("analysis/results.json")
-    comparisons = []
-    for m in models:
-        for cand in arms[1:]:
-            rows_mc = [make_pair(done[(m, s, baseline)], done[(m, s, cand)]) for s in seeds
-                       if (m, s, baseline) in done and (m, s, cand) in done]
-            pairs += rows_mc
-            comparisons.append((m, cand, rows_mc))
-    recorded_pairs = read_csv(a, "analysis/pairs.csv")
-    if recorded_pairs is not None:
-        a.check(len(recorded_pairs) == len(pairs), "analysis/pairs.csv",
-                f"{len(recorded_pairs)} rows, recomputed {len(pairs)} pairs")
-        for rec, mine in zip(recorded_pairs, pairs):
-            for key, value in mine.items():
-                a.close(rec.get(key), value, "analysis/pairs.csv",
-                        f"{mine['model']} seed {mine['seed']} {mine['candidate']}.{key}")
-    if results is None:
+    if rows is None:
         return
+    by_job = {r.get("job"): r for r in rows}
+    a.check(len(by_job) == len(rows) == len(frozen["jobs"]) and set(by_job) == {
+        j["id"] for j in frozen["jobs"]}, "analysis/runs.csv",
+        "its rows are not exactly the frozen jobs")
+    for job in frozen["jobs"]:
+        row = by_job.get(job["id"])
+        if row is None:
+            continue
+        run = runs.get(job["id"])
+        a.check(row.get("state") == ("done" if run else "failed"), "analysis/runs.csv",
+                f"{job['id']}: state {row.get('state')!r}")
+        for key in ("index", "block", "position", "model", "seed", "arm"):
+            a.close(row.get(key), job[key], "analysis/runs.csv", f"{job['id']}.{key}")
+        a.close(row.get("target_bpb"), protocol["target"][job["model"]], "analysis/runs.csv",
+                f"{job['id']}.target_bpb")
+        if run:
+            for key in ("run_dir", "steps", "training_s", "update_s", "update_ms_median",
+                        "step_ms_median", "time_to_target_s", "test_bpb", "val_bpb",
+                        "final_model_sha256", "init_model_sha256", "schedule_sha256",
+                        *LOAD_KEYS, *FLAG_KEYS):
+                a.close(row.get(key), run[key], "analysis/runs.csv", f"{job['id']}.{key}")
+
+
+def make_comparisons(protocol: dict, done: dict) -> list[tuple[str, str, list[dict]]]:
+    """(model, candidate, its pairs.csv rows recomputed) per model and candidate arm, in
+    results.json's order; a seed enters only where both runs are done."""
+    baseline = protocol["arms"][0]
+    comparisons = []
+    for m in protocol["models"]:
+        for cand in protocol["arms"][1:]:
+            comparisons.append((m, cand, [
+                make_pair(done[(m, s, baseline)], done[(m, s, cand)]) for s in protocol["seeds"]
+                if (m, s, baseline) in done and (m, s, cand) in done]))
+    return comparisons
+
+
+def check_pairs_csv(a: Audit, pairs: list[dict]) -> None:
+    """pairs.csv: the recomputed pairs, row by row."""
+    recorded = read_csv(a, "analysis/pairs.csv")
+    if recorded is None:
+        return
+    a.check(len(recorded) == len(pairs), "analysis/pairs.csv",
+            f"{len(recorded)} rows, recomputed {len(pairs)} pairs")
+    for rec, mine in zip(recorded, pairs):
+        for key, value in mine.items():
+            a.close(rec.get(key), value, "analysis/pairs.csv",
+                    f"{mine['model']} seed {mine['seed']} {mine['candidate']}.{key}")
+
+
+def check_results_header(a: Audit, results: dict, protocol: dict, frozen: dict, runs: dict,
+                         done: dict) -> None:
+    """results.json's protocol SHA-256, job counts, fingerprints and protocol block."""
     f = "analysis/results.json"
+    p, arms = protocol["toml"], protocol["arms"]
     a.check(results.get("protocol_sha256") == frozen.get("protocol_sha256"), f,
             "protocol_sha256 is not the frozen one")
     a.check(results.get("jobs", {}).get("done") == len(done), f, "jobs.done miscounted")
@@ -670,9 +729,10 @@ def _audit(a: Audit) -> None:
             "jobs.total miscounted")
     for key in ("code", "machine", "data", "environment"):
         a.check(results.get(key) == frozen.get(key), f, f"{key} is not freeze.json's")
-    want = {"models": models, "arms": arms, "baseline": arms[0], "seeds": seeds,
-            "steps": p["steps"], "eval_every": p["eval_every"], "target_bpb": protocol["target"],
-            "level": level, "margin_bpb": margin, "design": p.get("design", "latin"),
+    want = {"models": protocol["models"], "arms": arms, "baseline": arms[0],
+            "seeds": protocol["seeds"], "steps": p["steps"], "eval_every": p["eval_every"],
+            "target_bpb": protocol["target"], "level": protocol["level"],
+            "margin_bpb": protocol["margin"], "design": p.get("design", "latin"),
             "bootstrap_resamples": p.get("bootstrap_resamples", 10_000),
             "bootstrap_seed": p.get("shuffle_seed", 0), "balanced": frozen.get("balanced")}
     got = results.get("protocol")
@@ -687,16 +747,26 @@ def _audit(a: Audit) -> None:
             a.check(got.get(key) == value, f, f"protocol.{key} is not protocol.toml's")
     a.check(sorted(results.get("jobs", {}).get("failed", [])) ==
             sorted(j for j, r in runs.items() if r is None), f, "jobs.failed misreported")
+
+
+def check_comparisons(a: Audit, results: dict, protocol: dict,
+                      comparisons: list[tuple[str, str, list[dict]]]) -> bool:
+    """results.json's comparisons against the recomputed pairs: counts, every interval, the
+    non-inferiority decision, identical hashes, flagged seeds. False when their number is
+    wrong (nothing else is compared then)."""
+    f = "analysis/results.json"
     recorded = results.get("comparisons", [])
     if not a.check(len(recorded) == len(comparisons), f,
                    f"{len(recorded)} comparisons, expected {len(comparisons)}"):
-        return
+        return False
+    level, margin = protocol["level"], protocol["margin"]
     for rec, (m, cand, rows_mc) in zip(recorded, comparisons):
         where = f"comparisons[{m}, {cand}]"
         a.check(rec.get("model") == m and rec.get("candidate") == cand
-                and rec.get("baseline") == baseline, f, f"{where}: names another comparison")
+                and rec.get("baseline") == protocol["arms"][0], f,
+                f"{where}: names another comparison")
         a.close(rec.get("pairs"), len(rows_mc), f, f"{where}.pairs")
-        a.check(rec.get("missing_seeds") == [s for s in seeds if s not in
+        a.check(rec.get("missing_seeds") == [s for s in protocol["seeds"] if s not in
                                              {r["seed"] for r in rows_mc}], f,
                 f"{where}.missing_seeds")
         for metric in ("training_time_reduction", "update_phase_reduction"):
@@ -725,8 +795,7 @@ def _audit(a: Audit) -> None:
         a.check(rec.get("timing_flagged_seeds") == [r["seed"] for r in rows_mc
                                                     if r["timing_flagged"] != "none"], f,
                 f"{where}.timing_flagged_seeds")
-    check_timing_flags(a, results, frozen, runs)
-    check_factorial(a, results, models, arms, seeds, done, level)
+    return True
 
 
 def check_load_consistency(a: Audit, frozen: dict, runs: dict) -> None:

@@ -38,7 +38,7 @@ from cotangent.harness.train import sync
 IMPLS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 SHAPES = ("many-small", "transformer-small", "causal-conv", "gated-gqa", "transformer-medium",
           "transformer-50m")
-HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+BENCH_ADAMW_ARGS = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 ALLOC_ALIGN = 64  # bytes: c10's CPU allocator hands out 64-byte aligned blocks
 
 
@@ -146,8 +146,8 @@ def bench_row(shape: str, impl: str, *, pass_ms: float, repeats: int, warmup: in
     p1, p2 = list(m1.parameters()), list(m2.parameters())
     gen = torch.Generator().manual_seed(1)
     grads = [(torch.randn(p.shape, generator=gen) * 0.01).to(dev) for p in p1]  # norm > 1
-    native = torch.optim.AdamW(p1, **HP, **IMPLS[impl])
-    ours = cotangent.AdamW(p2, max_norm=max_norm, **HP, **IMPLS[impl])
+    native = torch.optim.AdamW(p1, **BENCH_ADAMW_ARGS, **IMPLS[impl])
+    ours = cotangent.AdamW(p2, max_norm=max_norm, **BENCH_ADAMW_ARGS, **IMPLS[impl])
     totals: dict[str, torch.Tensor] = {}
 
     def native_update():

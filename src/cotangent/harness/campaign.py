@@ -29,22 +29,28 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import hashlib
-import math
 import os
 import random
-import re
 import signal
 import subprocess
 import sys
 import time
 import tomllib
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from cotangent.harness import records
+from cotangent.harness import records, schema
 from cotangent.harness.data import DATA_ENV
-from cotangent.harness.train import TrainConfig, check_device, format_config, validate_config
+from cotangent.harness.model import MODEL_CONFIGS
+from cotangent.harness.schema import setting
+from cotangent.harness.train import (
+    TRAIN_ARMS,
+    TrainConfig,
+    check_device,
+    format_config,
+    validate_config,
+)
 
 DESIGNS = ("ab-ba", "latin")
 FREEZE = "freeze.json"
@@ -56,22 +62,38 @@ _JOB_FIELDS = ("model", "seed", "arms", "steps", "eval_every", "out")
 
 @dataclass(frozen=True, kw_only=True)
 class Protocol:
-    """A parsed, validated campaign protocol (see the module docstring)."""
+    """A parsed, validated campaign protocol (see the module docstring). Each key's type, bounds
+    or choices and meaning are declared once (`cotangent.harness.schema`) and checked by
+    `parse_protocol`; `[train]` is checked against `TrainConfig`'s own declarations."""
 
-    name: str
-    description: str
-    models: tuple[str, ...]
-    arms: tuple[str, ...]  # the first is the baseline
-    seeds: tuple[int, ...]
-    steps: int
-    eval_every: int  # probe cadence in updates; the time-to-target resolution
-    target_bpb: dict[str, float]  # per model: quality target on the probe BPB
-    level: float  # two-sided confidence level of every interval, e.g. 0.95
-    margin_bpb: float  # non-inferiority margin on candidate - baseline test BPB
-    design: str
-    shuffle_seed: int
-    bootstrap_resamples: int
-    train: dict  # further TrainConfig settings shared by every job
+    name: str = setting("the campaign's name (its default directory)",
+                        pattern=r"(?!\.\.?$)[A-Za-z0-9._-]+",
+                        want="a directory name of letters, digits, '.', '_' or '-'")
+    description: str = setting("free text", "")
+    models: tuple[str, ...] = setting("models, each trained in every block", min_items=1,
+                                      distinct=True, choices=tuple(sorted(MODEL_CONFIGS)))
+    arms: tuple[str, ...] = setting("arms of every block; the first is the baseline",
+                                    min_items=2, distinct=True, choices=TRAIN_ARMS)
+    seeds: tuple[int, ...] = setting("one block per model and seed", min_items=2,
+                                     distinct=True)
+    steps: int = setting("optimizer updates per job", low=1, high=10**7)
+    eval_every: int = setting("probe cadence in updates; the time-to-target resolution", low=1,
+                              high=10**7)
+    target_bpb: float | dict[str, float] = setting(
+        "quality target on the probe BPB: one number, or one per model (parse_protocol "
+        "stores a table)", low=0.0, low_open=True,
+        want="a positive number, or a table with one positive number per model")
+    level: float = setting("two-sided confidence level of every interval, e.g. 0.95", low=0.5,
+                           high=1.0, high_open=True)
+    margin_bpb: float = setting("non-inferiority margin on candidate - baseline test BPB",
+                                low=0.0, low_open=True,
+                                want="a positive number of bits per byte")
+    design: str = setting("order of the arms inside each block", "latin", choices=DESIGNS)
+    shuffle_seed: int = setting("random.Random seed of the block order", 0)
+    bootstrap_resamples: int = setting("resamples of every bootstrap interval", 10_000, low=1,
+                                       high=10**6)
+    train: dict = setting("further TrainConfig settings shared by every job",
+                          default_factory=dict, want="a table of cotangent train settings")
 
     def job_config(self, job: dict, out: str) -> TrainConfig:
         """The `cotangent train` configuration of one job (a single arm)."""
@@ -84,107 +106,64 @@ def parse_protocol(text: str, source: str = "protocol") -> Protocol:
     """Parse and validate a protocol's TOML text.
 
     Raises:
-        ValueError: naming `source` and the bad key: invalid TOML, a missing or unknown key,
-            a value of the wrong type or range, an arm count the design cannot balance, or a
-            `[train]` setting `cotangent train` would refuse.
+        ValueError: one line naming `source` and the bad key: invalid TOML, a missing or
+            unknown key, a value of the wrong type or range (per `Protocol`'s field
+            declarations), an arm count the design cannot balance, a probe cadence beyond the
+            steps, a target table without one entry per model, or a `[train]` setting
+            `cotangent train` would refuse.
     """
+    where = f"{source}: "
     try:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"{source}: not valid TOML ({exc})") from None
-    known = {f.name for f in fields(Protocol)}
-    unknown = sorted(set(raw) - known)
-    if unknown:
-        raise ValueError(f"{source}: unknown key(s) {', '.join(unknown)}; known: "
-                         f"{', '.join(sorted(known))}")
-    raw.setdefault("description", "")
-    raw.setdefault("design", "latin")
-    raw.setdefault("shuffle_seed", 0)
-    raw.setdefault("bootstrap_resamples", 10_000)
-    raw.setdefault("train", {})
-    missing = sorted(known - set(raw))
-    if missing:
-        raise ValueError(f"{source}: missing key(s) {', '.join(missing)}")
+        raise ValueError(f"{where}not valid TOML ({exc})") from None
+    values = schema.check(Protocol, raw, where=where, noun="key", complete=True)
+    protocol = Protocol(**values)
+    protocol = replace(protocol, target_bpb=_target_per_model(protocol, where),
+                       train=_check_train_table(protocol.train, where))
+    _check_protocol_relations(protocol, where)
+    _check_job_configs(protocol, where)
+    return protocol
 
-    def bad(key: str, want: str):
-        return ValueError(f"{source}: {key} must be {want}, got {raw[key]!r}")
 
-    def is_int(v) -> bool:
-        return isinstance(v, int) and not isinstance(v, bool)
+def _bad(where: str, key: str, want: str, value) -> ValueError:
+    shown = list(value) if isinstance(value, tuple) else value
+    return ValueError(f"{where}{key} must be {want}, got {shown!r}")
 
-    def is_num(v) -> bool:
-        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
-    if (not isinstance(raw["name"], str) or raw["name"] in (".", "..")
-            or not re.fullmatch(r"[A-Za-z0-9._-]+", raw["name"])):
-        raise bad("name", "a directory name of letters, digits, '.', '_' or '-'")
-    if not isinstance(raw["description"], str):
-        raise bad("description", "a string")
-    for key in ("models", "arms"):
-        value = raw[key]
-        if (not isinstance(value, list) or not value or not all(isinstance(v, str) for v in value)
-                or len(set(value)) != len(value)):
-            raise bad(key, "a non-empty list of distinct strings")
-    if len(raw["arms"]) < 2:
-        raise bad("arms", "at least two arms (the first is the baseline)")
-    seeds = raw["seeds"]
-    if (not isinstance(seeds, list) or len(seeds) < 2 or not all(is_int(s) for s in seeds)
-            or len(set(seeds)) != len(seeds)):
-        raise bad("seeds", "a list of at least two distinct integers (one block each)")
-    for key, most in (("steps", 10**7), ("eval_every", 10**7), ("bootstrap_resamples", 10**6)):
-        if not is_int(raw[key]) or not 1 <= raw[key] <= most:
-            raise bad(key, f"an integer from 1 to {most:,}")
-    if raw["eval_every"] > raw["steps"]:
-        raise bad("eval_every", f"at most steps ({raw['steps']}), or no probe would run")
-    if not is_int(raw["shuffle_seed"]):
-        raise bad("shuffle_seed", "an integer")
-    if not is_num(raw["level"]) or not 0.5 <= raw["level"] < 1:
-        raise bad("level", "a number in [0.5, 1), e.g. 0.95")
-    if not is_num(raw["margin_bpb"]) or not raw["margin_bpb"] > 0:
-        raise bad("margin_bpb", "a positive number of bits per byte")
-    if raw["design"] not in DESIGNS:
-        raise bad("design", f"one of {', '.join(DESIGNS)}")
-    if raw["design"] == "ab-ba" and len(raw["arms"]) != 2:
-        raise bad("arms", "exactly two arms for design ab-ba (use latin for more)")
-    target = raw["target_bpb"]
-    if is_num(target):
-        target = {m: float(target) for m in raw["models"]}
-    elif isinstance(target, dict):
-        if set(target) != set(raw["models"]) or not all(is_num(v) for v in target.values()):
-            raise bad("target_bpb", "a number, or a table with one number per model")
-        target = {m: float(target[m]) for m in raw["models"]}
-    else:
-        raise bad("target_bpb", "a number, or a table with one number per model")
-    if not all(v > 0 for v in target.values()):
-        raise bad("target_bpb", "positive")
-    train = raw["train"]
-    if not isinstance(train, dict):
-        raise bad("train", "a table of cotangent train settings")
-    defaults = asdict(TrainConfig())
+def _target_per_model(protocol: Protocol, where: str) -> dict[str, float]:
+    """target_bpb as a table with one number per model (a single number applies to all)."""
+    target = protocol.target_bpb
+    if not isinstance(target, dict):
+        return {m: target for m in protocol.models}
+    if set(target) != set(protocol.models):
+        raise _bad(where, "target_bpb", schema.describe(schema.specs(Protocol)["target_bpb"]),
+                   target)
+    return {m: target[m] for m in protocol.models}
+
+
+def _check_train_table(train: dict, where: str) -> dict:
+    """The `[train]` table checked against TrainConfig's declarations (lists become tuples);
+    the keys the protocol itself sets (`_JOB_FIELDS`) are refused."""
     for key in train:
         if key in _JOB_FIELDS:
-            raise ValueError(f"{source}: [train] may not set {key} (the protocol sets it)")
-        if key not in defaults:
-            raise ValueError(f"{source}: [train] unknown setting {key}; known: "
-                             f"{', '.join(k for k in defaults if k not in _JOB_FIELDS)}")
-        default = defaults[key]
-        value = train[key]
-        if isinstance(default, tuple):
-            if not isinstance(value, list):
-                raise ValueError(f"{source}: [train] {key} must be a list, got {value!r}")
-            train[key] = tuple(value)
-        elif type(value) is not type(default) and not (type(default) is float and is_int(value)):
-            raise ValueError(f"{source}: [train] {key} must be {type(default).__name__}, "
-                             f"got {value!r}")
-        elif type(default) is float:
-            train[key] = float(value)
-    protocol = Protocol(
-        name=raw["name"], description=raw["description"], models=tuple(raw["models"]),
-        arms=tuple(raw["arms"]), seeds=tuple(seeds), steps=raw["steps"],
-        eval_every=raw["eval_every"], target_bpb=target, level=float(raw["level"]),
-        margin_bpb=float(raw["margin_bpb"]), design=raw["design"],
-        shuffle_seed=raw["shuffle_seed"], bootstrap_resamples=raw["bootstrap_resamples"],
-        train=train)
+            raise ValueError(f"{where}[train] may not set {key} (the protocol sets it)")
+    allowed = [name for name in schema.specs(TrainConfig) if name not in _JOB_FIELDS]
+    return schema.check(TrainConfig, train, where=f"{where}[train] ", allowed=allowed)
+
+
+def _check_protocol_relations(protocol: Protocol, where: str) -> None:
+    """What no single key can say: the probe cadence within the steps, ab-ba's two arms."""
+    if protocol.eval_every > protocol.steps:
+        raise _bad(where, "eval_every", f"at most steps ({protocol.steps}), or no probe would "
+                                        "run", protocol.eval_every)
+    if protocol.design == "ab-ba" and len(protocol.arms) != 2:
+        raise _bad(where, "arms", "exactly two arms for design ab-ba (use latin for more)",
+                   protocol.arms)
+
+
+def _check_job_configs(protocol: Protocol, where: str) -> None:
+    """Every job's `cotangent train` configuration passes `validate_config`."""
     for model in protocol.models:
         for seed in protocol.seeds:
             for arm in protocol.arms:
@@ -192,8 +171,7 @@ def parse_protocol(text: str, source: str = "protocol") -> Protocol:
                     validate_config(protocol.job_config(
                         {"model": model, "seed": seed, "arm": arm}, "runs"))
                 except (TypeError, ValueError) as exc:
-                    raise ValueError(f"{source}: {exc}") from None
-    return protocol
+                    raise ValueError(f"{where}{exc}") from None
 
 
 def balance_note(protocol: Protocol) -> str | None:
@@ -252,11 +230,11 @@ def _load_corpus(data_dir: str | None):
     return load_wikitext2(data_dir) if data_dir else embedded_corpus()
 
 
-def code_fingerprint() -> dict:
+def build_fingerprint() -> dict:
     """What must not change between freeze and run: Cotangent's sources and the torch build."""
     import torch
 
-    return {"cotangent_sha256": records.code_fingerprint(), "torch": torch.__version__,
+    return {"cotangent_sha256": records.source_sha256(), "torch": torch.__version__,
             "torch_git": torch.version.git_version}
 
 
@@ -303,7 +281,7 @@ def freeze(protocol_path: str, out: str | None, data_dir: str | None, *, log=pri
         "protocol_sha256": hashlib.sha256(raw).hexdigest(),
         "protocol_source": str(protocol_path),
         "frozen_utc": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-        "code": code_fingerprint(),
+        "code": build_fingerprint(),
         "machine": machine_fingerprint(),
         "data": data_fingerprint(corpus),
         "balanced": balance is None,
@@ -461,7 +439,7 @@ def run_campaign(campaign: Path, *, data_dir: str | None = None, retry_failed: b
     # The real path: a job starts in it, so relative paths must be computed from it.
     campaign = Path(campaign).resolve()
     protocol, frozen = load_frozen(campaign)
-    code = code_fingerprint()
+    code = build_fingerprint()
     if code != frozen["code"]:
         diff = [k for k in code if code[k] != frozen["code"].get(k)]
         raise ValueError(f"code differs from the frozen campaign ({', '.join(diff)}: now "

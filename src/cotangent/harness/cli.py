@@ -10,16 +10,15 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import json
 import os
 import sys
 import tomllib
 
+from cotangent.harness import schema
 from cotangent.harness.data import DATA_ENV, embedded_corpus, load_wikitext2
-from cotangent.harness.model import MODELS
+from cotangent.harness.model import MODEL_CONFIGS
 from cotangent.harness.train import (
-    ARMS,
     TrainConfig,
     check_device,
     format_comparison,
@@ -33,8 +32,13 @@ PROGRESS_EVERY_S = 20.0  # plain progress lines of `cotangent train` without a t
 
 
 
+# The settings `cotangent train` takes as flags (`--batch-size` for batch_size); every setting
+# can also come from --config and --set. Type, choices and help come from TrainConfig's fields.
+TRAIN_FLAGS = ("model", "arms", "steps", "seed", "batch_size", "device", "precision", "compile",
+               "eval_every", "val_bytes", "out")
+
+
 def _train_parser(sub) -> None:
-    d = TrainConfig()
     p = sub.add_parser(
         "train", help="train one seed with the native and the Cotangent update phase",
         description="Train the same seed once per arm, interleaved (default: `native` = "
@@ -46,29 +50,23 @@ def _train_parser(sub) -> None:
     p.add_argument("--config", default=None, help="TOML file of settings")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one setting (TOML value syntax; repeatable)")
-    p.add_argument("--model", default=None, choices=sorted(MODELS),
-                   help=f"(default {d.model})")
-    p.add_argument("--arms", default=None,
-                   help=f"comma-separated arms from {', '.join(ARMS)}; the first is the baseline "
-                        f"(default {','.join(d.arms)})")
-    p.add_argument("--steps", type=int, default=None, help=f"updates per arm (default {d.steps})")
-    p.add_argument("--seed", type=int, default=None, help=f"(default {d.seed})")
-    p.add_argument("--batch-size", type=int, default=None, help=f"(default {d.batch_size})")
-    p.add_argument("--device", default=None, choices=["cpu", "cuda", "mps"],
-                   help=f"(default {d.device})")
-    p.add_argument("--precision", default=None, choices=["auto", "fp32", "bf16"],
-                   help="auto: fp32 on CPU, bf16 autocast (fp32 weights) on cuda/mps")
-    p.add_argument("--compile", action="store_true", default=None,
-                   help="torch.compile the model (the update phase stays outside it)")
-    p.add_argument("--eval-every", type=int, default=None,
-                   help="probe BPB on the held-out last 5%% of train every N steps (0 = never)")
-    p.add_argument("--val-bytes", type=int, default=None,
-                   help=f"final valid and test BPB on the first N bytes, 0 = all "
-                        f"(default {d.val_bytes})")
+    defaults, specs = TrainConfig(), schema.specs(TrainConfig)
+    for name in TRAIN_FLAGS:
+        spec, default = specs[name], getattr(defaults, name)
+        flag = "--" + name.replace("_", "-")
+        text = spec.doc.replace("%", "%%")
+        if spec.kinds == (bool,):
+            p.add_argument(flag, action="store_true", default=None, help=text)
+        elif spec.kinds == (tuple,):
+            p.add_argument(flag, default=None,
+                           help=f"comma-separated, from {', '.join(spec.choices)}: {text} "
+                                f"(default {','.join(default)})")
+        else:
+            p.add_argument(flag, type=spec.kinds[0], default=None, choices=spec.choices,
+                           help=f"{text} (default {default})")
     p.add_argument("--data-dir", default=None,
                    help=f"WikiText-2 directory (default: ${DATA_ENV}; if unset, an embedded "
                         "corpus of Python standard-library sources)")
-    p.add_argument("--out", default=None, help=f"parent directory for run records ({d.out})")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
     p.add_argument("--progress-every", type=float, default=None, metavar="SECONDS",
                    help="print a plain progress line at most every SECONDS of training, and "
@@ -78,20 +76,22 @@ def _train_parser(sub) -> None:
 
 def resolve_train_config(args) -> TrainConfig:
     """Defaults < TOML file < flags < --set overrides, each value checked against its field's
-    type. Raises ValueError for an unknown key or a value of the wrong type."""
-    values = dataclasses.asdict(TrainConfig())
-    defaults = dict(values)
+    description (`TrainConfig`, `cotangent.harness.schema`); a comma-separated string is a list
+    for a list setting (`--arms native,cotangent`).
+
+    Raises:
+        ValueError: one line: invalid TOML, `--set` without `=`, an unknown setting, or a value
+            of the wrong type, range or choice.
+    """
+    values = {}
     if args.config:
         try:
             with open(args.config, "rb") as f:
                 values.update(tomllib.load(f))
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"{args.config}: not valid TOML ({exc})") from None
-    flags = {"model": args.model, "arms": args.arms, "steps": args.steps, "seed": args.seed,
-             "batch_size": args.batch_size, "device": args.device, "precision": args.precision,
-             "compile": args.compile, "eval_every": args.eval_every, "val_bytes": args.val_bytes,
-             "out": args.out}
-    values.update({k: v for k, v in flags.items() if v is not None})
+    values.update({name: getattr(args, name) for name in TRAIN_FLAGS
+                   if getattr(args, name) is not None})
     for item in args.set:
         key, sep, text = item.partition("=")
         if not sep:
@@ -100,27 +100,11 @@ def resolve_train_config(args) -> TrainConfig:
             values[key.strip()] = tomllib.loads(f"v = {text}")["v"]
         except tomllib.TOMLDecodeError:
             values[key.strip()] = text  # a bare string
-    unknown = sorted(set(values) - set(defaults))
-    if unknown:
-        raise ValueError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(defaults)}")
-    for key, default in defaults.items():
-        value = values[key]
-        if isinstance(default, tuple):
-            value = tuple(value.split(",")) if isinstance(value, str) else tuple(value)
-            value = tuple(v.strip() if isinstance(v, str) else v for v in value
-                          if not (isinstance(v, str) and not v.strip()))
-        elif isinstance(default, bool) or isinstance(value, bool):
-            if type(value) is not type(default):
-                raise ValueError(f"{key} must be {type(default).__name__}, got {value!r}")
-        elif isinstance(default, (int, float)):
-            if not isinstance(value, (int, float)) or (isinstance(default, int)
-                                                       and isinstance(value, float)):
-                raise ValueError(f"{key} must be {type(default).__name__}, got {value!r}")
-            value = type(default)(value)
-        elif not isinstance(value, str):
-            raise ValueError(f"{key} must be a string, got {value!r}")
-        values[key] = value
-    return TrainConfig(**values)
+    specs = schema.specs(TrainConfig)
+    for key, value in values.items():
+        if key in specs and tuple in specs[key].kinds and isinstance(value, str):
+            values[key] = [v.strip() for v in value.split(",") if v.strip()]
+    return TrainConfig(**schema.check(TrainConfig, values))
 
 
 def cmd_train(args) -> int:
@@ -214,7 +198,7 @@ def _calibrate_parser(sub) -> None:
                     "implementation, run the calibration probes its layout needs, and list "
                     "those verdicts (cached in memory and in the user cache file); verdicts "
                     "cached for other models are not listed.")
-    p.add_argument("--model", default="transformer-small", choices=sorted(MODELS))
+    p.add_argument("--model", default="transformer-small", choices=sorted(MODEL_CONFIGS))
     p.add_argument("--json", action="store_true", help="print the verdicts as one JSON list "
                    "as the last line")
 
@@ -345,7 +329,7 @@ def cmd_data(args) -> int:
         data.fetch_wikitext2(args.dest, args.base_url or data.WIKITEXT2_URL)
         print(f"use it with: cotangent train --data-dir {args.dest}")
         return 0
-    print("\n".join(data.describe(args.data_dir or os.environ.get(DATA_ENV))))
+    print("\n".join(data.describe_corpus(args.data_dir or os.environ.get(DATA_ENV))))
     return 0
 
 

@@ -298,7 +298,7 @@ def _download_first(base_url: str, split: str, timeout_s: float) -> tuple[str, b
                   f"{', '.join(tried)} is there")
 
 
-def describe(data_dir: str | os.PathLike | None) -> list[str]:
+def describe_corpus(data_dir: str | os.PathLike | None) -> list[str]:
     """Human-readable lines: which corpus would be used, from where, with what hashes."""
     if not data_dir:
         corpus = embedded_corpus()

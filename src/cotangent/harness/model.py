@@ -58,7 +58,7 @@ class ModelConfig:
         return self.ffn_hidden or 4 * self.width
 
 
-MODELS: dict[str, ModelConfig] = {
+MODEL_CONFIGS: dict[str, ModelConfig] = {
     # 3,346,944 parameters in 37 tensors (the default model of `cotangent train`).
     "transformer-small": ModelConfig(),
     # 19,280,896 parameters in 53 tensors.
@@ -80,7 +80,7 @@ MODELS: dict[str, ModelConfig] = {
     "tiny-causal-conv": ModelConfig(family="causal-conv", context=32, width=32, n_layer=3),
     "tiny-transformer-medium": ModelConfig(context=32, width=48, n_layer=3, n_head=4),
 }
-MODELS["tiny"] = MODELS["tiny-transformer"]
+MODEL_CONFIGS["tiny"] = MODEL_CONFIGS["tiny-transformer"]
 
 # The tiny variant of each research model: same family and block structure, fewer features
 # (`cotangent verify` runs these unless --full-width).
@@ -94,9 +94,9 @@ TINY: dict[str, str] = {
 
 def model_config(name: str, **overrides) -> ModelConfig:
     """Return the named `ModelConfig`; raises ValueError naming the known models."""
-    if name not in MODELS:
-        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODELS))}")
-    return replace(MODELS[name], **overrides)
+    if name not in MODEL_CONFIGS:
+        raise ValueError(f"unknown model {name!r}; known: {', '.join(sorted(MODEL_CONFIGS))}")
+    return replace(MODEL_CONFIGS[name], **overrides)
 
 
 class CausalSelfAttention(nn.Module):

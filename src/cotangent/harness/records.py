@@ -66,7 +66,7 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
     write_atomic(path, "".join(json.dumps(r, sort_keys=True) + "\n" for r in rows))
 
 
-def code_fingerprint() -> str:
+def source_sha256() -> str:
     """SHA-256 over the installed `cotangent` package's .py files (relative path + bytes)."""
     root = Path(cotangent.__file__).parent
     h = hashlib.sha256()
@@ -95,7 +95,7 @@ def environment() -> dict:
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "cpu_model": cpu_model(),
         "cotangent": cotangent.__version__,
-        "code_sha256": code_fingerprint(),
+        "code_sha256": source_sha256(),
         # how idle OpenMP threads wait decides how badly a busy machine slows the steps
         "thread_env": {k: os.environ.get(k) for k in THREAD_ENV},
     }

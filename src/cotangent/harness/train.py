@@ -26,8 +26,9 @@ import resource
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -36,7 +37,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import cotangent
-from cotangent.harness import contention, records
+from cotangent.harness import contention, records, schema
 from cotangent.harness.data import (
     BITS_PER_NAT,
     TRAIN_FRACTION,
@@ -45,37 +46,52 @@ from cotangent.harness.data import (
     eval_windows,
 )
 from cotangent.factorial import BatchedNormsOnly
-from cotangent.harness.model import MODELS, build_model
+from cotangent.harness.model import MODEL_CONFIGS, build_model
+from cotangent.harness.schema import setting
 
-ARMS = ("native", "cotangent", "batched-norms-only", "packing-only")
+TRAIN_ARMS = ("native", "cotangent", "batched-norms-only", "packing-only")
 DEFAULT_ARMS = ("native", "cotangent")
 NATIVE_PATH = "clip_grad_norm_(foreach=None) + torch.optim.AdamW(fused=True)"
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class TrainConfig:
-    """One `cotangent train` run (both arms)."""
+    """One `cotangent train` run (all its arms). Each field's type, bounds or choices and
+    meaning are declared once (`cotangent.harness.schema`): `validate_config`, the CLI's flags
+    and a campaign protocol's `[train]` table are all checked against them."""
 
-    model: str = "transformer-small"
-    steps: int = 300  # optimizer updates per arm
-    seed: int = 0  # model init: torch.manual_seed(seed); windows: default_rng(seed + 100000)
-    batch_size: int = 8  # windows per step, each context + 1 bytes
-    lr: float = 1e-3  # peak learning rate
-    betas: tuple[float, float] = (0.9, 0.95)
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    max_norm: float = 1.0  # gradient clipping threshold (global L2 norm)
-    device: str = "cpu"  # cpu | cuda | mps
-    precision: str = "auto"  # auto (fp32 on CPU, bf16 autocast elsewhere) | fp32 | bf16
-    val_bytes: int = 131_072  # final valid and test BPB on the first this many bytes; 0 = all
-    eval_every: int = 0  # probe BPB on the held-out last 5% of train every N steps; 0 = never
-    probe_bytes: int = 65_536  # bytes of that held-out tail each probe evaluates
-    eval_batch: int = 16  # windows per evaluation forward pass
-    compile: bool = False  # torch.compile the model (the update phase stays outside it)
-    out: str = "runs"  # parent directory of run directories
-    arms: tuple[str, ...] = DEFAULT_ARMS  # which arms, trained interleaved; the first is the baseline
+    model: str = setting("byte-level model (cotangent.harness.model)", "transformer-small",
+                         choices=tuple(sorted(MODEL_CONFIGS)))
+    steps: int = setting("optimizer updates per arm", 300, low=1)
+    seed: int = setting("model init: torch.manual_seed(seed); windows: "
+                        "default_rng(seed + 100000)", 0, low=0, high=2**63 - 100_000,
+                        high_open=True, want="an integer in [0, 2**63 - 100000)")
+    batch_size: int = setting("windows per step, each context + 1 bytes", 8, low=1)
+    lr: float = setting("peak learning rate", 1e-3, low=0.0)
+    betas: tuple[float, float] = setting("AdamW betas", (0.9, 0.95), low=0.0, high=1.0,
+                                         high_open=True)
+    eps: float = setting("AdamW eps", 1e-8, low=0.0)
+    weight_decay: float = setting("AdamW decoupled weight decay", 0.1, low=0.0)
+    max_norm: float = setting("gradient clipping threshold (global L2 norm)", 1.0, low=0.0)
+    device: str = setting("device type", "cpu", choices=("cpu", "cuda", "mps"))
+    precision: str = setting("auto: fp32 on CPU, bf16 autocast (fp32 weights) on cuda/mps",
+                             "auto", choices=("auto", "fp32", "bf16"))
+    val_bytes: int = setting("final valid and test BPB on the first this many bytes; 0 = all",
+                             131_072, low=0)
+    eval_every: int = setting("probe BPB on the held-out last 5% of train every this many "
+                              "steps; 0 = never", 0, low=0)
+    probe_bytes: int = setting("bytes of that held-out tail each probe evaluates", 65_536,
+                               low=1)
+    eval_batch: int = setting("windows per evaluation forward pass", 16, low=1)
+    compile: bool = setting("torch.compile the model (the update phase stays outside it)",
+                            False)
+    out: str = setting("parent directory of run directories", "runs")
+    arms: tuple[str, ...] = setting("which arms, trained interleaved; the first is the "
+                                    "baseline", DEFAULT_ARMS, choices=TRAIN_ARMS, min_items=1,
+                                    distinct=True)
 
     def resolved_precision(self) -> str:
+        """fp32 or bf16: `precision`, with auto resolved for `device`."""
         if self.precision == "auto":
             return "fp32" if self.device == "cpu" else "bf16"
         if self.precision not in ("fp32", "bf16"):
@@ -87,34 +103,13 @@ def validate_config(cfg: TrainConfig) -> None:
     """Check every setting of `cfg` before anything is built or written.
 
     Raises:
-        ValueError: naming the first bad setting (unknown arm or model, betas outside [0, 1),
-            unknown device or precision, negative lr/eps/weight_decay/max_norm, a count below
-            its minimum, or an `out` path that is a file).
+        ValueError: one line naming the first bad setting (a value of the wrong type, outside
+            its bounds or not among its choices, per `TrainConfig`'s field descriptions), or an
+            `out` path that is a file.
     """
-    unknown = [a for a in cfg.arms if a not in ARMS]
-    if unknown or not cfg.arms:
-        raise ValueError(f"unknown arm(s) {', '.join(unknown) or '(none)'}; known: {', '.join(ARMS)}")
-    if len(set(cfg.arms)) != len(cfg.arms):
-        raise ValueError(f"arms must be distinct, got {list(cfg.arms)}")
-    if cfg.model not in MODELS:
-        raise ValueError(f"unknown model {cfg.model!r}; known: {', '.join(sorted(MODELS))}")
-    if (len(cfg.betas) != 2 or not all(isinstance(b, (int, float)) and not isinstance(b, bool)
-                                       and 0 <= b < 1 for b in cfg.betas)):
-        raise ValueError(f"betas must be two numbers in [0, 1), got {list(cfg.betas)}")
-    if cfg.device not in ("cpu", "cuda", "mps"):
-        raise ValueError(f"device must be cpu, cuda or mps, got {cfg.device!r}")
-    if not 0 <= cfg.seed < 2**63 - 100_000:
-        raise ValueError(f"seed must be in [0, 2**63 - 100000), got {cfg.seed}")
-    for field in ("lr", "eps", "weight_decay", "max_norm"):
-        if not 0 <= getattr(cfg, field) < math.inf:
-            raise ValueError(f"{field} must be finite and >= 0, got {getattr(cfg, field)}")
-    for field, low in (("steps", 1), ("batch_size", 1), ("val_bytes", 0), ("eval_every", 0),
-                       ("probe_bytes", 1), ("eval_batch", 1)):
-        if getattr(cfg, field) < low:
-            raise ValueError(f"{field} must be >= {low}, got {getattr(cfg, field)}")
+    schema.check(TrainConfig, {f.name: getattr(cfg, f.name) for f in fields(cfg)})
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise ValueError(f"out {cfg.out} exists and is not a directory")
-    cfg.resolved_precision()
 
 
 def check_device(name: str) -> None:
@@ -151,8 +146,8 @@ class Arm:
     """One arm's model, optimizer and update phase."""
 
     def __init__(self, name: str, cfg: TrainConfig, device: torch.device) -> None:
-        if name not in ARMS:
-            raise ValueError(f"unknown arm {name!r}; known: {', '.join(ARMS)}")
+        if name not in TRAIN_ARMS:
+            raise ValueError(f"unknown arm {name!r}; known: {', '.join(TRAIN_ARMS)}")
         self.name = name
         self.model = build_model(cfg.model, cfg.seed).to(device)
         params = list(self.model.parameters())
@@ -251,31 +246,77 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
     t_start = time.perf_counter()
     device = torch.device(cfg.device)
     precision = cfg.resolved_precision()
-    if precision == "bf16":
-        def autocast():
-            return torch.autocast(device.type, dtype=torch.bfloat16)
-    else:
-        autocast = nullcontext
     if not cfg.arms or len(set(cfg.arms)) != len(cfg.arms):
         raise ValueError(f"arms must be distinct and at least one, got {cfg.arms}")
     stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
-    run_root = Path(cfg.out) / f"{stamp}-{cfg.model}-seed{cfg.seed}"
+    run = _Run(cfg=cfg, device=device, autocast=_autocast(device, precision), t_start=t_start,
+               root=Path(cfg.out) / f"{stamp}-{cfg.model}-seed{cfg.seed}")
     env = records.environment()
     arms = {name: Arm(name, cfg, device) for name in cfg.arms}
-    first = arms[cfg.arms[0]]
-    context = first.model.cfg.context
-    # Fail now, not after training, if evaluation cannot run on these splits and context.
-    val = eval_windows(corpus.splits["valid"], context, cfg.val_bytes)
-    test = eval_windows(corpus.splits["test"], context, cfg.val_bytes)
-    tail = corpus.splits["train"][int(len(corpus.splits["train"]) * TRAIN_FRACTION):]
-    probe = eval_windows(tail, context, cfg.probe_bytes) if cfg.eval_every > 0 else None
+    context = arms[cfg.arms[0]].model.cfg.context
+    windows = _eval_windows(cfg, corpus, context)
     samplers = {name: WindowSampler(corpus.splits["train"], seed=cfg.seed,
                                     batch_size=cfg.batch_size, context=context)
                 for name in cfg.arms}
-    n_params = sum(p.numel() for p in first.model.parameters())
-    n_tensors = len(list(first.model.parameters()))
+    n_params, n_tensors = _start_records(run, arms, corpus, env, precision, config_toml)
+    setup_s = time.perf_counter() - t_start
+    log(f"training {cfg.model} ({n_params:,} parameters, {n_tensors} tensors) for {cfg.steps} "
+        f"steps per arm on {device.type} in {precision}, arms interleaved: {', '.join(cfg.arms)}")
+    curves = _Curves(run.root, cfg.arms)
+    load = _train_loop(run, arms, samplers, curves, windows["probe"], show_progress, log,
+                       progress_every_s)
+    result: dict = {}
     for name, arm in arms.items():
-        run_dir = run_root / name
+        summary = _summarize_arm(run, name, arm, curves, windows, load, setup_s)
+        curves.finish(name)
+        records.write_json(run.root / name / "summary.json", summary)
+        (run.root / name / "INCOMPLETE").unlink()  # only now is the run complete
+        result[name] = summary
+    result["arms"] = list(cfg.arms)
+    result["identical_final_hash"] = len(
+        {result[name]["final_model_sha256"] for name in cfg.arms}) == 1
+    return result
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Run:
+    """What every step of one `cotangent train` run shares."""
+
+    cfg: TrainConfig
+    device: torch.device
+    autocast: Callable  # () -> the context manager of the forward passes
+    root: Path  # parent of the arms' run directories
+    t_start: float  # time.perf_counter() at the start of the run
+
+
+def _autocast(device: torch.device, precision: str) -> Callable:
+    """The forward passes' context: bf16 autocast, or nothing for fp32."""
+    if precision == "bf16":
+        def autocast():
+            return torch.autocast(device.type, dtype=torch.bfloat16)
+        return autocast
+    return nullcontext
+
+
+def _eval_windows(cfg: TrainConfig, corpus: Corpus, context: int) -> dict:
+    """The valid, test and (with eval_every) probe windows, built before training so that a
+    split too short for `context` fails now, not after training."""
+    tail = corpus.splits["train"][int(len(corpus.splits["train"]) * TRAIN_FRACTION):]
+    return {"valid": eval_windows(corpus.splits["valid"], context, cfg.val_bytes),
+            "test": eval_windows(corpus.splits["test"], context, cfg.val_bytes),
+            "probe": eval_windows(tail, context, cfg.probe_bytes) if cfg.eval_every > 0
+            else None}
+
+
+def _start_records(run: _Run, arms: dict[str, Arm], corpus: Corpus, env: dict, precision: str,
+                   config_toml: str | None) -> tuple[int, int]:
+    """Create each arm's run directory (never an existing one) with its INCOMPLETE marker,
+    metadata.json and config.toml; returns the model's parameter and tensor counts."""
+    cfg = run.cfg
+    params = list(arms[cfg.arms[0]].model.parameters())
+    n_params, n_tensors = sum(p.numel() for p in params), len(params)
+    for name, arm in arms.items():
+        run_dir = run.root / name
         run_dir.mkdir(parents=True, exist_ok=False)  # never reuse or overwrite a run
         records.write_atomic(run_dir / "INCOMPLETE", "this run has not finished\n")
         meta = {
@@ -284,7 +325,7 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
             "precision": precision,
             "seed": cfg.seed,
             "environment": env,
-            "device_name": _device_name(device),
+            "device_name": _device_name(run.device),
             "data": corpus.manifest(),
             "native_path": NATIVE_PATH,
             "parameters": n_params,
@@ -301,22 +342,47 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
         if config_toml is not None:
             records.write_atomic(run_dir / "config.toml", config_toml + "\n")
         arm.optimizer.zero_grad(set_to_none=True)
-    setup_s = time.perf_counter() - t_start
-    log(f"training {cfg.model} ({n_params:,} parameters, {n_tensors} tensors) for {cfg.steps} "
-        f"steps per arm on {device.type} in {precision}, arms interleaved: {', '.join(cfg.arms)}")
-    curves: dict[str, list[dict]] = {name: [] for name in cfg.arms}
-    # Rows are also appended (one flushed line each) to curve.partial.jsonl, so a killed run
-    # keeps its curve; the finished run replaces it by curve.jsonl, written atomically.
-    partial = {name: open(run_root / name / "curve.partial.jsonl", "a", encoding="utf-8")
-               for name in cfg.arms}
+    return n_params, n_tensors
 
-    def record(name: str, row: dict) -> None:
-        curves[name].append(row)
-        partial[name].write(json.dumps(row, sort_keys=True) + "\n")
-        partial[name].flush()
 
-    trained_s = {name: 0.0 for name in cfg.arms}
-    probes: dict[str, list[dict]] = {name: [] for name in cfg.arms}
+class _Curves:
+    """Each arm's curve rows (steps and probes) in memory and, one flushed line each, in its
+    run directory's curve.partial.jsonl, so a killed run keeps its curve; `finish` replaces
+    that file by curve.jsonl, written atomically."""
+
+    def __init__(self, root: Path, names: tuple[str, ...]) -> None:
+        self.root = root
+        self.rows: dict[str, list[dict]] = {name: [] for name in names}
+        self.probes: dict[str, list[dict]] = {name: [] for name in names}
+        self.trained_s = {name: 0.0 for name in names}  # sum of the arm's step_s so far
+        self._partial = {name: open(root / name / "curve.partial.jsonl", "a", encoding="utf-8")
+                         for name in names}
+
+    def add(self, name: str, row: dict) -> None:
+        """Record one row of arm `name` (a step row has step_s, a probe row probe_bpb)."""
+        if "probe_bpb" in row:
+            self.probes[name].append(row)
+        else:
+            self.trained_s[name] += row["step_s"]
+        self.rows[name].append(row)
+        self._partial[name].write(json.dumps(row, sort_keys=True) + "\n")
+        self._partial[name].flush()
+
+    def finish(self, name: str) -> None:
+        """Write arm `name`'s curve.jsonl and remove its curve.partial.jsonl."""
+        run_dir = self.root / name
+        self._partial[name].close()
+        records.write_jsonl(run_dir / "curve.jsonl", self.rows[name])
+        (run_dir / "curve.partial.jsonl").unlink()
+
+
+def _train_loop(run: _Run, arms: dict[str, Arm], samplers: dict[str, WindowSampler],
+                curves: _Curves, probe: torch.Tensor | None, show_progress: bool | None, log,
+                progress_every_s: float) -> dict:
+    """Step i of every arm before step i + 1 (their order alternating), a probe every
+    eval_every steps, a progress line every `progress_every_s` seconds; returns the load
+    record around the loop (`host`: the HostSampler, `threads`, 1-minute load averages)."""
+    cfg = run.cfg
     if show_progress is None:
         show_progress = sys.stderr.isatty()
     host = contention.HostSampler()
@@ -327,44 +393,15 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
     order = list(cfg.arms)
     for step in tqdm(range(cfg.steps), disable=not show_progress, desc="steps", unit="step"):
         for name in order:
-            arm = arms[name]
-            batch = samplers[name].next_batch().to(device)
-            lr = arm.optimizer.param_groups[0]["lr"]
-            sync(device)
-            # Machine load around the step, read outside the timed region.
-            h0 = host.sample()
-            c0 = time.process_time()
-            t0 = time.perf_counter()
-            with autocast():
-                logits = arm.forward(batch[:, :-1])  # (B, T, 256)
-            loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)),
-                                   batch[:, 1:].reshape(-1))
-            loss.backward()
-            sync(device)
-            t1 = time.perf_counter()
-            total = arm.update_phase()
-            sync(device)
-            t2 = time.perf_counter()
-            c1 = time.process_time()
-            h1 = host.sample()
-            arm.scheduler.step()
-            trained_s[name] += t2 - t0
-            row = {"step": step, "loss_bpb": loss.item() * BITS_PER_NAT, "lr": lr,
-                   "grad_norm": total.item(), "step_s": t2 - t0, "update_s": t2 - t1,
-                   "cpu_s": c1 - c0}
-            if h0 is not None and h1 is not None:
-                row["host_cpu_s"] = h1[0] - h0[0]
-                row["host_steal_s"] = h1[1] - h0[1]
-            record(name, row)
+            row = _train_step(run, arms[name], samplers[name], step, host)
+            curves.add(name, row)
             since_line[name].append(row)
             if probe is not None and (step + 1) % cfg.eval_every == 0:
-                bpb, _ = evaluate_bpb(arm.model, probe, batch=cfg.eval_batch, device=device,
-                                      autocast=autocast)
-                probe_row = {"probe": len(probes[name]), "step": step + 1, "probe_bpb": bpb,
-                             "training_s": trained_s[name],
-                             "elapsed_s": time.perf_counter() - t_start}
-                probes[name].append(probe_row)
-                record(name, probe_row)
+                bpb, _ = evaluate_bpb(arms[name].model, probe, batch=cfg.eval_batch,
+                                      device=run.device, autocast=run.autocast)
+                curves.add(name, {"probe": len(curves.probes[name]), "step": step + 1,
+                                  "probe_bpb": bpb, "training_s": curves.trained_s[name],
+                                  "elapsed_s": time.perf_counter() - run.t_start})
         order.reverse()
         now = time.perf_counter()
         if progress_every_s > 0 and (now - last_line >= progress_every_s
@@ -372,66 +409,95 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
             log(progress_line(step + 1, cfg.steps, now - loop_start, since_line))
             since_line = {name: [] for name in cfg.arms}
             last_line = now
-    load_end = contention.load_average_1m()
-    result: dict = {}
-    for name, arm in arms.items():
-        val_bpb, val_targets = evaluate_bpb(arm.model, val, batch=cfg.eval_batch,
-                                            device=device, autocast=autocast)
-        test_bpb, test_targets = evaluate_bpb(arm.model, test, batch=cfg.eval_batch,
-                                              device=device, autocast=autocast)
-        steps = [r for r in curves[name] if "loss_bpb" in r]
-        step_s = [r["step_s"] for r in steps]
-        update_s = [r["update_s"] for r in steps]
-        cpu_s = [r["cpu_s"] for r in steps]
-        measured = all("host_cpu_s" in r for r in steps)
-        if not measured:  # /proc/stat failed for some step: the run's load is not measured
-            for r in steps:
-                r.pop("host_cpu_s", None)
-                r.pop("host_steal_s", None)
-        host_cpu_s = [r["host_cpu_s"] for r in steps] if measured else None
-        host_cpus = host.cpus if measured else None
-        flags = contention.assess(step_s, cpu_s, host_cpu_s, host_cpus, threads)
-        summary = {
-            "arm": name,
-            "steps": cfg.steps,
-            "update_ms": 1e3 * statistics.median(update_s),
-            "step_ms": 1e3 * statistics.median(step_s),
-            "update_ms_mean": 1e3 * statistics.fmean(update_s),
-            "step_ms_mean": 1e3 * statistics.fmean(step_s),
-            "setup_s": setup_s,
-            "training_s": sum(step_s),
-            "update_s": sum(update_s),
-            "total_s": time.perf_counter() - t_start,
-            "probes": probes[name],
-            "final_loss_bpb": steps[-1]["loss_bpb"],
-            "val_bpb": val_bpb,
-            "val_targets": val_targets,
-            "test_bpb": test_bpb,
-            "test_targets": test_targets,
-            "final_model_sha256": records.model_sha256(arm.model),
-            "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
-            "run_dir": str(run_root / name),
-            # machine load while the steps were timed, and the timing flags (contention.py)
-            "cpu_s": sum(cpu_s),
-            "host_cpu_s": sum(host_cpu_s) if measured else None,
-            "host_steal_s": sum(r["host_steal_s"] for r in steps) if measured else None,
-            "host_cpus": host_cpus,
-            "threads": threads,
-            "load_avg_1m_start": load_start,
-            "load_avg_1m_end": load_end,
-            **{k: v for k, v in flags.items() if k != "median_step_s"},
-        }
-        run_dir = run_root / name
-        partial[name].close()
-        records.write_jsonl(run_dir / "curve.jsonl", curves[name])
-        (run_dir / "curve.partial.jsonl").unlink()
-        records.write_json(run_dir / "summary.json", summary)
-        (run_dir / "INCOMPLETE").unlink()  # only now is the run complete
-        result[name] = summary
-    result["arms"] = list(cfg.arms)
-    result["identical_final_hash"] = len(
-        {result[name]["final_model_sha256"] for name in cfg.arms}) == 1
-    return result
+    return {"host": host, "threads": threads, "load_avg_1m_start": load_start,
+            "load_avg_1m_end": contention.load_average_1m()}
+
+
+def _train_step(run: _Run, arm: Arm, sampler: WindowSampler, step: int,
+                host: contention.HostSampler) -> dict:
+    """One timed step of one arm (forward, backward, update phase; then the LR schedule);
+    returns its curve row: loss in bits per byte, lr, gradient norm, step_s, update_s and the
+    machine load (cpu_s; host_cpu_s, host_steal_s where measured)."""
+    device = run.device
+    batch = sampler.next_batch().to(device)
+    lr = arm.optimizer.param_groups[0]["lr"]
+    sync(device)
+    # Machine load around the step, read outside the timed region.
+    h0 = host.sample()
+    c0 = time.process_time()
+    t0 = time.perf_counter()
+    with run.autocast():
+        logits = arm.forward(batch[:, :-1])  # (B, T, 256)
+    loss = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+    loss.backward()
+    sync(device)
+    t1 = time.perf_counter()
+    total = arm.update_phase()
+    sync(device)
+    t2 = time.perf_counter()
+    c1 = time.process_time()
+    h1 = host.sample()
+    arm.scheduler.step()
+    row = {"step": step, "loss_bpb": loss.item() * BITS_PER_NAT, "lr": lr,
+           "grad_norm": total.item(), "step_s": t2 - t0, "update_s": t2 - t1, "cpu_s": c1 - c0}
+    if h0 is not None and h1 is not None:
+        row["host_cpu_s"] = h1[0] - h0[0]
+        row["host_steal_s"] = h1[1] - h0[1]
+    return row
+
+
+def _summarize_arm(run: _Run, name: str, arm: Arm, curves: _Curves, windows: dict, load: dict,
+                   setup_s: float) -> dict:
+    """Evaluate arm `name`'s final model on valid and test, and summarize its steps: medians
+    and sums of the times, BPB, final hash, machine load and timing flags (summary.json).
+    A run whose host load was not measured at every step drops the partial host columns."""
+    cfg, device = run.cfg, run.device
+    val_bpb, val_targets = evaluate_bpb(arm.model, windows["valid"], batch=cfg.eval_batch,
+                                        device=device, autocast=run.autocast)
+    test_bpb, test_targets = evaluate_bpb(arm.model, windows["test"], batch=cfg.eval_batch,
+                                          device=device, autocast=run.autocast)
+    steps = [r for r in curves.rows[name] if "loss_bpb" in r]
+    step_s = [r["step_s"] for r in steps]
+    update_s = [r["update_s"] for r in steps]
+    cpu_s = [r["cpu_s"] for r in steps]
+    measured = all("host_cpu_s" in r for r in steps)
+    if not measured:  # /proc/stat failed for some step: the run's load is not measured
+        for r in steps:
+            r.pop("host_cpu_s", None)
+            r.pop("host_steal_s", None)
+    host_cpu_s = [r["host_cpu_s"] for r in steps] if measured else None
+    host_cpus = load["host"].cpus if measured else None
+    flags = contention.assess(step_s, cpu_s, host_cpu_s, host_cpus, load["threads"])
+    return {
+        "arm": name,
+        "steps": cfg.steps,
+        "update_ms": 1e3 * statistics.median(update_s),
+        "step_ms": 1e3 * statistics.median(step_s),
+        "update_ms_mean": 1e3 * statistics.fmean(update_s),
+        "step_ms_mean": 1e3 * statistics.fmean(step_s),
+        "setup_s": setup_s,
+        "training_s": sum(step_s),
+        "update_s": sum(update_s),
+        "total_s": time.perf_counter() - run.t_start,
+        "probes": curves.probes[name],
+        "final_loss_bpb": steps[-1]["loss_bpb"],
+        "val_bpb": val_bpb,
+        "val_targets": val_targets,
+        "test_bpb": test_bpb,
+        "test_targets": test_targets,
+        "final_model_sha256": records.model_sha256(arm.model),
+        "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
+        "run_dir": str(run.root / name),
+        # machine load while the steps were timed, and the timing flags (contention.py)
+        "cpu_s": sum(cpu_s),
+        "host_cpu_s": sum(host_cpu_s) if measured else None,
+        "host_steal_s": sum(r["host_steal_s"] for r in steps) if measured else None,
+        "host_cpus": host_cpus,
+        "threads": load["threads"],
+        "load_avg_1m_start": load["load_avg_1m_start"],
+        "load_avg_1m_end": load["load_avg_1m_end"],
+        **{k: v for k, v in flags.items() if k != "median_step_s"},
+    }
 
 
 def progress_line(done: int, steps: int, elapsed_s: float, rows: dict[str, list[dict]]) -> str:

@@ -11,8 +11,8 @@ import torch.nn.functional as F
 from cotangent.harness.model import TINY, Transformer, build_model
 from cotangent.verify import ARMS, verify
 
-MODELS = ("transformer-small", "transformer-medium", "gated-gqa", "causal-conv")
-HP = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
+VERIFY_MODELS = ("transformer-small", "transformer-medium", "gated-gqa", "causal-conv")
+VERIFY_ADAMW_ARGS = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
 
 
 def suite_model(name: str, full_width: bool, seed: int = 0) -> Transformer:
@@ -27,9 +27,9 @@ def lm_loss(model, batch):
     return F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
 
 
-def run_suite(*, models=MODELS, precisions=("fp32", "bf16"), arms=ARMS, steps: int = 4,
-              full_width: bool = False, compile_check: bool = True, max_norm: float = 0.1,
-              log=print) -> dict:
+def run_suite(*, models=VERIFY_MODELS, precisions=("fp32", "bf16"), arms=ARMS,
+              steps: int = 4, full_width: bool = False, compile_check: bool = True,
+              max_norm: float = 0.1, log=print) -> dict:
     """Every (model, precision, arm) case for `steps` updates, plus a compiled-model case."""
     cases = []
     plan = [(m, p, a, False) for m in models for p in precisions for a in arms]
@@ -42,7 +42,7 @@ def run_suite(*, models=MODELS, precisions=("fp32", "bf16"), arms=ARMS, steps: i
         batches = [torch.randint(0, 256, (2, context + 1), generator=gen) for _ in range(steps)]
         report = verify(model, lm_loss, batches, max_norm=max_norm, arm=arm,
                         autocast_dtype=torch.bfloat16 if precision == "bf16" else None,
-                        compile=compiled, **HP)
+                        compile=compiled, **VERIFY_ADAMW_ARGS)
         case = dict(model=name, precision=precision, compiled=compiled, **report.as_dict())
         cases.append(case)
         log(f"  {name:<19} {precision:<5} {arm:<19}{' compiled' if compiled else '':<9} "
