@@ -458,6 +458,7 @@ def test_pickle_size_is_linear_in_the_parameters():
     assert sizes["cotangent"][1] <= 1.05 * sizes["native"][1], sizes
 
 
+@pytest.mark.filterwarnings("ignore:grad and param do not obey the gradient layout contract")
 @pytest.mark.parametrize("impl", ["foreach", "for-loop"])
 def test_other_strides_gradient_kept_by_zero_grad_set_to_none_false(impl):
     """Native `zero_grad(set_to_none=False)` zeroes such a gradient in place and the next
