@@ -525,3 +525,25 @@ def test_backward_through_parameters_updated_since_the_forward_behaves_like_nati
             assert "modified by an inplace operation" in str(error)
             outcomes.append("refused")
     assert outcomes[0] == outcomes[1] == ("ran" if impl == "fused" else "refused")
+
+
+def test_implementation_follows_native_defaults(monkeypatch):
+    """`torch.optim.adam.adam`'s choice: only with fused and foreach both None does the device
+    decide, and then a tensor lr (capturable off) falls back from foreach to the for-loop; an
+    explicit fused=False is the for-loop. On CPU the default is the for-loop anyway, so the
+    device default is forced to foreach here (as on CUDA)."""
+    from cotangent import _compat, merge
+
+    monkeypatch.setattr(_compat, "default_foreach", lambda params, differentiable: True)
+    p = [torch.zeros(2)]
+
+    def group(**kw):
+        return dict(dict(fused=None, foreach=None, lr=1e-3, capturable=False,
+                         differentiable=False), **kw)
+
+    assert merge.implementation(group(), p) == "foreach"
+    assert merge.implementation(group(lr=torch.tensor(1e-3)), p) == "for-loop"
+    assert merge.implementation(group(lr=torch.tensor(1e-3), capturable=True), p) == "foreach"
+    assert merge.implementation(group(fused=False), p) == "for-loop"
+    assert merge.implementation(group(foreach=True), p) == "foreach"
+    assert merge.implementation(group(fused=True), p) == "fused"

@@ -335,8 +335,8 @@ class AdamW(torch.optim.AdamW):
         for slot, g in grads.foreign.items():
             group = self.param_groups[self._planner.group_of[slot]]
             if merge.implementation(group, [g]) == "fused":
-                # policy: CPU fused AdamW would read such a gradient in storage order (torch
-                # issue 106951); it is read in the parameter's layout instead, after the clip
+                # policy: CPU fused AdamW would read such a gradient in storage order (pytorch
+                # #106951); it is read in the parameter's layout instead, after the clip
                 self._tracker.take_in(slot, g)
             else:
                 override[slot] = g  # for-loop and foreach take it as it is, like native
