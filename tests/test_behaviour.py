@@ -50,23 +50,18 @@ def test_zero_grad_keep_and_model_zero_grad():
 
 
 def test_add_param_group_after_construction():
-    m1, m2 = mlp(), None
+    m1 = mlp()
     m2 = copy.deepcopy(m1)
     n = cotangent.ReferenceUpdate(m1[0].parameters(), 0.05, fused=True, **HP)
     o = cotangent.AdamW(m2[0].parameters(), max_norm=0.05, fused=True, **HP)
-    for step in range(4):
+
+    def add_head(step, side):
+        model, opt = side
         if step == 2:
-            n.optimizer.add_param_group({"params": list(m1[3].parameters()), "lr": 1e-2})
-            o.add_param_group({"params": list(m2[3].parameters()), "lr": 1e-2})
-        x = torch.randn(4, 8)
-        n.optimizer.zero_grad()
-        o.zero_grad()
-        for m in (m1, m2):
-            m(x).square().mean().backward()
-        n.step()
-        o.step()
-        for (name, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
-            assert_same_bits(p1, p2, f"step {step} {name}")
+            opt.add_param_group({"params": list(model[3].parameters()), "lr": 1e-2})
+
+    lockstep(m1, n, m2, o, 4, "add_param_group", edit=add_head, edit_before_backward=True)
+    assert int(o.state[m2[3].weight]["step"]) == 2
 
 
 def test_grad_scaler_with_fused_adamw():

@@ -322,17 +322,6 @@ def test_lazy_and_subclass_parameters_are_refused_clearly():
         cotangent.AdamW(nn.LazyLinear(4).parameters())
 
 
-@pytest.fixture
-def single_rank_group(tmp_path):
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
-                            world_size=1)
-    yield dist
-    dist.destroy_process_group()
-
-
 def test_fsdp2_dtensor_parameters_are_refused_naming_fsdp2(single_rank_group):
     from torch.distributed.fsdp import fully_shard
 

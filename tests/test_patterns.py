@@ -1231,17 +1231,6 @@ def test_two_optimizers_over_shared_parameters(impl):
     lockstep(shared_encoder, impl, "shared encoder", make=SACAE)
 
 
-@pytest.fixture
-def single_rank_group(tmp_path):
-    dist = pytest.importorskip("torch.distributed")
-    if not dist.is_available():
-        pytest.skip("torch.distributed is not available")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0,
-                            world_size=1)
-    yield dist
-    dist.destroy_process_group()
-
-
 def ddp(side, bucket_view):
     """DistributedDataParallel (one rank) built before the optimizer, with `no_sync()` on the
     first of two accumulation micro-steps."""
