@@ -160,9 +160,11 @@ class ClipOrder:
 
     @property
     def live(self) -> bool:
+        """Whether the source is read afresh at every clip (a module or a callable)."""
         return isinstance(self.source, torch.nn.Module) or callable(self.source)
 
     def current(self) -> list[Tensor] | None:
+        """The source's parameters now (None: the optimizer's order)."""
         if isinstance(self.source, torch.nn.Module):
             return list(self.source.parameters())
         return list(self.source()) if callable(self.source) else self.source

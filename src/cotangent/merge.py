@@ -82,6 +82,8 @@ def run_native_adamw(kind: str, params, grads, exp_avgs, exp_avg_sqs, max_exp_av
 
 def merge_key(kind: str, device: torch.device, dtype: torch.dtype, numel: int,
               group: dict) -> str:
+    """The calibration key of a merge verdict: implementation, device type, dtype, length and
+    the hyperparameter branches that change the kernel path (amsgrad, maximize, decay, lr kind)."""
     return calibration.full_key("adamw_merge", device.type, (
         kind, dtype, numel, "amsgrad" if group["amsgrad"] else "-",
         "maximize" if group["maximize"] else "-", "decay" if group["weight_decay"] != 0 else "-",

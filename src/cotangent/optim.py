@@ -247,6 +247,8 @@ class AdamW(torch.optim.AdamW):
 
     @property
     def last_total_norm(self) -> Tensor | None:
+        """The total norm of the last clip (0-dim, the gradients' promoted dtype), or None
+        before any clip and once a backward delivered gradients that are not clipped yet."""
         if self._tracker is not None and self._norm_backwards == self._tracker.backwards:
             return self._last_total_norm
         return None

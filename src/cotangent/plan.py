@@ -76,6 +76,7 @@ class StateSeen:
 
     @classmethod
     def of(cls, state, params: list[Tensor], amsgrad: list[int]) -> StateSeen:
+        """Record what `state` holds now for `params` (after adoption or initialisation)."""
         dicts = [state[p] for p in params]
         seen = cls(state, getattr(state, "edits", -1), dicts, amsgrad, [])
         seen.ptrs = seen._pointers(dicts)
@@ -86,6 +87,8 @@ class StateSeen:
         return ptrs + [dicts[i]["max_exp_avg_sq"].data_ptr() for i in self.amsgrad]
 
     def unchanged(self, state, params: list[Tensor]) -> bool:
+        """Whether `state` still holds, for `params`, exactly the entries recorded (same data
+        pointers: nothing assigned, replaced, popped or re-pointed with `.data`)."""
         if state is self.container and getattr(state, "edits", -2) == self.edits:
             dicts = self.dicts  # no entry of the container was assigned or removed
         else:
@@ -163,6 +166,7 @@ class Planner:
             self.last = None
 
     def plan(self, present: tuple[int, ...]) -> StepPlan:
+        """The (cached) plan for this tuple of present slots, in slot order."""
         plan = self.plans.get(present)
         if plan is None:
             if len(self.plans) >= self.MAX_PLANS:

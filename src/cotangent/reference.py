@@ -45,6 +45,7 @@ class ReferenceUpdate:
 
     @property
     def params(self) -> list[Tensor]:
+        """The optimizer's parameters, param groups concatenated."""
         return [p for g in self.optimizer.param_groups for p in g["params"]]
 
     def clip_grad_norm_(self) -> Tensor:
@@ -71,5 +72,6 @@ class ReferenceUpdate:
         return total
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """`torch.optim.AdamW.zero_grad` (and the next `step()` clips again)."""
         self._clipped = False
         self.optimizer.zero_grad(set_to_none=set_to_none)

@@ -68,6 +68,7 @@ def state_keys(amsgrad: bool) -> tuple[str, ...]:
 
 
 def describe(slot: int, p: Tensor) -> str:
+    """How error messages name a parameter: its slot, shape and dtype."""
     return f"parameter {slot} (shape {tuple(p.shape)}, {str(p.dtype).removeprefix('torch.')})"
 
 

@@ -117,6 +117,7 @@ class GradientTracker:
         self._finalizer = weakref.finalize(self, _remove_handles, handles)
 
     def remove_hooks(self) -> None:
+        """Remove this tracker's hooks from the parameters (before a repack replaces it)."""
         self._finalizer()
 
     def has_logical_grad(self, slot: int) -> bool:
@@ -130,6 +131,7 @@ class GradientTracker:
         return not _untouched(g)
 
     def logical_grads(self) -> dict[int, Tensor]:
+        """Slot -> gradient, for every slot native code would see a gradient on."""
         return {s: self.store.params[s].grad for s in self.all_slots if self.has_logical_grad(s)}
 
     @torch.no_grad()
