@@ -378,3 +378,94 @@ def test_parameter_swapped_between_groups():
             o.param_groups[1]["params"].insert(0, moved)
 
     train(m1, ref, m2, opt, 4, "swap between groups", edit=edit)
+
+
+# ------------------------------------------------------------------ state moved between params
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("how", ["swap dicts", "swap tensors", "rotate dicts"])
+def test_state_moved_between_parameters(impl, how):
+    """`state[a], state[b] = state[b], state[a]` (layers permuted): each holds the other's
+    tensors, which are views of the flat buffers; every entry is read before any is copied."""
+    m1, ref, m2, opt = pair(impl=impl)
+
+    def edit(step, side):
+        model, o = side
+        if step != 2:
+            return
+        a, b = model[0].bias, model[1].bias  # 16 elements each, like model[1].weight
+        if how == "swap dicts":
+            o.state[a], o.state[b] = o.state[b], o.state[a]
+        elif how == "swap tensors":
+            sa, sb = o.state[a], o.state[b]
+            sa["exp_avg"], sb["exp_avg"] = sb["exp_avg"], sa["exp_avg"]
+        else:  # a rotation through three parameters of one length
+            o.state[a], o.state[b], o.state[model[1].weight] = (
+                o.state[b], o.state[model[1].weight], o.state[a])
+
+    train(m1, ref, m2, opt, 5, f"{how} {impl}", edit=edit)
+
+
+@pytest.mark.parametrize("shared", ["one exp_avg_sq for two", "one step for all",
+                                    "another parameter's moment"])
+def test_state_tensor_shared_between_parameters_is_a_clear_error(shared):
+    """Native updates a shared state tensor once per parameter; packing would copy it apart."""
+    m1, ref, m2, opt = pair(impl="for-loop")
+    train(m1, ref, m2, opt, 2, "before")
+    st = opt.state
+    if shared == "one exp_avg_sq for two":
+        st[m2[0].bias]["exp_avg_sq"] = st[m2[1].bias]["exp_avg_sq"]
+    elif shared == "one step for all":
+        step = torch.tensor(2.0)
+        for p in m2.parameters():
+            st[p]["step"] = step
+    else:
+        st[m2[1].bias]["exp_avg"] = st[m2[0].bias]["exp_avg_sq"]
+    opt.zero_grad()
+    square_loss(m2, torch.ones(4, 8)).backward()
+    before = [p.detach().clone() for p in m2.parameters()]
+    with pytest.raises(RuntimeError, match="is the same memory as state"):
+        opt.step()
+    for p, b in zip(m2.parameters(), before):
+        assert_same_bits(p, b, "parameter after the refused step")
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_coupled_weight_decay_in_a_group_is_honoured(impl):
+    """A group with `decoupled_weight_decay=False` (Adam's L2 decay) at construction and one
+    switched mid-run: native honours it per group."""
+    def groups(m):
+        return [{"params": list(m[0].parameters()), "decoupled_weight_decay": False},
+                {"params": list(m[1].parameters()) + list(m[3].parameters())}]
+
+    m1, ref, m2, opt = pair(groups=groups, impl=impl)
+
+    def edit(step, side):
+        if step == 2:
+            side[1].param_groups[1]["decoupled_weight_decay"] = False
+
+    train(m1, ref, m2, opt, 4, f"coupled decay {impl}", edit=edit)
+
+
+def test_integer_step_with_fused_fails_like_native():
+    m1, ref, m2, opt = pair(impl="fused")
+    train(m1, ref, m2, opt, 1, "before")
+    errors = []
+    for m, o in ((m1, ref.optimizer), (m2, opt)):
+        o.state[m[0].bias]["step"] = torch.tensor(1)
+        o.zero_grad()
+        square_loss(m, torch.ones(4, 8)).backward()
+        with pytest.raises(RuntimeError) as error:
+            o.step()
+        errors.append(str(error.value))
+    assert errors[0] == errors[1]
+
+
+def test_non_leaf_tensor_appended_to_a_group_is_a_clear_error():
+    m1, ref, m2, opt = pair(impl="for-loop")
+    w = nn.Parameter(torch.ones(3))
+    opt.param_groups[0]["params"].append(w * 2)  # not a leaf: native never updates it
+    ptrs = [p.data_ptr() for p in m2.parameters()]
+    with pytest.raises(ValueError, match="not a leaf tensor"):
+        opt.zero_grad()
+    assert [p.data_ptr() for p in m2.parameters()] == ptrs  # nothing moved

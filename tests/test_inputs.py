@@ -137,6 +137,8 @@ def test_probes_include_nonfinite_values():
     cpu = torch.device("cpu")
     assert not norms.flat_multiply_is_exact(cpu, torch.bfloat16, torch.bfloat16)
     assert norms.flat_multiply_is_exact(cpu, torch.float32, torch.float32)
+    # a NaN coefficient against NaN gradient elements: the body and the tail disagree
+    assert not norms.flat_multiply_is_exact(cpu, torch.float32, torch.float32, finite=False)
     flat = torch.randn(4096 + 64).to(torch.bfloat16)
     flat[4096 + 3] = float("nan")
     short = flat[4096:4096 + 16].clone()
@@ -471,3 +473,132 @@ def test_other_strides_gradient_kept_by_zero_grad_set_to_none_false(impl):
         opt.step()
         assert_same_bits(total, opt.last_total_norm, f"step {step} total norm")
         assert_same_update(ps, ref.optimizer.state, qs, opt.state, f"step {step}")
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_nan_gradient_bits_after_backward_in_every_dtype(dtype, set_to_none):
+    """A fresh bfloat16 gradient holding NaN (0x7FC0) would come out as 0xFFFF if accumulated
+    into a -0.0 buffer (the add rounds through float32): such dtypes get None from zero_grad,
+    as native, and a fresh tensor from the backward."""
+    torch.manual_seed(0)
+    m1 = nn.Linear(8, 8).to(dtype)
+    m2 = copy.deepcopy(m1)
+    o1, o2 = torch.optim.AdamW(m1.parameters(), **HP), cotangent.AdamW(m2.parameters(), **HP)
+    x = torch.randn(4, 8).to(dtype)
+    x[0, 0] = float("nan")
+    for step in range(3):
+        for m, o in ((m1, o1), (m2, o2)):
+            o.zero_grad(set_to_none=set_to_none)
+            (m(x).float() * -1).sum().backward()
+        assert_same_update(m1.parameters(), o1.state, m2.parameters(), o2.state,
+                           f"step {step} after backward")
+        o1.step()
+        o2.step()
+        assert_same_update(m1.parameters(), o1.state, m2.parameters(), o2.state, f"step {step}")
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_one_overflowed_gradient_element_then_nan_everywhere(impl):
+    """An inf gradient element makes the total norm inf, the clip coefficient 0, the clipped
+    gradient NaN (the default NaN, 0xFFC00000) and then every later step NaN against NaN: where
+    both the gradient element and the coefficient are NaN, ATen's vector body and scalar tail
+    keep different ones, so one multiply over the flat buffer is not used for a non-finite
+    coefficient."""
+    torch.manual_seed(0)
+    m1 = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 4))
+    m2 = copy.deepcopy(m1)
+    ref = cotangent.ReferenceUpdate(m1.parameters(), max_norm=1.0, **HP, **IMPLS[impl])
+    opt = cotangent.AdamW(m2.parameters(), max_norm=1.0, **HP, **IMPLS[impl])
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(4, 8, generator=gen)
+        for m, o in ((m1, ref), (m2, opt)):
+            o.zero_grad()
+            m(x).square().mean().backward()
+            if step == 0:
+                m[0].weight.grad[0, 0] = float("inf")
+        total = ref.step()
+        opt.step()
+        assert_same_bits(total, opt.last_total_norm, f"step {step} total norm")
+        assert_same_update(m1.parameters(), ref.optimizer.state, m2.parameters(), opt.state,
+                           f"step {step}")
+
+
+def test_fp16_merged_fused_range_with_nan_parameters():
+    """fp16 fused AdamW: a NaN parameter element (0xFE00) and a NaN gradient (0xFFFF) keep the
+    parameter's NaN per tensor; a merged range must not be used where it keeps the other."""
+    def make():
+        ps = [nn.Parameter(torch.full((8,), 0.01, dtype=torch.float16)) for _ in range(4)]
+        for p in ps:
+            p.data.view(torch.int16)[4] = -512  # 0xFE00
+            p.grad = torch.zeros_like(p)
+            p.grad.view(torch.int16).fill_(-1)  # 0xFFFF
+        return ps
+
+    ps, qs = make(), make()
+    ref = torch.optim.AdamW(ps, lr=1e-2, fused=True)
+    opt = cotangent.AdamW(qs, lr=1e-2, fused=True)
+    ref.step()
+    opt.step()
+    assert_same_update(ps, ref.state, qs, opt.state, "fp16 NaN parameters")
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_a_parameter_clipped_twice_like_native(impl):
+    """A tied embedding/head listed twice in `clip_order` (e.g. encoder then decoder
+    parameters): native counts its norm twice and multiplies its gradient twice."""
+    class TiedAE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.enc = nn.Linear(8, 8)
+            self.dec = nn.Linear(8, 8)
+            self.dec.weight = self.enc.weight
+
+        def forward(self, x):
+            return self.dec(torch.tanh(self.enc(x)))
+
+    torch.manual_seed(0)
+    m1 = TiedAE()
+    m2 = copy.deepcopy(m1)
+
+    def order(m):
+        return lambda: list(m.enc.parameters()) + list(m.dec.parameters())
+
+    ref = cotangent.ReferenceUpdate(m1.parameters(), max_norm=0.05, clip_order=order(m1), **HP,
+                                    **IMPLS[impl])
+    opt = cotangent.AdamW(m2.parameters(), max_norm=0.05, clip_order=order(m2), **HP,
+                          **IMPLS[impl])
+    for step in range(3):
+        x = torch.randn(4, 8)
+        for m, o in ((m1, ref), (m2, opt)):
+            o.zero_grad()
+            m(x).square().sum().backward()
+        total = ref.step()
+        opt.step()
+        assert_same_bits(total, opt.last_total_norm, f"step {step} total norm")
+        assert_same_update(m1.parameters(), ref.optimizer.state, m2.parameters(), opt.state,
+                           f"step {step}")
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_two_parameters_sharing_one_gradient_tensor(impl):
+    """`e.grad = w.grad`: native clips that tensor twice (it is in the list twice) and both
+    parameters read it; a copy into the buffer would untie them."""
+    torch.manual_seed(0)
+    m1 = nn.ModuleDict({"lin": nn.Linear(8, 8), "e": nn.ParameterList([nn.Parameter(
+        torch.zeros(8))])})
+    m2 = copy.deepcopy(m1)
+    ref = cotangent.ReferenceUpdate(m1.parameters(), max_norm=0.05, **HP, **IMPLS[impl])
+    opt = cotangent.AdamW(m2.parameters(), max_norm=0.05, **HP, **IMPLS[impl])
+    for step in range(3):
+        x = torch.randn(4, 8)
+        for m, o in ((m1, ref), (m2, opt)):
+            o.zero_grad()
+            m["lin"](x).square().sum().backward()
+            m["e"][0].grad = m["lin"].bias.grad
+        total = ref.step()
+        opt.step()
+        assert_same_bits(total, opt.last_total_norm, f"step {step} total norm")
+        assert_same_update(m1.parameters(), ref.optimizer.state, m2.parameters(), opt.state,
+                           f"step {step}")

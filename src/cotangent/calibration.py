@@ -4,10 +4,11 @@ Every probe verdict (`cotangent.norms`, `cotangent.merge`) is keyed by everythin
 depend on: the probe kind and its own arguments (device type, dtype, lengths, ...), plus the
 torch version, the ATen thread count and the machine's kernel class (CPU vector ISA, or the CUDA
 device name and compute capability). A verdict proven once is reused from
-`$COTANGENT_CACHE_DIR/calibration-v2.json` (default `~/.cache/cotangent/`), written atomically;
+`$COTANGENT_CACHE_DIR/calibration-v3.json` (default `~/.cache/cotangent/`), written atomically;
 `COTANGENT_CACHE_DIR=off` keeps verdicts in memory only. A missing, unreadable or corrupt file
-is ignored (the probes simply run again). Version 2 of the file: every probe also feeds
-non-finite values and signed zeros (`sprinkle_special_values`); verdicts of version 1 were
+is ignored (the probes simply run again). Version 3 of the file: every probe also feeds
+non-finite values, NaNs of both signs and several payloads, and signed zeros
+(`sprinkle_special_values`) in parameters and gradients alike; verdicts of earlier versions were
 proven without them and are not read.
 """
 
@@ -21,28 +22,45 @@ from pathlib import Path
 
 import torch
 
-FILE_NAME = "calibration-v2.json"
+FILE_NAME = "calibration-v3.json"
 _MEMORY: dict[str, bool] = {}
 _LOADED: set[str] = set()
 
-# Values whose bits depend on the kernel path that produced them: NaN payloads (a bfloat16
-# multiply stores NaN as 0x7FC0 on ATen's scalar path and 0xFFFF on its vector path), infinities,
-# signed zeros, and a float32 subnormal.
-SPECIAL_VALUES = (float("nan"), float("inf"), float("-inf"), -0.0, 0.0, -float("nan"), 1e-40)
+# Values whose bits depend on the kernel path that produced them: NaN payloads and signs (a
+# bfloat16 multiply stores NaN as 0x7FC0 on ATen's scalar path and 0xFFFF on its vector path;
+# with two NaN operands the vector body and the scalar tail keep different ones), infinities,
+# signed zeros, a float32 subnormal, and a NaN whose bits are all ones.
+ALL_ONES_NAN = "all-ones NaN"
+SPECIAL_VALUES = (float("nan"), float("inf"), float("-inf"), -0.0, 0.0, -float("nan"), 1e-40,
+                  ALL_ONES_NAN)
+_INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-def sprinkle_special_values(rows: list[torch.Tensor]) -> None:
-    """Write special values into each 1-D tensor of `rows`, in place, at positions that move
-    from row to row, so that over a few rows both the vectorised body and the scalar tail of a
-    CPU kernel meet each kind: row `j` of `n` elements gets ``SPECIAL_VALUES[j % 7]`` at
-    position ``(37 * j) % n`` and ``SPECIAL_VALUES[(j + 3) % 7]`` at ``n - 1 - (j % n)``."""
+def write_special(t: torch.Tensor, index: int, value) -> None:
+    """`t[index] = value` for a 1-D tensor, `ALL_ONES_NAN` written as bits."""
+    if value == ALL_ONES_NAN:
+        t.view(_INT[t.element_size()])[index] = -1
+    else:
+        t[index] = value
+
+
+def sprinkle_special_values(rows: list[torch.Tensor], shift: int = 0) -> None:
+    """Write special values into each contiguous 1-D tensor of `rows`, in place, at positions
+    that move from row to row, so that over a few rows both the vectorised body and the scalar
+    tail of a CPU kernel meet each kind: with ``i = j + shift`` and ``k = len(SPECIAL_VALUES)``,
+    row `j` of `n` elements gets ``SPECIAL_VALUES[i % k]`` at ``(37 * i) % n``,
+    ``SPECIAL_VALUES[(i + 3) % k]`` at ``n - 1 - (i % n)`` and ``SPECIAL_VALUES[(i + 5) % k]``
+    at ``(11 * i + 5) % n``. Two tensors sprinkled with different shifts hold specials at
+    positions that sometimes coincide (NaN against NaN) and sometimes not."""
     k = len(SPECIAL_VALUES)
     for j, row in enumerate(rows):
         n = row.numel()
         if n == 0:
             continue
-        row[(37 * j) % n] = SPECIAL_VALUES[j % k]
-        row[n - 1 - (j % n)] = SPECIAL_VALUES[(j + 3) % k]
+        i = j + shift
+        write_special(row, (37 * i) % n, SPECIAL_VALUES[i % k])
+        write_special(row, n - 1 - (i % n), SPECIAL_VALUES[(i + 3) % k])
+        write_special(row, (11 * i + 5) % n, SPECIAL_VALUES[(i + 5) % k])
 
 
 def cache_path() -> Path | None:

@@ -14,6 +14,7 @@ this library's drop-ins for the native functions on the actual tensors.
 
 from __future__ import annotations
 
+import math
 import operator
 
 import torch
@@ -26,7 +27,6 @@ from cotangent.norms import (
     check_finite,
     clip_coefficient,
     flat_multiply_is_exact,
-    multiply_is_identity,
     norm_program,
     run_norm_program,
     total_norm,
@@ -80,7 +80,11 @@ class PackedClipper:
             order = [out_pos[s] for s in slots]
             index = None if order == list(range(len(out_pos))) else torch.tensor(
                 order, device=self.store.layouts[li].device)
-            whole = {s for s in present if self.store.where[s][0] == li} <= set(slots)
+            # one multiply over the buffer stands for native's only if it multiplies each present
+            # gradient exactly once: all of them are clipped, none twice (a parameter listed
+            # twice in clip_order is multiplied twice by native)
+            whole = ({s for s in present if self.store.where[s][0] == li} <= set(slots)
+                     and len(set(slots)) == len(slots))
             groups.append((li, index, slots, whole))
         return groups
 
@@ -104,18 +108,28 @@ class PackedClipper:
         for li, _, slots, whole in groups:
             layout = self.store.layouts[li]
             coef_dev = coef.to(layout.device)
-            if multiply_is_identity(coef_dev):
-                continue
-            key = (li, coef_dev.dtype)
-            if key not in self.multiply_exact:  # probe once per buffer and coefficient dtype
-                self.multiply_exact[key] = flat_multiply_is_exact(
-                    layout.device, layout.dtype, coef_dev.dtype)
-            if self.multiply_exact[key] and whole:
+            if coef_dev.device.type == "cpu":
+                value = coef_dev.item()  # a CPU scalar: reading it costs no device sync
+                if value == 1.0:
+                    continue  # x * 1.0 == x bit for bit
+                classes = ("finite",) if math.isfinite(value) else ("nonfinite",)
+            else:  # no sync on accelerators: the verdict must hold for every coefficient
+                classes = ("finite", "nonfinite")
+            exact = whole and all(self._multiply_exact(li, coef_dev.dtype, c) for c in classes)
+            if exact:
                 # absent gradients' views are multiplied too: they are refilled by zero_grad
                 # before any backward can accumulate into them
                 self.store.flat_grads[li].mul_(coef_dev)
             else:
                 _compat.foreach_mul_([self.store.grad_views[s] for s in slots], coef_dev)
+
+    def _multiply_exact(self, li: int, coef_dtype: torch.dtype, coef_class: str) -> bool:
+        key = (li, coef_dtype, coef_class)
+        if key not in self.multiply_exact:  # probe once per buffer, coefficient dtype and class
+            layout = self.store.layouts[li]
+            self.multiply_exact[key] = flat_multiply_is_exact(
+                layout.device, layout.dtype, coef_dtype, finite=coef_class == "finite")
+        return self.multiply_exact[key]
 
     def clip(self, groups: list, max_norm: float, error_if_nonfinite: bool) -> Tensor:
         """`clip_grad_norm_` over the packed gradients of `groups`; returns the total norm.

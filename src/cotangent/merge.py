@@ -67,15 +67,18 @@ def _flags(kind: str) -> dict:
 
 def run_native_adamw(kind: str, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, *,
                      group: dict, grad_scale=None, found_inf=None) -> None:
-    """One native functional AdamW update (`torch.optim.adam.adam`, decoupled weight decay) over
-    the given lists, with `group`'s hyperparameters and the implementation `kind`."""
+    """One native functional AdamW update (`torch.optim.adam.adam`, the function
+    `torch.optim.AdamW.step` calls) over the given lists, with `group`'s hyperparameters
+    (decoupled weight decay unless the group sets ``decoupled_weight_decay=False``, as native
+    honours per group) and the implementation `kind`."""
     beta1, beta2 = group["betas"]
     functional_adam(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
         amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2, lr=group["lr"],
         weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
         capturable=group["capturable"], differentiable=group["differentiable"],
-        grad_scale=grad_scale, found_inf=found_inf, decoupled_weight_decay=True,
+        grad_scale=grad_scale, found_inf=found_inf,
+        decoupled_weight_decay=group.get("decoupled_weight_decay", True),
         **_flags(kind),
     )
 
@@ -86,8 +89,15 @@ def merge_key(kind: str, device: torch.device, dtype: torch.dtype, numel: int,
     the hyperparameter branches that change the kernel path (amsgrad, maximize, decay, lr kind)."""
     return calibration.full_key("adamw_merge", device.type, (
         kind, dtype, numel, "amsgrad" if group["amsgrad"] else "-",
-        "maximize" if group["maximize"] else "-", "decay" if group["weight_decay"] != 0 else "-",
+        "maximize" if group["maximize"] else "-", decay_kind(group),
         "tensor_lr" if torch.is_tensor(group["lr"]) else "float_lr"))
+
+
+def decay_kind(group: dict) -> str:
+    """The weight-decay branch a group takes: none, decoupled (AdamW) or coupled (L2, Adam)."""
+    if group["weight_decay"] == 0:
+        return "-"
+    return "decay" if group.get("decoupled_weight_decay", True) else "l2-decay"
 
 
 def merge_is_exact(kind: str, device: torch.device, dtype: torch.dtype, numel: int,
@@ -95,8 +105,9 @@ def merge_is_exact(kind: str, device: torch.device, dtype: torch.dtype, numel: i
     """Whether segments of `numel` elements may join a merged AdamW call (see module docstring).
 
     The probe uses `group`'s betas, eps, weight decay, amsgrad and maximize, lr 1e-2 (a tensor if
-    the group's lr is one), and 6 steps twice: with a random gradient, and with one whose rows
-    also hold inf, NaN, signed zeros and a subnormal; the verdict is cached per `merge_key`.
+    the group's lr is one), and 6 steps three times: with a random gradient, with one whose rows
+    also hold inf, NaNs, signed zeros and a subnormal, and with such values in the parameters
+    too; the verdict is cached per `merge_key`.
     Lengths too large for a merged call of this implementation are never merged.
     """
     key = merge_key(kind, device, dtype, numel, group)
@@ -123,14 +134,16 @@ def merge_is_exact(kind: str, device: torch.device, dtype: torch.dtype, numel: i
     grad = (torch.randn(size, generator=gen) * 0.1).to(dtype).to(device)
     special = grad.clone()
     sprinkle_special_values([special[o:o + numel] for o in offsets])
+    special_start = start.clone()  # parameters holding NaNs too (NaN against NaN)
+    sprinkle_special_values([special_start[o:o + numel] for o in offsets], shift=3)
     probe_group = dict(group)
     probe_group["lr"] = (torch.tensor(1e-2, device=group["lr"].device)
                          if torch.is_tensor(group["lr"]) else 1e-2)
     verdict = True
-    for g0 in (grad, special):
+    for p0, g0 in ((start, grad), (start, special), (special_start, special)):
         results = []
         for merged in (False, True):
-            p = start.clone()
+            p = p0.clone()
             m, v, vmax = (torch.zeros_like(p) for _ in range(3))
             step_dtype = _compat.new_step_tensor(p, fused=kind == "fused", capturable=False)
             if merged:
@@ -167,9 +180,11 @@ def direct_fused_is_exact(device: torch.device, dtype: torch.dtype, group: dict)
     and a subnormal), `group`'s hyperparameter branches, 6 steps, each path on its own copy;
     parameters, every moment and the steps compared. Cached like the others.
     """
+    if not group.get("decoupled_weight_decay", True):
+        return False  # the direct call is `_fused_adamw_` (decoupled) only
     key = calibration.full_key("fused_direct", device.type, (
         dtype, "amsgrad" if group["amsgrad"] else "-", "maximize" if group["maximize"] else "-",
-        "decay" if group["weight_decay"] != 0 else "-",
+        decay_kind(group),
         "tensor_lr" if torch.is_tensor(group["lr"]) else "float_lr"))
     cached = calibration.lookup(key)
     if cached is not None:
@@ -179,6 +194,7 @@ def direct_fused_is_exact(device: torch.device, dtype: torch.dtype, group: dict)
     start = [torch.randn(n, generator=gen).to(dtype).to(device) for n in lengths]
     grad = [(torch.randn(n, generator=gen) * 0.1).to(dtype).to(device) for n in lengths]
     sprinkle_special_values(grad[::2])
+    sprinkle_special_values(start[::3], shift=3)
     probe_group = dict(group)
     probe_group["lr"] = (torch.tensor(1e-2, device=group["lr"].device)
                          if torch.is_tensor(group["lr"]) else 1e-2)

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from cotangent import _compat, calibration
-from cotangent.calibration import sprinkle_special_values
+from cotangent.calibration import ALL_ONES_NAN, sprinkle_special_values, write_special
 from cotangent.packing import Bucket, FlatLayout, align_elements
 
 _PROBE_TRIALS = 4
@@ -127,20 +127,23 @@ a subnormal sprinkled over the rows, so that NaN payloads are compared too). It 
     return verdict
 
 
-def flat_multiply_is_exact(device: torch.device, dtype: torch.dtype,
-                           coef_dtype: torch.dtype) -> bool:
+def flat_multiply_is_exact(device: torch.device, dtype: torch.dtype, coef_dtype: torch.dtype,
+                           finite: bool = True) -> bool:
     """Whether one in-place multiply over a flat buffer equals per-tensor multiplies.
 
     Native clipping runs `g.mul_(coef)` per gradient (`_foreach_mul_` falls back to that on
     CPU). Multiplication is elementwise, so the only way position can matter is a vectorised body
-    and a scalar tail computing it differently (NaN payloads do differ that way in bfloat16); the
+    and a scalar tail computing it differently: NaN payloads differ that way in bfloat16, and when
+    both the element and the coefficient are NaN, the body and the tail keep different ones. The
     probe multiplies segments of 1-40, 63-65, 127-129 and 1000 elements, laid out as in a flat
-    buffer and holding inf, -inf, NaN, signed zeros and a subnormal in body and tail positions,
-    by 16 coefficients (and by inf and NaN) and compares the bytes with per-segment multiplies of
-    copies. Cached per (device type, dtype, coefficient dtype)
-    and the environment (`cotangent.calibration.full_key`).
+    buffer and holding inf, -inf, NaNs, signed zeros and a subnormal in body and tail positions,
+    by coefficients of one class - `finite` (random, 1, 0.5, 1e-6, 0, -0.5, 3) or not (inf,
+    -inf, NaNs of both signs) - and compares the bytes with per-segment multiplies of copies.
+    Cached per (device type, dtype, coefficient dtype, class) and the environment
+    (`cotangent.calibration.full_key`).
     """
-    key = calibration.full_key("flat_clip_multiply", device.type, (dtype, coef_dtype))
+    key = calibration.full_key("flat_clip_multiply", device.type,
+                               (dtype, coef_dtype, "finite" if finite else "nonfinite"))
     cached = calibration.lookup(key)
     if cached is not None:
         return cached
@@ -151,14 +154,18 @@ def flat_multiply_is_exact(device: torch.device, dtype: torch.dtype,
         offsets.append(total)
         total += -(-n // align) * align
     gen = torch.Generator().manual_seed(99)
-    coefs = torch.cat([torch.rand(13, generator=gen),
-                       torch.tensor([1.0, 0.5, 1e-6, float("inf"), float("nan")])])
+    if finite:
+        coefs = torch.rand(13, generator=gen).tolist() + [1.0, 0.5, 1e-6, 0.0, -0.5, 3.0]
+    else:
+        coefs = [float("inf"), float("-inf"), float("nan"), -float("nan"), ALL_ONES_NAN]
     verdict = True
-    for trial, c in enumerate(coefs.tolist()):
+    for trial, c in enumerate(coefs):
         flat = _probe_values(total, dtype, trial % _PROBE_TRIALS).to(device)
         segments = [flat[o:o + n] for o, n in zip(offsets, lengths)]
-        sprinkle_special_values(segments[trial % 2::2])  # half the segments, alternating
-        coef = torch.tensor(c, dtype=coef_dtype, device=device)
+        sprinkle_special_values(segments[trial % 2::2], shift=trial)  # alternate segments
+        coef = torch.zeros(1, dtype=coef_dtype, device=device)
+        write_special(coef, 0, c)
+        coef = coef[0]
         copies = [t.clone() for t in segments]
         for t in copies:
             t.mul_(coef)

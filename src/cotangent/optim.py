@@ -28,6 +28,7 @@ from cotangent.store import (
     check_state,
     check_state_dict,
     compact_state,
+    same_strides,
     validate_params,
 )
 from cotangent.tracking import Gradients, GradientTracker, gradients_to_carry
@@ -336,7 +337,8 @@ class AdamW(torch.optim.AdamW):
         override = {}
         for slot, g in grads.foreign.items():
             group = self.param_groups[self._planner.group_of[slot]]
-            if merge.implementation(group, [g]) == "fused":
+            if (merge.implementation(group, [g]) == "fused"
+                    and not same_strides(g, self._store.params[slot])):
                 # policy: CPU fused AdamW would read such a gradient in storage order (pytorch
                 # #106951); it is read in the parameter's layout instead, after the clip
                 self._tracker.take_in(slot, g)

@@ -28,7 +28,7 @@ def group_signature(group: dict) -> tuple:
     """The param-group settings that decide which native calls run and which merges are exact
     (values such as lr or betas are read at every call and need no signature)."""
     return (group["fused"], group["foreach"], bool(group["amsgrad"]), bool(group["maximize"]),
-            group["weight_decay"] != 0, torch.is_tensor(group["lr"]), bool(group["capturable"]),
+            merge.decay_kind(group), torch.is_tensor(group["lr"]), bool(group["capturable"]),
             bool(group["differentiable"]))
 
 
@@ -219,6 +219,10 @@ class Planner:
                     self._add(call, li, run, group, state, override, merges)
                     if len(run) > 1 and kind != "fused":  # native fused bumps no version
                         merged_params += [store.params[seg.slot] for seg in run]
+                # the direct call was proven with float32 steps, as native fused creates them;
+                # others (assigned by the user) go through the functional path, which checks them
+                call.direct = call.direct and all(st.dtype == torch.float32
+                                                  for st in call.state_steps)
                 calls.append(call)
         amsgrad = [i for i, s in enumerate(plan.present) if groups[self.group_of[s]]["amsgrad"]]
         built = AdamWCalls(

@@ -89,6 +89,10 @@ def validate_params(params: list[Tensor]) -> list[FlatLayout]:
                 f"parameter {slot} is the same tensor as parameter {seen[id(p)]}; native AdamW "
                 "would update it twice per step, cotangent.AdamW refuses duplicates")
         seen[id(p)] = slot
+        if not p.is_leaf:
+            raise ValueError(f"parameter {slot} is not a leaf tensor (it has a grad_fn); an "
+                             "optimizer can only update leaf tensors (native add_param_group "
+                             "refuses it too)")
         refusal = _compat.tensor_kind_refusal(p)
         if refusal is not None:
             raise ValueError(f"parameter {slot} {refusal}")
@@ -183,6 +187,27 @@ def check_state(store: FlatStore, state, groups: list[dict],
             problem = entry and state_problem(slot, p, entry, bool(group["amsgrad"]))
             if problem:
                 raise RuntimeError(problem)
+    _check_no_shared_state(store, state, group_slots)
+
+
+def _check_no_shared_state(store: FlatStore, state, group_slots) -> None:
+    """Native updates a tensor shared by two state entries once per entry, in its own order;
+    packing would copy it apart. Refuse that (zero-size tensors share no elements)."""
+    owner: dict[int, tuple[int, str]] = {}
+    for _, slots in group_slots:
+        for slot in slots:
+            entry = state.get(store.params[slot]) or {}
+            for key in ("step",) + MOMENTS:
+                value = entry.get(key)
+                if not isinstance(value, Tensor) or value.numel() == 0:
+                    continue
+                other = owner.setdefault(value.data_ptr(), (slot, key))
+                if other != (slot, key):
+                    raise RuntimeError(
+                        f"optimizer.state[p][{key!r}] of {describe(slot, store.params[slot])} is "
+                        f"the same memory as state[{other[1]!r}] of parameter {other[0]}; native "
+                        "AdamW would update it once per parameter, cotangent.AdamW cannot follow "
+                        "that: give each parameter its own state tensors")
 
 
 def check_state_dict(state_dict: dict, groups: list[dict]) -> None:
@@ -379,19 +404,39 @@ class FlatStore:
                    group_slots: list[tuple[int, list[int]]]) -> bool:
         """Before an update: give every listed slot its state in this store, initialising empty
         ones lazily as native does at a parameter's first update and copying in entries assigned
-        from outside (validated by `check_state`). Returns whether anything changed."""
-        changed = False
+        from outside (validated by `check_state`). Returns whether anything changed.
+
+        Entries are read before any is written: after ``state[a], state[b] = state[b],
+        state[a]`` each holds the other's tensors in this store, which the first copy would
+        otherwise overwrite."""
+        fresh, copies = [], []
         for gi, slots in group_slots:
             group = groups[gi]
             for slot in slots:
                 entry = state[self.params[slot]]
                 if not entry:
-                    self.init_state(slot, entry, fused=bool(group["fused"]),
-                                    amsgrad=bool(group["amsgrad"]))
-                    changed = True
-                else:
-                    changed |= self.adopt(slot, entry, adoptable_keys(self.params[slot], entry))
-        return changed
+                    fresh.append((slot, entry, group))
+                    continue
+                keys = [k for k in adoptable_keys(self.params[slot], entry)
+                        if not self.is_ours(slot, k, entry[k])]
+                if keys:
+                    copies.append((slot, entry, {k: entry[k].clone() if self._holds(entry[k])
+                                                 else entry[k] for k in keys}))
+        for slot, entry, values in copies:
+            snapshot = dict(entry, **values)
+            self.adopt(slot, snapshot, list(values))
+            entry.update((k, snapshot[k]) for k in values)
+        for slot, entry, group in fresh:
+            self.init_state(slot, entry, fused=bool(group["fused"]), amsgrad=bool(group["amsgrad"]))
+        return bool(fresh or copies)
+
+    def _holds(self, t: Tensor) -> bool:
+        """Whether `t`'s memory lies in one of this store's state or step buffers."""
+        ptr = t.data_ptr()
+        buffers = [b for per in self.flat_state for b in per.values()]
+        buffers += list(self.step_buffers.values())
+        return any(b.data_ptr() <= ptr < b.data_ptr() + b.numel() * b.element_size()
+                   for b in buffers)
 
     def layout_summary(self) -> list[dict]:
         """Per flat buffer: device, dtype, elements (with padding), tensors, buckets and how many

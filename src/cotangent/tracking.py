@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from cotangent import _compat
+from cotangent import _compat, calibration
+from cotangent.calibration import sprinkle_special_values
 from cotangent.store import FlatStore, describe, same_strides
 
 _GRAD = operator.attrgetter("grad")
@@ -75,6 +76,11 @@ class GradientTracker:
         self.backwards = backwards
         self.resets = resets
         self.all_slots = tuple(range(n))
+        # slots whose dtype keeps a gradient's bits when accumulated into -0.0: zero_grad
+        # points their .grad at the buffer; the others get None, as native, and a fresh tensor
+        self.prefilled = [accumulate_into_negative_zero_is_exact(
+            store.layouts[store.where[s][0]].device, store.layouts[store.where[s][0]].dtype)
+            for s in self.all_slots]
         self._install_hooks()
 
     def _install_hooks(self) -> None:
@@ -147,7 +153,7 @@ class GradientTracker:
         kept_outside = set()
         # Only gradients that are not their buffer view need a look (none in the usual step).
         for slot, (p, g, view) in enumerate(zip(store.params, map(_GRAD, store.params), views)):
-            if g is view and self.tracked[slot]:
+            if g is view and self.tracked[slot] and (self.prefilled[slot] or slot in keep):
                 continue
             if not self.tracked[slot] or (g is not None and slot in keep
                                           and not same_strides(g, p)):
@@ -156,6 +162,9 @@ class GradientTracker:
                 if g is not None:
                     p.grad = None if set_to_none else g.zero_()
                 kept_outside.add(slot)
+                continue
+            if not self.prefilled[slot] and slot not in keep:
+                p.grad = None  # native's None: the backward allocates a fresh gradient
                 continue
             p.grad = view
         self.has_grad = [False] * n
@@ -216,6 +225,12 @@ class GradientTracker:
                 outside.append(slot)
             else:
                 foreign[slot] = g
+        # A gradient sharing memory with another gradient or a parameter (`e.grad = w.grad`)
+        # is clipped and read where it is, as native does: a copy would untie it.
+        for slot in _aliased(outside + list(foreign), grads, store):
+            if slot in outside:
+                outside.remove(slot)
+                foreign[slot] = grads[slot]
         with torch.no_grad():
             for slot in outside:  # validated above; now copy in
                 p = params[slot]
@@ -264,3 +279,47 @@ def gradients_to_carry(old: GradientTracker | None, params: list[Tensor]) -> dic
                                f"{g.layout} does not match it")
         grads[slot] = g
     return grads
+
+
+def _span(t: Tensor) -> tuple[int, int]:
+    """The bytes `t` can touch: [data_ptr, data_ptr + extent)."""
+    extent = 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return t.data_ptr(), t.data_ptr() + extent * t.element_size()
+
+
+def _aliased(slots: list[int], grads: list[Tensor], store: FlatStore) -> set[int]:
+    """Those of `slots` whose gradient overlaps another gradient's memory, the flat buffers
+    (parameters or other gradients' views) or a parameter that lives outside them."""
+    spans = [(*_span(grads[s]), s) for s in slots if grads[s].numel()]
+    spans += [(*_span(b), None) for b in store.flat_grads + store.flat_params if b.numel()]
+    spans += [(*_span(store.params[s]), None) for s in store.detached if store.params[s].numel()]
+    spans.sort()
+    aliased: set[int] = set()
+    active: list[tuple[int, int, int | None]] = []
+    for start, end, slot in spans:
+        active = [a for a in active if a[1] > start]
+        for _, _, other in active:
+            aliased.update(x for x in (slot, other) if x is not None)
+        active.append((start, end, slot))
+    return aliased
+
+
+def accumulate_into_negative_zero_is_exact(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether autograd's accumulation into a gradient buffer filled with -0.0 reproduces the
+    incoming gradient bit for bit in `dtype` (``-0.0 + g == g`` for every value, NaN payloads
+    included). Not for bfloat16 on CPU: the add rounds through float32 and stores NaN as 0xFFFF
+    where the backward produced 0x7FC0. Probe: `add_` of ordinary values and of the special
+    values (`calibration.sprinkle_special_values`) into -0.0, bytes compared; cached."""
+    key = calibration.full_key("accumulate_into_negative_zero", device.type, (dtype,))
+    cached = calibration.lookup(key)
+    if cached is not None:
+        return cached
+    gen = torch.Generator().manual_seed(5)
+    values = torch.randn(64, 67, generator=gen).to(dtype)
+    sprinkle_special_values(list(values.unbind(0)))
+    values = values.to(device)
+    buf = torch.full_like(values, -0.0)
+    buf.add_(values)  # AccumulateGrad's in-place `grad += new_grad`
+    verdict = torch.equal(buf.view(torch.uint8), values.view(torch.uint8))
+    calibration.record(key, verdict)
+    return verdict
