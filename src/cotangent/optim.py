@@ -100,7 +100,8 @@ class AdamW(torch.optim.AdamW):
             first gradient's device, dtype of the promoted gradient dtypes), as `clip_grad_norm_`
             returns it; ``None`` before the first clip, without ``max_norm``, and once a backward
             has delivered new gradients that are not clipped yet (so after a step that
-            `GradScaler` skipped it reads ``None``, never the previous step's norm).
+            `GradScaler` skipped, which it does by not calling `step()` for for-loop and foreach
+            AdamW, it reads ``None``, never the previous step's norm).
 
     Raises:
         ValueError / RuntimeError at construction: everything `torch.optim.AdamW` raises for bad
