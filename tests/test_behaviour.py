@@ -542,3 +542,26 @@ def test_implementation_follows_native_defaults(monkeypatch):
     assert merge.implementation(group(fused=False), p) == "for-loop"
     assert merge.implementation(group(foreach=True), p) == "foreach"
     assert merge.implementation(group(fused=True), p) == "fused"
+
+
+def test_saving_part_of_a_packed_model_writes_only_that_part():
+    """Each packed parameter has a storage of its own over its segment: `torch.save` of one
+    layer, pickle and `copy.copy` behave as for separately allocated parameters."""
+    import pickle
+
+    torch.manual_seed(0)
+    native = nn.Sequential(*[nn.Linear(64, 64) for _ in range(8)])
+    packed = copy.deepcopy(native)
+    cotangent.AdamW(packed.parameters())
+    sizes = []
+    for m in (native, packed):
+        buf = io.BytesIO()
+        torch.save(m[3].state_dict(), buf)
+        sizes.append(len(buf.getvalue()))
+    assert sizes[1] <= sizes[0] * 1.02, sizes  # not the whole 8-layer buffer
+    loaded = torch.load(io.BytesIO(buf.getvalue()))
+    assert_same_bits(loaded["weight"], packed[3].weight.detach(), "saved weight")
+    assert len(pickle.dumps(packed[3])) <= 1.02 * len(pickle.dumps(native[3]))
+    alias = copy.copy(packed[3].weight)
+    alias.data.add_(1.0)  # a shallow copy aliases, as natively
+    assert_same_bits(alias, packed[3].weight, "copy.copy alias")

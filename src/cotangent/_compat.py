@@ -202,33 +202,3 @@ def refuse_under_compile(what: str) -> None:
     """Stop torch.compile (Dynamo) when it traces into `what` (one of `_REFUSALS`' keys)."""
     if torch.compiler.is_compiling():
         _REFUSALS[what]()
-
-
-def install_parameter_reducer(is_packed) -> None:
-    """Pickle packed parameters compactly: register a `copyreg` reducer for `torch.nn.Parameter`.
-
-    Plain pickle writes a tensor's whole storage, once per tensor, so parameters that are views
-    of one flat buffer would each carry the whole buffer. For a parameter where `is_packed(p)` is
-    true the reducer returns exactly what `Parameter.__reduce_ex__` returns (torch's own
-    `torch._utils._rebuild_parameter[_with_state]`, attributes included) with the data replaced
-    by a compact copy of the parameter's own elements (same shape and strides); every other
-    parameter is reduced by the previously registered reducer or by `Parameter.__reduce_ex__`
-    unchanged. Pickles stay loadable without Cotangent. Only exact `Parameter` objects are
-    affected (copyreg dispatches on the exact type); `copy.deepcopy` is not (it uses
-    `Parameter.__deepcopy__`), `copy.copy` of a packed parameter gets a compact copy instead of
-    an alias.
-    """
-    import copyreg
-
-    previous = copyreg.dispatch_table.get(torch.nn.Parameter)
-
-    def reduce_parameter(p):
-        if is_packed(p):
-            fn, args = torch.nn.Parameter.__reduce_ex__(p, 2)
-            data = args[0].clone(memory_format=torch.preserve_format)
-            return fn, (data,) + tuple(args[1:])
-        if previous is not None:
-            return previous(p)
-        return torch.nn.Parameter.__reduce_ex__(p, 2)
-
-    copyreg.pickle(torch.nn.Parameter, reduce_parameter)

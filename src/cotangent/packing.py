@@ -2,8 +2,9 @@
 
 For each (device, dtype) the parameters are laid out in one flat 1-D buffer, ordered by length so
 that equal-length tensors sit side by side (a *bucket*). Each parameter keeps its own shape and
-strides (a channels_last weight stays channels_last); only its storage moves. Every segment
-starts on a 64-byte boundary, the alignment of PyTorch's CPU allocator, so that kernels whose
+strides (a channels_last weight stays channels_last); only its storage moves, to a storage of its
+own over its segment (`own_storage`), so that saving part of a model saves only that part. Every
+segment starts on a 64-byte boundary, the alignment of PyTorch's CPU allocator, so that kernels whose
 code path depends on pointer alignment (CUDA `_foreach_norm`, vectorised CPU loops) see the same
 alignment class as for a separately allocated tensor. Inside a bucket the rows are therefore
 `row_stride >= numel` elements apart, and a bucket of `k` tensors of `n` elements is the strided
@@ -82,6 +83,14 @@ def alias(flat: Tensor, offset: int, shape: tuple[int, ...], stride: tuple[int, 
     """A tensor over `flat`'s storage at element `offset` (not an autograd view of `flat`)."""
     return torch.empty(0, dtype=flat.dtype, device=flat.device).set_(
         flat.untyped_storage(), flat.storage_offset() + offset, shape, stride)
+
+
+def own_storage(view: Tensor) -> Tensor:
+    """`view`'s elements as a tensor with a storage of its own that spans exactly them, over
+    the same memory (a DLPack round trip; the new storage keeps the buffer alive). A packed
+    parameter set to it pickles, `torch.save`s and `safetensors`-saves only its own bytes, as a
+    separately allocated parameter does, while its memory stays in the flat buffer."""
+    return torch.from_dlpack(view)
 
 
 def align_elements(dtype: torch.dtype) -> int:

@@ -11,7 +11,6 @@ in (`adopt`), as `load_state_dict` does.
 
 from __future__ import annotations
 
-import weakref
 from collections import defaultdict
 from itertools import chain
 
@@ -19,7 +18,7 @@ import torch
 from torch import Tensor
 
 from cotangent import _compat
-from cotangent.packing import FlatLayout, Segment, alias, plan_layouts
+from cotangent.packing import FlatLayout, Segment, alias, own_storage, plan_layouts
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -314,7 +313,7 @@ class FlatStore:
             else:
                 view = store.view(store.flat_params, slot)
                 view.copy_(p)
-                p.data = view
+                p.data = own_storage(view)
             grad = grads.get(slot)
             if grad is None:
                 p.grad = None
@@ -327,7 +326,6 @@ class FlatStore:
             if state:
                 store.adopt(slot, state, adoptable_keys(p, state))
         store.param_ptrs = [p.data_ptr() for p in params]
-        _register_packed_storage(store.flat_params)
         return store
 
     def view(self, buffers: list[Tensor], slot: int) -> Tensor:
@@ -504,29 +502,3 @@ def stays_in_place(p: Tensor) -> bool:
     """Whether packing must leave a parameter where it is: in shared memory (Hogwild workers
     update it there for each other), it is updated per parameter, as native."""
     return p.device.type == "cpu" and p.is_shared()
-
-
-# --------------------------------------------------------------------------- pickling
-
-# Storages of live flat parameter buffers, by data pointer. Pickling a parameter that is a view
-# of one of them writes a compact copy of its own elements instead of the whole buffer (plain
-# pickle serialises a tensor's entire storage, once per tensor).
-_PACKED: dict[int, weakref.ref] = {}
-_reducer_installed = False
-
-
-def _register_packed_storage(buffers: list[Tensor]) -> None:
-    global _reducer_installed
-    for flat in buffers:
-        ptr = flat.untyped_storage().data_ptr()
-        _PACKED[ptr] = weakref.ref(flat)
-        weakref.finalize(flat, _PACKED.pop, ptr, None)
-    if not _reducer_installed:
-        _compat.install_parameter_reducer(_is_packed)
-        _reducer_installed = True
-
-
-def _is_packed(p: Tensor) -> bool:
-    ref = _PACKED.get(p.untyped_storage().data_ptr())
-    flat = ref() if ref is not None else None
-    return flat is not None and flat.untyped_storage().data_ptr() == p.untyped_storage().data_ptr()
