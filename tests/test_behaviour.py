@@ -565,3 +565,22 @@ def test_saving_part_of_a_packed_model_writes_only_that_part():
     alias = copy.copy(packed[3].weight)
     alias.data.add_(1.0)  # a shallow copy aliases, as natively
     assert_same_bits(alias, packed[3].weight, "copy.copy alias")
+
+
+def test_safetensors_saves_a_packed_model(tmp_path):
+    """`safetensors.torch.save_model` refuses parameters that share one storage ("None is
+    covering the entire storage"); packed parameters each have their own, so it saves, and the
+    file holds exactly the bytes a native model's holds."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    torch.manual_seed(0)
+    native = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    packed = copy.deepcopy(native)
+    cotangent.AdamW(packed.parameters())
+    for name, m in (("native", native), ("packed", packed)):
+        safetensors_torch.save_model(m, str(tmp_path / f"{name}.safetensors"))
+    assert ((tmp_path / "packed.safetensors").read_bytes()
+            == (tmp_path / "native.safetensors").read_bytes())
+    restored = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    safetensors_torch.load_model(restored, str(tmp_path / "packed.safetensors"))
+    for a, b in zip(restored.parameters(), packed.parameters()):
+        assert_same_bits(a, b, "restored parameter")
