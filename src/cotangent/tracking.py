@@ -81,6 +81,9 @@ class GradientTracker:
         self.prefilled = [accumulate_into_negative_zero_is_exact(
             store.layouts[store.where[s][0]].device, store.layouts[store.where[s][0]].dtype)
             for s in self.all_slots]
+        # Under torch.distributed: None until a step has shown whether gradients arrive as
+        # DistributedDataParallel's bucket views (then prefilling is never safe) or not.
+        self.prefill_in_process_group: bool | None = None
         self._install_hooks()
 
     def _install_hooks(self) -> None:
@@ -151,9 +154,16 @@ class GradientTracker:
         views = store.grad_views
         n = len(views)
         kept_outside = set()
+        # In a process group gradients read None, as native, until a step has shown that they
+        # do not arrive as DistributedDataParallel bucket views: with gradient_as_bucket_view
+        # DDP hands a globally unused parameter whose gradient is defined a zero bucket view
+        # instead of leaving it None (without it, DDP writes into the defined gradients).
+        prefill = self.prefilled
+        if not self.prefill_in_process_group and _distributed():
+            prefill = [False] * n
         # Only gradients that are not their buffer view need a look (none in the usual step).
         for slot, (p, g, view) in enumerate(zip(store.params, map(_GRAD, store.params), views)):
-            if g is view and self.tracked[slot] and (self.prefilled[slot] or slot in keep):
+            if g is view and self.tracked[slot] and (prefill[slot] or slot in keep):
                 continue
             if not self.tracked[slot] or (g is not None and slot in keep
                                           and not same_strides(g, p)):
@@ -163,7 +173,7 @@ class GradientTracker:
                     p.grad = None if set_to_none else g.zero_()
                 kept_outside.add(slot)
                 continue
-            if not self.prefilled[slot] and slot not in keep:
+            if not prefill[slot] and slot not in keep:
                 p.grad = None  # native's None: the backward allocates a fresh gradient
                 continue
             p.grad = view
@@ -225,6 +235,8 @@ class GradientTracker:
                 outside.append(slot)
             else:
                 foreign[slot] = g
+        if outside and self.prefill_in_process_group is None and _distributed():
+            self.prefill_in_process_group = all(grads[s]._base is None for s in outside)
         # A gradient sharing memory with another gradient or a parameter (`e.grad = w.grad`)
         # is clipped and read where it is, as native does: a copy would untie it.
         for slot in _aliased(outside + list(foreign), grads, store):
@@ -279,6 +291,12 @@ def gradients_to_carry(old: GradientTracker | None, params: list[Tensor]) -> dic
                                f"{g.layout} does not match it")
         grads[slot] = g
     return grads
+
+
+def _distributed() -> bool:
+    """Whether a torch.distributed process group is active in this process."""
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized()
 
 
 def _span(t: Tensor) -> tuple[int, int]:
