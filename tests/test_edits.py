@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 import cotangent
-from bitwise import assert_same_bits, assert_same_update
+from bitwise import assert_same_bits
 
 from cases import HP, IMPLS, lockstep, mlp, square
 

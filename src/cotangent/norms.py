@@ -20,7 +20,7 @@ from torch import Tensor
 
 from cotangent import _compat, calibration
 from cotangent.calibration import ALL_ONES_NAN, sprinkle_special_values, write_special
-from cotangent.packing import Bucket, FlatLayout, align_elements
+from cotangent.packing import FlatLayout, align_elements
 
 _PROBE_TRIALS = 4
 
