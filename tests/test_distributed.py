@@ -97,16 +97,14 @@ def _run_config(rank: int, cfg: dict) -> list[str]:
     return [f"{cfg}: {p}" for p in problems]
 
 
-def _worker(rank: int, world: int, port: int, results) -> None:
+def _worker(rank: int, world: int, port: int, checks: str, results) -> None:
     try:
         import torch.distributed as dist
 
         torch.set_num_threads(1)
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
         dist.init_process_group("gloo", rank=rank, world_size=world)
-        problems = []
-        for cfg in CONFIGS:
-            problems += _run_config(rank, cfg)
+        problems = CHECKS[checks](rank, world)
         dist.destroy_process_group()
         results.put((rank, problems))
     except Exception:  # reported, never swallowed: the test fails with the traceback
@@ -119,28 +117,210 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_ddp_loops_are_bitwise_equal_to_native_on_every_rank():
+def run_ranks(checks: str, world: int = 2, timeout_s: float = 240) -> list[tuple[int, list]]:
+    """Run `CHECKS[checks]` on `world` gloo ranks; returns each rank's (rank, findings)."""
     dist = pytest.importorskip("torch.distributed")
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("torch.distributed with gloo is not available")
     ctx = torch.multiprocessing.get_context("spawn")
     results = ctx.Queue()
-    world, port = 2, _free_port()
-    procs = [ctx.Process(target=_worker, args=(rank, world, port, results)) for rank in range(world)]
+    port = _free_port()
+    procs = [ctx.Process(target=_worker, args=(rank, world, port, checks, results))
+             for rank in range(world)]
     for p in procs:
         p.start()
     try:
         reports = []
         for _ in procs:
             try:
-                reports.append(results.get(timeout=240))
+                reports.append(results.get(timeout=timeout_s))
             except queue.Empty:
-                pytest.fail("a rank reported nothing within 240 s (crashed or hung)")
+                pytest.fail(f"a rank reported nothing within {timeout_s} s (crashed or hung)")
     finally:
         for p in procs:
             p.join(timeout=10)
             if p.is_alive():
                 p.kill()
+    return sorted(reports, key=lambda r: r[0])
+
+
+def _ddp_checks(rank: int, world: int) -> list[str]:
+    problems = []
+    for cfg in CONFIGS:
+        problems += _run_config(rank, cfg)
+    return problems
+
+
+ZERO_CONFIGS = [
+    dict(impl="fused", norms="all", unused=False, amsgrad=False),
+    dict(impl="fused", norms="share", unused=True, amsgrad=False),
+    dict(impl="for-loop", norms="share", unused=False, amsgrad=True),
+    dict(impl="foreach", norms="all", unused=True, amsgrad=False),
+]
+FLAGS = {"fused": dict(fused=True), "for-loop": dict(foreach=False),
+         "foreach": dict(foreach=True)}
+
+
+def _train(ddp, opt, clip_params, inputs, rank: int, unused: bool) -> list:
+    """The native loop (clip_params given: clip_grad_norm_ then step) or Cotangent's (None:
+    the optimizer clips); returns the total norm of every step."""
+    norms = []
+    for x in inputs:
+        opt.zero_grad()
+        ddp(x, unused and rank == 0).square().mean().backward()
+        if clip_params is not None:
+            norms.append(torch.nn.utils.clip_grad_norm_(clip_params, 0.05))
+        opt.step()
+        if clip_params is None:
+            norms.append(opt.last_total_norm)
+    return norms
+
+
+def _differences(label: str, m1, o1, n1, m2, o2, n2, *, state_of_2_only: bool) -> list[str]:
+    """Parameters, gradients, norms and state of side 2 against side 1, byte for byte; with
+    `state_of_2_only`, only the state side 2 holds (a ZeRO share) is compared."""
+    from cotangent.verify import first_difference
+
+    problems = []
+    for (name, p), q in zip(m1.named_parameters(), m2.parameters()):
+        for what, a, b in ((name, p.detach(), q.detach()), (f"grad of {name}", p.grad, q.grad)):
+            if (d := first_difference(a, b)) is not None:
+                problems.append(f"{what}: {d}")
+        s1, s2 = o1.state.get(p, {}), o2.state.get(q, {})
+        if state_of_2_only and not s2:
+            continue
+        if set(s1) != set(s2):
+            problems.append(f"state keys of {name}: {sorted(s1)} vs {sorted(s2)}")
+        for key in set(s1) & set(s2):
+            if (d := first_difference(s1[key], s2[key])) is not None:
+                problems.append(f"{key} of {name}: {d}")
+    for i, (a, b) in enumerate(zip(n1, n2)):
+        if (d := first_difference(a, b)) is not None:
+            problems.append(f"total norm {i}: {d}")
+    return [f"{label}: {p}" for p in problems]
+
+
+def _state_dict_differences(a: dict, b: dict) -> list[str]:
+    """Two native-format optimizer state dicts: same groups and every state tensor's bytes."""
+    from cotangent.verify import first_difference
+
+    problems = [] if a["param_groups"] == b["param_groups"] else ["param_groups differ"]
+    if set(a["state"]) != set(b["state"]):
+        return problems + [f"state keys {sorted(a['state'])} vs {sorted(b['state'])}"]
+    for i in a["state"]:
+        if set(a["state"][i]) != set(b["state"][i]):
+            problems.append(f"state[{i}] keys differ")
+            continue
+        for key, value in a["state"][i].items():
+            if (d := first_difference(value, b["state"][i][key])) is not None:
+                problems.append(f"state[{i}][{key!r}]: {d}")
+    return problems
+
+
+def _zero_config(rank: int, world: int, cfg: dict) -> list[str]:
+    import cotangent
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    kw = dict(lr=1e-2, weight_decay=0.1, amsgrad=cfg["amsgrad"], **FLAGS[cfg["impl"]])
+    torch.manual_seed(0)
+    base = Net(cfg["unused"])
+    gen = torch.Generator().manual_seed(rank)
+    inputs = [torch.randn(4, 8, generator=gen) for _ in range(6)]
+    label = f"ZeRO-1 {cfg}"
+
+    def side(kind: str, model=None):
+        model = model if model is not None else copy.deepcopy(base)
+        ddp = DDP(model, find_unused_parameters=cfg["unused"])
+        if kind == "native":
+            opt = torch.optim.AdamW(model.parameters(), **kw)
+        elif kind == "native-zero":
+            opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **kw)
+        else:
+            opt = cotangent.AdamW(model.parameters(), max_norm=0.05, shard="zero1",
+                                  shard_norms=cfg["norms"], **kw)
+        return model, ddp, opt
+
+    native, zero, ours = side("native"), side("native-zero"), side("cotangent")
+    runs = {}
+    for name, (model, ddp, opt) in (("native", native), ("native-zero", zero),
+                                    ("cotangent", ours)):
+        clip = None if name == "cotangent" else list(model.parameters())
+        runs[name] = _train(ddp, opt, clip, inputs[:4], rank, cfg["unused"])
+    (m1, _, o1), (m2, _, o2), (m3, _, o3) = native, zero, ours
+    problems = _differences(f"{label} native ZeRO vs native", m1, o1, runs["native"],
+                            m2, o2.optim, runs["native-zero"], state_of_2_only=True)
+    problems += _differences(f"{label} cotangent vs native", m1, o1, runs["native"],
+                             m3, o3, runs["cotangent"], state_of_2_only=True)
+
+    # the share: state for the owned parameters only, buffers covering exactly their windows
+    owned = [q for q in m3.parameters() if o3.state.get(q)]
+    sizes = [torch.tensor([o3.state_bytes()])]
+    gathered = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    torch.distributed.all_gather(gathered, sizes[0])
+    native_bytes = sum(v.numel() * v.element_size() for st in o1.state.values()
+                       for v in st.values())
+    if sum(int(g) for g in gathered) < native_bytes or len(owned) == len(list(m3.parameters())):
+        problems.append(f"{label}: state bytes per rank {[int(g) for g in gathered]} against "
+                        f"{native_bytes} native, {len(owned)} parameters held on rank {rank}")
+
+    # consolidation: the unsharded native format, on every rank (to=None) and on rank 0
+    o3.consolidate_state_dict(to=None)
+    problems += [f"{label} consolidated (all): {p}"
+                 for p in _state_dict_differences(o1.state_dict(), o3.state_dict())]
+    o3.consolidate_state_dict(to=0)
+    if rank == 0:
+        problems += [f"{label} consolidated (to=0): {p}"
+                     for p in _state_dict_differences(o1.state_dict(), o3.state_dict())]
+    else:
+        try:
+            o3.state_dict()
+            problems.append(f"{label}: state_dict() on rank {rank} without consolidation")
+        except RuntimeError as exc:
+            if "consolidate_state_dict" not in str(exc):
+                problems.append(f"{label}: unclear error {exc}")
+
+    # resume: the native state dict into a fresh sharded optimizer, two more steps each
+    saved = o1.state_dict()
+    resumed = side("cotangent", copy.deepcopy(m1))
+    resumed[2].load_state_dict(saved)
+    n1 = _train(native[1], o1, list(m1.parameters()), inputs[4:], rank, cfg["unused"])
+    n4 = _train(resumed[1], resumed[2], None, inputs[4:], rank, cfg["unused"])
+    problems += _differences(f"{label} resumed from native", m1, o1, n1, resumed[0], resumed[2],
+                             n4, state_of_2_only=True)
+
+    # negative control: the comparison sees one ULP in a parameter and in a moment
+    m4, o4 = resumed[0], resumed[2]
+    q = next(iter(o4.state))
+    with torch.no_grad():
+        q.copy_(torch.nextafter(q, torch.full_like(q, float("inf"))))
+        o4.state[q]["exp_avg"].view(-1)[0] = torch.nextafter(
+            o4.state[q]["exp_avg"].view(-1)[0], torch.tensor(float("inf")))
+    seen = _differences("control", m1, o1, n1, m4, o4, n4, state_of_2_only=True)
+    if not (any("exp_avg of" in p for p in seen) and any("ULP" in p for p in seen)):
+        problems.append(f"{label}: a 1-ULP change went unseen: {seen}")
+    return problems
+
+
+def _zero_checks(rank: int, world: int) -> list[str]:
+    problems = []
+    for cfg in ZERO_CONFIGS:
+        problems += _zero_config(rank, world, cfg)
+    return problems
+
+
+CHECKS = {"ddp": _ddp_checks, "zero1": _zero_checks}
+
+
+def test_zero1_is_bitwise_equal_to_native_ddp_and_to_zero_redundancy_optimizer():
+    reports = run_ranks("zero1")
+    problems = [f"rank {rank}: {p}" for rank, ps in reports for p in ps]
+    assert not problems, "\n".join(problems[:8])
+
+
+
+def test_ddp_loops_are_bitwise_equal_to_native_on_every_rank():
+    reports = run_ranks("ddp")
     assert len(CONFIGS) == 16
     problems = [f"rank {rank}: {p}" for rank, ps in reports for p in ps]
     assert not problems, "\n".join(problems[:5])

@@ -19,7 +19,7 @@ from itertools import chain
 import torch
 from torch import Tensor
 
-from cotangent import _compat, merge
+from cotangent import _compat, merge, sharding
 from cotangent.clipping import ClipOrder, PackedClipper, clip_actual_tensors
 from cotangent.plan import Planner, StepPlan
 from cotangent.store import (
@@ -39,8 +39,9 @@ class _StepInputs:
     """What one step works on, found by `AdamW._prepare`."""
 
     grads: Gradients
-    plan: StepPlan
-    calls_valid: bool  # the plan's cached AdamW calls may run as they are
+    plan: StepPlan  # every present gradient: what is clipped
+    update: StepPlan  # what this process updates: `plan`, or its ZeRO-1 share
+    calls_valid: bool  # the update plan's cached AdamW calls may run as they are
 
 
 class AdamW(torch.optim.AdamW):
@@ -135,9 +136,13 @@ class AdamW(torch.optim.AdamW):
                  differentiable: bool = False, fused: bool | None = None,
                  max_norm: float | None = None, norm_type: float = 2.0,
                  error_if_nonfinite: bool = False, clip_order=None,
-                 batched_norms: bool = True) -> None:
+                 batched_norms: bool = True, shard: str | None = None,
+                 shard_norms: str = "all", process_group=None) -> None:
         self._store: FlatStore | None = None  # None until the first pack
         self._tracker: GradientTracker | None = None
+        self._zero = sharding.setup(shard, shard_norms, process_group)
+        self._updates = 0  # completed updates (a consolidated state dict is of one of them)
+        self._consolidated: tuple[int, dict] | None = None
         try:
             max_norm = None if max_norm is None else float(max_norm)
             norm_type = float(norm_type)
@@ -221,6 +226,13 @@ class AdamW(torch.optim.AdamW):
                 merge.run_native_adamw(call.kind, *args, group=group, grad_scale=grad_scale,
                                        found_inf=found_inf)
         calls.finish()
+        if self._zero is not None:  # every share's parameters from their owner
+            store = self._store
+            sharding.broadcast_params(
+                store.flat_params, store.layouts,
+                {s: (store.params[s], store.where[s][1].share) for s in store.detached},
+                self._zero)
+        self._updates += 1
         self._tracker.release_absent(inputs.grads.present)
         self._clipped, self._scale_applied = None, False
         return loss
@@ -303,10 +315,12 @@ class AdamW(torch.optim.AdamW):
         if grads.views_replaced:
             self._planner.invalidate()
         plan = self._planner.plan(grads.present)
-        valid = self._planner.calls_valid(plan, self.state, self.param_groups)
+        update = plan if self._zero is None else self._planner.plan(
+            tuple(s for s in grads.present if self._store.owns(s)))
+        valid = self._planner.calls_valid(update, self.state, self.param_groups)
         if not valid:
-            check_state(self._store, self.state, self.param_groups, plan.group_slots)
-        return _StepInputs(grads, plan, valid)
+            check_state(self._store, self.state, self.param_groups, update.group_slots)
+        return _StepInputs(grads, plan, update, valid)
 
     def _refresh_structure(self) -> None:
         """Repack when parameters were added to, removed from or replaced in the param groups;
@@ -327,16 +341,18 @@ class AdamW(torch.optim.AdamW):
     def _calibrate(self) -> None:
         """Probe (or look up) the norm and multiply verdicts; drop every cached plan."""
         self._calibrated_for = self._calibration_settings()
-        self._clipper = (PackedClipper(self._store, self.norm_type, self.batched_norms)
-                         if self.max_norm is not None else None)
+        self._clipper = (PackedClipper(self._store, self.norm_type, self.batched_norms,
+                                       self._zero) if self.max_norm is not None else None)
         self._planner.invalidate(plans=True)
 
     def _adamw_calls(self, inputs: _StepInputs):
         """The native AdamW calls of this step: the plan's cached ones, or new ones after the
         state read by them was adopted into the flat buffers or initialised."""
-        grads, plan = inputs.grads, inputs.plan
+        grads, plan = inputs.grads, inputs.update
         override = {}
         for slot, g in grads.foreign.items():
+            if not self._store.owns(slot):
+                continue  # another rank's share: it updates that parameter
             group = self.param_groups[self._planner.group_of[slot]]
             if (merge.implementation(group, [g]) == "fused"
                     and not same_strides(g, self._store.params[slot])):
@@ -354,19 +370,28 @@ class AdamW(torch.optim.AdamW):
     # ------------------------------------------------------------------ packing
 
     @torch.no_grad()
-    def _repack(self) -> None:
+    def _repack(self, exchange: bool = True) -> None:
         """(Re)build the flat buffers from the current param groups, gradients and state.
-        Everything is validated before anything is modified."""
+        Everything is validated before anything is modified. Under ZeRO-1 this rank keeps the
+        state of its share only; with `exchange`, state whose parameter changed owner moves to
+        its new owner (a collective: every rank repacks alike)."""
         params = [p for g in self.param_groups for p in g["params"]]
-        layouts = validate_params(params)
+        zero = self._zero
+        layouts = validate_params(params, 1 if zero is None else zero.world)
+        if zero is not None:
+            sharding.check_one_device(params)
         self._clip_order = ClipOrder(self._clip_order_params, params)
         old = self._tracker
         grads = gradients_to_carry(old, params)
         states = {slot: self.state[p] for slot, p in enumerate(params) if self.state.get(p)}
+        if zero is not None:
+            states = self._share_states(params, layouts, states, old.store if old and exchange
+                                        else None)
         detached = {id(old.store.params[s]) for s in old.store.detached} if old else set()
         if old is not None:
             old.remove_hooks()
-        store = FlatStore.pack(params, layouts, grads, states, detached)
+        store = FlatStore.pack(params, layouts, grads, states, detached,
+                               None if zero is None else zero.rank)
         tracker = GradientTracker(store, *((old.backwards, old.resets) if old else (0, 0)))
         for slot in grads:
             tracker.has_grad[slot] = True
@@ -374,7 +399,28 @@ class AdamW(torch.optim.AdamW):
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
         self._planner = Planner(store, self._group_sizes)
         self._calibrate()
-        self._clipped, self._prepared = None, None
+        self._clipped, self._prepared, self._consolidated = None, None, None
+
+    def _share_states(self, params: list[Tensor], layouts, states: dict[int, dict],
+                      old: FlatStore | None) -> dict[int, dict]:
+        """ZeRO-1: the states this rank keeps (its share's), after moving those whose parameter
+        changed owner since `old` was packed; entries of other shares leave `self.state`."""
+        zero = self._zero
+        owner = {seg.slot: seg.share for layout in layouts for seg in layout.segments}
+        if old is not None:
+            was = {id(q): old.where[s][1].share for s, q in enumerate(old.params)}
+            moved = [s for s, p in enumerate(params)
+                     if was.get(id(p), owner[s]) != owner[s]]
+            if moved:  # every rank computes the same list: all of them take part
+                mine = {s: states[s] for s in moved if s in states and was[id(params[s])]
+                        == zero.rank}
+                for s, entry in sharding.all_gather_states(mine, zero).items():
+                    if owner[s] == zero.rank:
+                        self.state[params[s]] = states[s] = entry
+        for s in list(states):
+            if owner[s] != zero.rank:
+                del states[s], self.state[params[s]]
+        return states
 
     def add_param_group(self, param_group: dict) -> None:
         """As `torch.optim.Optimizer.add_param_group`; afterwards all buffers are re-packed."""
@@ -395,14 +441,77 @@ class AdamW(torch.optim.AdamW):
         before = (self.state, self.param_groups)
         try:
             super().load_state_dict(state_dict)
-            self._repack()
+            self._repack(exchange=False)  # (ZeRO-1: every rank loaded every entry)
         except Exception:
             self.state, self.param_groups = before
             raise
 
+    def consolidate_state_dict(self, to: int | None = 0) -> None:
+        """ZeRO-1: gather every rank's share of the state onto rank `to` of the process group
+        (None: onto every rank), so that `state_dict()` there returns the whole state in
+        `torch.optim.AdamW`'s unsharded format. A collective: call it on every rank (as
+        `torch.distributed.optim.ZeroRedundancyOptimizer.consolidate_state_dict`).
+
+        Raises:
+            RuntimeError: the optimizer is not sharded (``shard=None``).
+        """
+        zero = self._require_zero("consolidate_state_dict()")
+        if to is not None and not (isinstance(to, int) and 0 <= to < zero.world):
+            raise ValueError(f"to must be a rank in 0..{zero.world - 1} or None, got {to!r}")
+        local = {s: self.state[p] for s, p in enumerate(self._store.params) if self.state.get(p)}
+        self._consolidated = None
+        if to is None:
+            self._consolidated = (self._updates, sharding.all_gather_states(local, zero))
+            return
+        merged = sharding.gather_states(local, zero, to)
+        if merged is not None:
+            self._consolidated = (self._updates, merged)
+
+    def state_dict(self) -> dict:
+        """As `torch.optim.Optimizer.state_dict` (native AdamW format).
+
+        ZeRO-1: the whole, unsharded state, as gathered by the last `consolidate_state_dict()`
+        onto this rank; it loads into `torch.optim.AdamW` and into this optimizer (sharded or
+        not) alike.
+
+        Raises:
+            RuntimeError: ZeRO-1 without a `consolidate_state_dict()` onto this rank since the
+                last update.
+        """
+        if self._zero is None:
+            return super().state_dict()
+        if self._consolidated is None or self._consolidated[0] != self._updates:
+            raise RuntimeError(
+                "a ZeRO-1 cotangent.AdamW holds one share of the state per rank: call "
+                "opt.consolidate_state_dict(to=RANK) on every rank after the last step, then "
+                "opt.state_dict() on RANK")
+        whole, live = self._consolidated[1], self.state
+        try:
+            self.state = WatchedState(dict, {p: whole[s] for s, p in enumerate(self._store.params)
+                                             if s in whole})
+            return super().state_dict()
+        finally:
+            self.state = live
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this process holds (flat `exp_avg`, `exp_avg_sq`,
+        `max_exp_avg_sq` and step buffers; ZeRO-1: this rank's share only)."""
+        buffers = [b for per in self._store.flat_state for b in per.values()]
+        buffers += self._store.step_buffers.values()
+        return sum(b.numel() * b.element_size() for b in buffers)
+
+    def _require_zero(self, what: str) -> sharding.Zero1:
+        if self._zero is None:
+            raise RuntimeError(f"{what} is for shard='zero1'; this optimizer is not sharded")
+        return self._zero
+
     def __getstate__(self) -> dict:
         """For pickle and deepcopy: the state as compact tensors (a view would carry its whole
         flat buffer into a pickle), plus the clipping settings."""
+        if self._zero is not None:
+            raise TypeError("a cotangent.AdamW with shard='zero1' cannot be pickled or copied "
+                            "(it holds one rank's share and a process group); save "
+                            "consolidate_state_dict() + state_dict() instead")
         state = super().__getstate__()
         state["state"] = compact_state(self.state)
         state.update(max_norm=self.max_norm, norm_type=self.norm_type,
@@ -419,7 +528,8 @@ class AdamW(torch.optim.AdamW):
         self.state = WatchedState(dict, self.state)
         if live:
             return
-        self._store, self._tracker = None, None
+        self._store, self._tracker, self._zero = None, None, None
+        self._updates, self._consolidated = 0, None
         self._last_total_norm, self._norm_backwards = None, -1
         self._clipped, self._prepared, self._scale_applied = None, None, False
         self._repack()

@@ -280,7 +280,7 @@ class Planner:
             length = run[-1].offset + -(-run[-1].numel // align) * align - start
             call.params.append(store.flat_params[li].narrow(0, start, length))
             call.grads.append(store.flat_grads[li].narrow(0, start, length))
-            tensors = {k: v.narrow(0, start, length) for k, v in store.flat_state[li].items()}
+            tensors = {k: store.state_range(li, k, start, length) for k in store.flat_state[li]}
             step = first["step"]
             buffer = store.step_buffers[(li, step.device, step.dtype)]
             _, members, firsts = merges.setdefault(id(buffer), (buffer, [], []))

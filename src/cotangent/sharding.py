@@ -1,0 +1,178 @@
+"""Parameter-aligned ZeRO-1: each rank keeps and updates the AdamW state of a share of whole
+parameters, then every share's parameters are broadcast from their owner.
+
+Shares are contiguous runs of the length-ordered flat buffers, balanced by size
+(`cotangent.packing.plan_layouts` with ``shares = world size``), so one broadcast per (layout,
+rank) moves a whole share. The total gradient norm is either computed from every gradient on
+every rank (gradients are already all-reduced by DDP), or from the share's gradients only, the
+per-tensor norms then all-gathered, as raw bytes, back into native order: both give
+`clip_grad_norm_`'s bits. Everything here is a collective: every rank must make the same calls
+in the same order (as with `torch.distributed.optim.ZeroRedundancyOptimizer`).
+
+ZeRO: Rajbhandari et al., "ZeRO: Memory Optimizations Toward Training Trillion Parameter Models",
+SC 2020 (stage 1 = optimizer-state partitioning).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from cotangent.norms import NormProgram, norm_program, run_norm_program
+from cotangent.packing import FlatLayout, share_window
+
+SHARD_MODES = (None, "zero1")
+SHARD_NORMS = ("all", "share")
+
+
+@dataclass(frozen=True, slots=True)
+class Zero1:
+    """Where this rank stands in a ZeRO-1 optimizer.
+
+    Attributes:
+        rank: this process's rank in `group` (= the share whose state it holds).
+        world: the group's size (= the number of shares).
+        group: the process group (None: the default group).
+        norms: ``"all"`` (every rank norms every gradient) or ``"share"`` (norms of its share,
+            all-gathered).
+    """
+
+    rank: int
+    world: int
+    group: object | None
+    norms: str
+
+    def source(self, share: int) -> int:
+        """The global rank of the owner of `share` (broadcast sources are global ranks)."""
+        return share if self.group is None else dist.get_global_rank(self.group, share)
+
+
+def setup(shard: str | None, shard_norms: str, process_group) -> Zero1 | None:
+    """Check the sharding arguments of `cotangent.AdamW`; None when not sharded.
+
+    Raises:
+        ValueError: an unknown `shard` or `shard_norms`; `shard="zero1"` without an initialised
+            default process group (``torch.distributed.init_process_group``).
+    """
+    if shard not in SHARD_MODES:
+        raise ValueError(f"shard must be one of {SHARD_MODES}, got {shard!r}")
+    if shard_norms not in SHARD_NORMS:
+        raise ValueError(f"shard_norms must be one of {SHARD_NORMS}, got {shard_norms!r}")
+    if shard is None:
+        if process_group is not None:
+            raise ValueError("process_group is only used with shard='zero1'")
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError("shard='zero1' needs torch.distributed initialised first "
+                         "(torch.distributed.init_process_group, e.g. under torchrun)")
+    return Zero1(dist.get_rank(process_group), dist.get_world_size(process_group),
+                 process_group, shard_norms)
+
+
+def check_one_device(params: list[Tensor]) -> None:
+    """ZeRO-1 needs one device: native AdamW's implementation choice (for-loop / foreach /
+    fused) is made over a group's parameters, and a share of a mixed-device group could choose
+    another one than the whole group does.
+
+    Raises:
+        ValueError: parameters on more than one device.
+    """
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"shard='zero1' needs every parameter on one device, got "
+                         f"{sorted(map(str, devices))}")
+
+
+@torch.no_grad()
+def broadcast_params(flat_params: list[Tensor], layouts: list[FlatLayout],
+                     detached: dict[int, tuple[Tensor, int]], zero: Zero1) -> None:
+    """After the update: each share's range of every flat parameter buffer, from its owner,
+    then each parameter that lives outside its buffer (`detached`: slot -> (tensor, share)),
+    in slot order."""
+    for flat, layout in zip(flat_params, layouts):
+        for share in range(zero.world):
+            start, end = share_window(layout, share)
+            if end > start:
+                dist.broadcast(flat.narrow(0, start, end - start), zero.source(share),
+                               group=zero.group)
+    for slot in sorted(detached):
+        p, share = detached[slot]
+        if p.is_contiguous():
+            dist.broadcast(p, zero.source(share), group=zero.group)
+        else:
+            tmp = p.contiguous()
+            dist.broadcast(tmp, zero.source(share), group=zero.group)
+            p.copy_(tmp)
+
+
+class ShardNorms:
+    """Per-tensor gradient norms of one layout computed share by share and all-gathered.
+
+    Each rank runs the norm program of its share's buckets (`cotangent.norms.norm_program`
+    over the buckets of that share: the same calibrated calls as the whole buffer's program
+    makes for them); the norm vectors travel as bytes (no arithmetic on the way) and are put
+    back into the order of the whole buffer's program `full`."""
+
+    def __init__(self, layout: FlatLayout, flat_grads: Tensor, full: NormProgram,
+                 zero: Zero1) -> None:
+        self.zero = zero
+        programs, positions = [], []
+        base = 0
+        for share in range(zero.world):
+            buckets = [b for b in layout.buckets if b.segments[0].share == share]
+            part = FlatLayout(layout.device, layout.dtype, layout.size, buckets,
+                              [s for b in buckets for s in b.segments])
+            program = norm_program(part, flat_grads)
+            programs.append(program)
+            positions += [base + pos for pos in program.order]
+            base += len(part.segments)
+        self.program = programs[zero.rank]
+        self.counts = [len(p.order) for p in programs]
+        index_of = {pos: i for i, pos in enumerate(positions)}
+        order = [index_of[pos] for pos in full.order]
+        self.index = None if order == list(range(len(order))) else torch.tensor(
+            order, device=layout.device)
+        self.dtype, self.device = layout.dtype, layout.device
+
+    def run(self, norm_type: float) -> Tensor:
+        """The per-tensor norms of the whole buffer in the full program's order (collective)."""
+        width = max(self.counts)
+        mine = torch.empty(width, dtype=self.dtype, device=self.device)
+        if self.counts[self.zero.rank]:
+            mine[:self.counts[self.zero.rank]] = run_norm_program(self.program, norm_type, None)
+        raw = [torch.empty_like(mine).view(torch.uint8) for _ in range(self.zero.world)]
+        dist.all_gather(raw, mine.view(torch.uint8), group=self.zero.group)
+        norms = torch.cat([r.view(self.dtype)[:n] for r, n in zip(raw, self.counts)])
+        return norms if self.index is None else norms.index_select(0, self.index)
+
+
+def state_payload(states: dict[int, dict]) -> dict[int, dict]:
+    """`states` (slot -> state dict) with every tensor cloned into its own compact storage
+    (a view would carry its whole flat buffer into the pickle of `all_gather_object`)."""
+    return {slot: {k: v.clone(memory_format=torch.preserve_format) if isinstance(v, Tensor)
+                   else v for k, v in entry.items()} for slot, entry in states.items()}
+
+
+def all_gather_states(local: dict[int, dict], zero: Zero1) -> dict[int, dict]:
+    """Every rank's `local` (slot -> state dict) merged: a collective."""
+    gathered: list = [None] * zero.world
+    dist.all_gather_object(gathered, state_payload(local), group=zero.group)
+    merged: dict[int, dict] = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
+
+
+def gather_states(local: dict[int, dict], zero: Zero1, to: int) -> dict[int, dict] | None:
+    """Every rank's `local` merged on rank `to` of the group (None elsewhere): a collective."""
+    gathered = [None] * zero.world if zero.rank == to else None
+    dist.gather_object(state_payload(local), gathered, zero.source(to), group=zero.group)
+    if gathered is None:
+        return None
+    merged: dict[int, dict] = {}
+    for part in gathered:
+        merged.update(part)
+    return merged
