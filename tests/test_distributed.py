@@ -161,13 +161,16 @@ FLAGS = {"fused": dict(fused=True), "for-loop": dict(foreach=False),
          "foreach": dict(foreach=True)}
 
 
-def _train(ddp, opt, clip_params, inputs, rank: int, unused: bool) -> list:
+def _train(ddp, opt, clip_params, inputs, rank: int, unused: bool, extra=None) -> list:
     """The native loop (clip_params given: clip_grad_norm_ then step) or Cotangent's (None:
-    the optimizer clips); returns the total norm of every step."""
+    the optimizer clips); returns the total norm of every step. `extra`: a parameter outside
+    the model that gets the same gradient on every rank after each backward."""
     norms = []
-    for x in inputs:
+    for i, x in enumerate(inputs):
         opt.zero_grad()
         ddp(x, unused and rank == 0).square().mean().backward()
+        if extra is not None:
+            extra.grad = torch.linspace(-1.0, 1.0, extra.numel()).reshape(extra.shape) * (i + 1)
         if clip_params is not None:
             norms.append(torch.nn.utils.clip_grad_norm_(clip_params, 0.05))
         opt.step()
@@ -219,6 +222,7 @@ def _state_dict_differences(a: dict, b: dict) -> list[str]:
 
 def _zero_config(rank: int, world: int, cfg: dict) -> list[str]:
     import cotangent
+    from cotangent.verify import first_difference
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -289,9 +293,11 @@ def _zero_config(rank: int, world: int, cfg: dict) -> list[str]:
     problems += _differences(f"{label} resumed from native", m1, o1, n1, resumed[0], resumed[2],
                              n4, state_of_2_only=True)
 
-    # negative control: the comparison sees one ULP in a parameter and in a moment
     m4, o4 = resumed[0], resumed[2]
-    q = next(iter(o4.state))
+    # negative control: the comparison sees one ULP in a parameter and in a moment
+    q = next(q for q in m4.parameters() if o4.state.get(q))
+    moment = o4.state[q]["exp_avg"]
+    kept = (q.detach().clone(), moment.clone())
     with torch.no_grad():
         q.copy_(torch.nextafter(q, torch.full_like(q, float("inf"))))
         o4.state[q]["exp_avg"].view(-1)[0] = torch.nextafter(
@@ -299,6 +305,27 @@ def _zero_config(rank: int, world: int, cfg: dict) -> list[str]:
     seen = _differences("control", m1, o1, n1, m4, o4, n4, state_of_2_only=True)
     if not (any("exp_avg of" in p for p in seen) and any("ULP" in p for p in seen)):
         problems.append(f"{label}: a 1-ULP change went unseen: {seen}")
+    with torch.no_grad():  # undone: the run goes on
+        q.copy_(kept[0])
+        moment.copy_(kept[1])
+
+    # a param group added on every rank: ownership moves, the state moves with it
+    owned_before = {id(q) for q in o4.state}
+    extras = [torch.nn.Parameter(torch.linspace(0.0, 1.0, 400)) for _ in range(2)]
+    o1.add_param_group({"params": [extras[0]]})
+    o4.add_param_group({"params": [extras[1]]})
+    if {id(q) for q in o4.state} == owned_before:
+        problems.append(f"{label}: adding a 400-element parameter moved no state")
+    n1 += _train(native[1], o1, list(m1.parameters()) + extras[:1], inputs[:2], rank,
+                 cfg["unused"], extras[0])
+    n4 += _train(resumed[1], o4, None, inputs[:2], rank, cfg["unused"], extras[1])
+    problems += _differences(f"{label} after add_param_group", m1, o1, n1, m4, o4, n4,
+                             state_of_2_only=True)
+    held = o4.state.get(extras[1], {})
+    pairs = [(extras[0].detach(), extras[1].detach())] + [
+        (o1.state[extras[0]][k], v) for k, v in held.items()]
+    problems += [f"{label} added parameter: {d}" for a, b in pairs
+                 if (d := first_difference(a, b)) is not None]
     return problems
 
 
@@ -324,3 +351,76 @@ def test_ddp_loops_are_bitwise_equal_to_native_on_every_rank():
     assert len(CONFIGS) == 16
     problems = [f"rank {rank}: {p}" for rank, ps in reports for p in ps]
     assert not problems, "\n".join(problems[:5])
+
+
+# ---------------------------------------------------------------- one process: arguments, plan
+
+
+def test_zero1_arguments_are_checked_before_anything_is_packed():
+    import cotangent
+
+    model = nn.Linear(4, 4)
+    before = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(ValueError, match="init_process_group"):
+        cotangent.AdamW(model.parameters(), shard="zero1")
+    with pytest.raises(ValueError, match="shard must be one of"):
+        cotangent.AdamW(model.parameters(), shard="zero3")
+    with pytest.raises(ValueError, match="shard_norms must be one of"):
+        cotangent.AdamW(model.parameters(), shard_norms="half")
+    with pytest.raises(ValueError, match="process_group is only used"):
+        cotangent.AdamW(model.parameters(), process_group=object())
+    assert [p.data_ptr() for p in model.parameters()] == before  # nothing was packed
+    opt = cotangent.AdamW(model.parameters())
+    with pytest.raises(RuntimeError, match="not sharded"):
+        opt.consolidate_state_dict()
+
+
+def test_zero1_on_one_rank_is_plain_adamw_and_refuses_pickling(single_rank_group):
+    import pickle
+
+    import cotangent
+    from bitwise import assert_same_update
+    from cotangent.reference import ReferenceUpdate
+
+    torch.manual_seed(0)
+    native_model, our_model = nn.Linear(8, 16), nn.Linear(8, 16)
+    our_model.load_state_dict(native_model.state_dict())
+    native = ReferenceUpdate(list(native_model.parameters()), max_norm=0.1, lr=1e-2, fused=True)
+    ours = cotangent.AdamW(our_model.parameters(), max_norm=0.1, lr=1e-2, fused=True,
+                           shard="zero1", shard_norms="share")
+    for _ in range(3):
+        x = torch.randn(4, 8)
+        for model in (native_model, our_model):
+            model(x).square().mean().backward()
+        native.step()
+        ours.step()
+        native.optimizer.zero_grad()
+        ours.zero_grad()
+    assert_same_update(native_model.parameters(), native.optimizer.state,
+                       our_model.parameters(), ours.state, "ZeRO-1 on one rank", grads=False)
+    with pytest.raises(RuntimeError, match="consolidate_state_dict"):
+        ours.state_dict()
+    with pytest.raises(ValueError, match="to must be a rank"):
+        ours.consolidate_state_dict(to=1)
+    ours.consolidate_state_dict()
+    assert set(ours.state_dict()["state"]) == {0, 1}
+    with pytest.raises(TypeError, match="cannot be pickled"):
+        pickle.dumps(ours)
+
+
+def test_zero1_shares_are_contiguous_size_balanced_and_whole_parameters():
+    from cotangent.packing import plan_layouts, share_window
+
+    sizes = [3, 700, 64, 64, 64, 1000, 5, 128, 900, 17]
+    params = [torch.zeros(n) for n in sizes]
+    for world in (1, 2, 3, 4):
+        (layout,) = plan_layouts(params, world)
+        shares = [seg.share for seg in layout.segments]
+        assert shares == sorted(shares)  # one contiguous run per share, in buffer order
+        assert all(b.segments[0].share == s.share for b in layout.buckets for s in b.segments)
+        windows = [share_window(layout, r) for r in range(world)]
+        assert windows[0][0] == 0 and windows[-1][1] == layout.size
+        assert all(a[1] == b[0] for a, b in zip(windows, windows[1:]))
+        # balanced: no share exceeds its fair part by more than the largest parameter (padded)
+        assert max(end - start for start, end in windows) <= layout.size / world + 1008
+    assert [seg.share for seg in plan_layouts(params, 2)[0].segments] == [0] * 8 + [1] * 2

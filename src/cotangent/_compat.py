@@ -169,8 +169,9 @@ def tensor_kind_refusal(p: Tensor) -> str | None:
     dtensor = sys.modules.get("torch.distributed.tensor")
     if dtensor is not None and isinstance(p, getattr(dtensor, "DTensor", ())):
         return ("is a DTensor (FSDP2 `fully_shard` or tensor parallelism); cotangent.AdamW does "
-                "not support sharded parameters yet: use torch.optim.AdamW for this model, or "
-                "DistributedDataParallel with cotangent.AdamW")
+                "not support FSDP2 / DTensor parameters: use torch.optim.AdamW for this model, "
+                "or DistributedDataParallel with cotangent.AdamW (shard='zero1' shards the "
+                "optimizer state across ranks)")
     from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
     if is_traceable_wrapper_subclass(p):

@@ -95,6 +95,22 @@ class AdamW(torch.optim.AdamW):
         batched_norms: use calibrated batched norms (default). ``False`` computes every
             per-tensor norm with the native call, keeping everything else packed: the
             "packing-only" cell of a factorial experiment.
+        shard: ``None`` (default), or ``"zero1"``: parameter-aligned ZeRO-1 under
+            `torch.distributed` (typically with DistributedDataParallel, whose all-reduce makes
+            every rank's gradients equal). Each rank holds and updates the AdamW state of one
+            share of whole parameters: a contiguous range of the length-ordered flat buffer,
+            balanced by size (`cotangent.packing.plan_layouts`); every rank clips every
+            gradient, updates its share, then each share is broadcast from its owner. Parameters,
+            gradients, norms and the state of each share come out as the unsharded native
+            loop's. ``state`` holds this rank's share only; `consolidate_state_dict()` then
+            `state_dict()` give the whole state in native format; `state_bytes()` the bytes held.
+            Every rank must make the same calls (step, zero_grad, param-group edits) in the same
+            order: they are collectives.
+        shard_norms: with ``shard="zero1"``, ``"all"`` (default): each rank computes every
+            per-tensor norm; ``"share"``: the norms of its share only, all-gathered (as bytes)
+            into native order. Both give `clip_grad_norm_`'s bits.
+        process_group: with ``shard="zero1"``, the group to shard over (default: the default
+            group).
 
     Attributes:
         last_total_norm: the total gradient norm the last clip computed (0-dim tensor on the
@@ -108,7 +124,9 @@ class AdamW(torch.optim.AdamW):
         ValueError / RuntimeError at construction: everything `torch.optim.AdamW` raises for bad
             arguments; a parameter that appears twice, shares storage with another, is sparse,
             complex, integer, on the meta device, a DTensor or other wrapper subclass, an
-            uninitialised lazy parameter, or not dense; non-numeric `max_norm`.
+            uninitialised lazy parameter, or not dense; non-numeric `max_norm`; an unknown
+            `shard` or `shard_norms`; ``shard="zero1"`` without an initialised process group
+            or with parameters on more than one device.
         NotImplementedError: ``capturable=True`` or ``differentiable=True`` (also when set on a
             group later).
         RuntimeError from `step()`, `clip_grad_norm_()` and `zero_grad()`, before anything is
