@@ -257,6 +257,16 @@ def _zero_config(rank: int, world: int, cfg: dict) -> list[str]:
     problems += _differences(f"{label} cotangent vs native", m1, o1, runs["native"],
                              m3, o3, runs["cotangent"], state_of_2_only=True)
 
+    # shard_norms="share": the gathered per-tensor norms are the whole buffer's, in its order
+    if cfg["norms"] == "share":
+        from cotangent.norms import run_norm_program
+
+        clipper = o3._clipper
+        for li, program in enumerate(clipper.programs):
+            whole = run_norm_program(program, 2.0, None)
+            if (d := first_difference(whole, clipper.shard_norms[li].run(2.0))) is not None:
+                problems.append(f"{label}: gathered per-tensor norms of buffer {li}: {d}")
+
     # the share: state for the owned parameters only, buffers covering exactly their windows
     owned = [q for q in m3.parameters() if o3.state.get(q)]
     sizes = [torch.tensor([o3.state_bytes()])]

@@ -113,40 +113,50 @@ class ShardNorms:
 
     Each rank runs the norm program of its share's buckets (`cotangent.norms.norm_program`
     over the buckets of that share: the same calibrated calls as the whole buffer's program
-    makes for them); the norm vectors travel as bytes (no arithmetic on the way) and are put
-    back into the order of the whole buffer's program `full`."""
+    makes for them) and sends its norms in buffer order, as bytes (no arithmetic on the way),
+    so that what a rank receives does not depend on the other ranks' calibration verdicts; the
+    concatenation is then put into the order of this rank's whole-buffer program `full`."""
 
     def __init__(self, layout: FlatLayout, flat_grads: Tensor, full: NormProgram,
                  zero: Zero1) -> None:
         self.zero = zero
-        programs, positions = [], []
-        base = 0
-        for share in range(zero.world):
-            buckets = [b for b in layout.buckets if b.segments[0].share == share]
-            part = FlatLayout(layout.device, layout.dtype, layout.size, buckets,
-                              [s for b in buckets for s in b.segments])
-            program = norm_program(part, flat_grads)
-            programs.append(program)
-            positions += [base + pos for pos in program.order]
-            base += len(part.segments)
-        self.program = programs[zero.rank]
-        self.counts = [len(p.order) for p in programs]
-        index_of = {pos: i for i, pos in enumerate(positions)}
-        order = [index_of[pos] for pos in full.order]
-        self.index = None if order == list(range(len(order))) else torch.tensor(
-            order, device=layout.device)
+        self.counts = [sum(s.share == share for s in layout.segments)
+                       for share in range(zero.world)]
+        buckets = [b for b in layout.buckets if b.segments[0].share == zero.rank]
+        part = FlatLayout(layout.device, layout.dtype, layout.size, buckets,
+                          [s for b in buckets for s in b.segments])
+        self.program = norm_program(part, flat_grads)
+        # the program's output order -> buffer order within the share
+        self.own_order = _inverse(self.program.order, layout.device)
+        # buffer order -> the whole-buffer program's output order
+        self.index = (None if list(full.order) == list(range(len(full.order)))
+                      else torch.tensor(full.order, device=layout.device))
         self.dtype, self.device = layout.dtype, layout.device
 
     def run(self, norm_type: float) -> Tensor:
         """The per-tensor norms of the whole buffer in the full program's order (collective)."""
         width = max(self.counts)
         mine = torch.empty(width, dtype=self.dtype, device=self.device)
-        if self.counts[self.zero.rank]:
-            mine[:self.counts[self.zero.rank]] = run_norm_program(self.program, norm_type, None)
+        n = self.counts[self.zero.rank]
+        if n:
+            norms = run_norm_program(self.program, norm_type, None)
+            mine[:n] = norms if self.own_order is None else norms.index_select(0, self.own_order)
         raw = [torch.empty_like(mine).view(torch.uint8) for _ in range(self.zero.world)]
         dist.all_gather(raw, mine.view(torch.uint8), group=self.zero.group)
         norms = torch.cat([r.view(self.dtype)[:n] for r, n in zip(raw, self.counts)])
         return norms if self.index is None else norms.index_select(0, self.index)
+
+
+def _inverse(order, device) -> Tensor | None:
+    """The permutation that puts values listed in `order` (positions) back in position order;
+    None when `order` is already that."""
+    order = list(order)
+    if order == list(range(len(order))):
+        return None
+    inverse = [0] * len(order)
+    for i, pos in enumerate(order):
+        inverse[pos] = i
+    return torch.tensor(inverse, device=device)
 
 
 def state_payload(states: dict[int, dict]) -> dict[int, dict]:
