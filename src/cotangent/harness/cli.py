@@ -20,9 +20,12 @@ from cotangent.harness.data import DATA_ENV, embedded_corpus, load_wikitext2
 from cotangent.harness.model import MODEL_CONFIGS
 from cotangent.harness.train import (
     TrainConfig,
+    check_data_parallel_device,
     check_device,
     format_comparison,
     format_config,
+    launcher_env,
+    process_group,
     result_json,
     run_train,
     validate_config,
@@ -72,6 +75,16 @@ def _train_parser(sub) -> None:
                    help="print a plain progress line at most every SECONDS of training, and "
                         f"after the last step (default: {PROGRESS_EVERY_S:g} when stdout is not a "
                         "terminal; on a terminal a progress bar instead; 0 = no lines)")
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
+                   help="data-parallel ranks on this machine: start N processes through "
+                        "torch.distributed's elastic launcher (as torchrun --standalone "
+                        "--nproc-per-node N), each training every arm wrapped in "
+                        "DistributedDataParallel on its own batches (gloo on cpu, nccl with "
+                        "one GPU per rank on cuda), torch threads per rank = cores // N unless "
+                        "OMP_NUM_THREADS is set; only rank 0 prints and writes records; exits "
+                        "non-zero unless every rank ends with the same hashes (default 1: this "
+                        "process alone; under torchrun, which sets RANK, WORLD_SIZE, ..., leave "
+                        "it out or give torchrun's --nproc-per-node)")
 
 
 def resolve_train_config(args) -> TrainConfig:
@@ -114,6 +127,24 @@ def cmd_train(args) -> int:
     if args.progress_every is not None and not 0 <= args.progress_every < float("inf"):
         raise ValueError("--progress-every must be a finite number >= 0, got "
                          f"{args.progress_every}")
+    if args.nproc is not None and args.nproc < 1:
+        raise ValueError(f"--nproc must be an integer >= 1, got {args.nproc}")
+    env = launcher_env()
+    if env is not None and args.nproc not in (None, env["LOCAL_WORLD_SIZE"]):
+        raise ValueError(f"--nproc {args.nproc}, but the launcher started "
+                         f"{env['LOCAL_WORLD_SIZE']} process(es) on this machine (RANK, "
+                         "WORLD_SIZE, ... are set): leave --nproc out under torchrun")
+    if env is None and args.nproc is not None and args.nproc > 1:
+        check_data_parallel_device(cfg.device, args.nproc)
+        return launch_ranks(args.nproc, args.argv)
+    with process_group(env, cfg.device) as dp:
+        return _train(args, cfg, rank0=dp is None or dp.rank == 0, data_parallel=dp)
+
+
+def _train(args, cfg: TrainConfig, *, rank0: bool, data_parallel) -> int:
+    """Load the data, train, print the comparison (rank 0 alone prints); the exit code is 0
+    when every arm, and with data parallelism every rank, ends with the same model hash."""
+    say = print if rank0 else _silent
     # Without a terminal (a pipe, a log file, a campaign job): plain lines, each flushed.
     interactive = sys.stdout.isatty()
     if not interactive and hasattr(sys.stdout, "reconfigure"):
@@ -123,20 +154,76 @@ def cmd_train(args) -> int:
     data_dir = args.data_dir or os.environ.get(DATA_ENV)
     if data_dir:
         corpus = load_wikitext2(data_dir)
-        print(f"data: {corpus.name} from {data_dir} "
-              f"({', '.join(f'{s} {len(b):,} B' for s, b in corpus.splits.items())})")
+        say(f"data: {corpus.name} from {data_dir} "
+            f"({', '.join(f'{s} {len(b):,} B' for s, b in corpus.splits.items())})")
     else:
         corpus = embedded_corpus()
-        print(f"data: no WikiText-2 directory given (--data-dir or ${DATA_ENV}); using the "
-              f"{corpus.note}")
-    print("config:\n  " + format_config(cfg).replace("\n", "\n  "))
+        say(f"data: no WikiText-2 directory given (--data-dir or ${DATA_ENV}); using the "
+            f"{corpus.note}")
+    say("config:\n  " + format_config(cfg).replace("\n", "\n  "))
     result = run_train(cfg, corpus, config_toml=format_config(cfg),
-                       show_progress=interactive and sys.stderr.isatty() and every == 0,
-                       progress_every_s=every)
-    print(format_comparison(result))
+                       show_progress=rank0 and interactive and sys.stderr.isatty() and every == 0,
+                       progress_every_s=every, log=say, data_parallel=data_parallel)
+    say(format_comparison(result))
     if args.json:
-        print(result_json(result))
-    return 0 if result["identical_final_hash"] else 1
+        say(result_json(result))
+    return 0 if result["identical_final_hash"] and result.get("ranks_agree", True) else 1
+
+
+def _exit_text(exitcode: int) -> str:
+    """'exit code N', or 'killed by SIGNAME' for a negative exit code (a signal)."""
+    if exitcode >= 0:
+        return f"exit code {exitcode}"
+    import signal
+
+    try:
+        return f"killed by {signal.Signals(-exitcode).name}"
+    except ValueError:
+        return f"killed by signal {-exitcode}"
+
+
+def _silent(*args, **kwargs) -> None:
+    """`print` of the data-parallel ranks other than 0."""
+
+
+def launch_ranks(nproc: int, argv: list[str]) -> int:
+    """Run `python -m cotangent.harness.cli ARGV` as `nproc` data-parallel ranks on this
+    machine through torch.distributed's elastic launcher (what `torchrun --standalone
+    --nproc-per-node NPROC` does: a c10d rendezvous on a free local port, no restarts); the
+    ranks inherit stdout and stderr. When one rank fails, the launcher stops the others.
+
+    Returns:
+        0 when every rank exits 0; else the exit code of the first rank to fail (128 + the
+        signal number for a rank killed by a signal), after a one-line note on stderr that
+        names every failed rank.
+    """
+    import tempfile
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    with tempfile.TemporaryDirectory(prefix="cotangent-ranks-") as logs:
+        config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=nproc,
+                              run_id=uuid.uuid4().hex, rdzv_backend="c10d",
+                              rdzv_endpoint="localhost:0", max_restarts=0,
+                              logs_specs=DefaultLogsSpecs(log_dir=logs))
+        try:
+            elastic_launch(config, sys.executable)("-m", "cotangent.harness.cli", *argv)
+        except ChildFailedError as exc:
+            failed = ", ".join(f"rank {rank} {_exit_text(failure.exitcode)}"
+                               for rank, failure in sorted(exc.failures.items()))
+            print(f"cotangent: {len(exc.failures)} of {nproc} ranks failed: {failed}",
+                  file=sys.stderr)
+            code = exc.get_first_failure()[1].exitcode
+            return code if code > 0 else 128 - code
+        except SignalException as exc:
+            print(f"cotangent: stopped by signal {exc.sigval.name}; the ranks were stopped "
+                  "(run directories of an unfinished run keep their INCOMPLETE marker)",
+                  file=sys.stderr)
+            return 128 + int(exc.sigval)
+    return 0
 
 
 def _bench_parser(sub) -> None:
@@ -147,33 +234,28 @@ def _bench_parser(sub) -> None:
         description="Time the update phase (clip_grad_norm_ + AdamW step vs cotangent.AdamW "
                     "step) per shape and native AdamW implementation, interleaved in one "
                     "process; medians, bitwise check per row, memory, and a 10-pass floor.")
-    p.add_argument("--shapes", default=",".join(SHAPES),
+    p.add_argument("--shapes", default=None,
                    help=f"comma-separated, from {', '.join(SHAPES)} (default: all)")
-    p.add_argument("--impls", default=",".join(IMPLS),
+    p.add_argument("--impls", default=None,
                    help=f"comma-separated, from {', '.join(IMPLS)} (default: all)")
     p.add_argument("--repeats", type=int, default=20, help="timed repeats per arm (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="discarded repeats per arm (default 3)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
+    p.add_argument("--distributed", type=int, default=None, metavar="N",
+                   help="instead: the update phase under DistributedDataParallel on N CPU "
+                        "ranks (gloo): native DDP, cotangent DDP, ZeroRedundancyOptimizer and "
+                        "cotangent ZeRO-1 (default shapes: "
+                        "many-small,transformer-small,causal-conv,gated-gqa; --impls default "
+                        "fused)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
 def cmd_bench(args) -> int:
     from cotangent.harness import bench
 
-    shapes = [s for s in args.shapes.split(",") if s]
-    impls = [i for i in args.impls.split(",") if i]
-    bad_shapes = [s for s in shapes if s not in bench.SHAPES]
-    if bad_shapes:
-        raise ValueError(f"unknown shape(s) {', '.join(bad_shapes)} in --shapes; valid: "
-                         f"{', '.join(bench.SHAPES)}")
-    bad_impls = [i for i in impls if i not in bench.IMPLS]
-    if bad_impls:
-        raise ValueError(f"unknown implementation(s) {', '.join(bad_impls)} in --impls; valid: "
-                         f"{', '.join(bench.IMPLS)}")
-    if not shapes or not impls:
-        raise ValueError("--shapes and --impls must each name at least one")
-    if args.repeats < 1 or args.warmup < 0:
-        raise ValueError("--repeats must be >= 1 and --warmup >= 0")
+    if args.distributed is not None:
+        return _bench_distributed(args)
+    shapes, impls = _bench_choices(args, bench.SHAPES, tuple(bench.IMPLS))
     check_device(args.device)
     print(f"update-phase benchmark on {args.device}: {len(shapes)} shapes x {len(impls)} native "
           f"implementations, {args.repeats} repeats (+{args.warmup} warm-up), interleaved")
@@ -186,6 +268,48 @@ def cmd_bench(args) -> int:
         print(f"  missed: {t['target']} ({t['shape']}, {t['native_impl']}): {t['field']} = "
               f"{t['value']:.3f} > {t['bound']}" if isinstance(t["value"], float) else
               f"  missed: {t['target']} ({t['shape']}, {t['native_impl']}): {t['value']}")
+    if args.json:
+        print(bench.result_json(result))
+    return 0 if all(r["bitwise"] for r in result["rows"]) else 1
+
+
+def _bench_choices(args, shapes_default, impls_default) -> tuple[list[str], list[str]]:
+    """--shapes and --impls as lists, checked against the benchmark's shapes and
+    implementations (ValueError naming the valid ones)."""
+    from cotangent.harness import bench
+
+    shapes = [s for s in (args.shapes or ",".join(shapes_default)).split(",") if s]
+    impls = [i for i in (args.impls or ",".join(impls_default)).split(",") if i]
+    bad_shapes = [s for s in shapes if s not in bench.SHAPES]
+    if bad_shapes:
+        raise ValueError(f"unknown shape(s) {', '.join(bad_shapes)} in --shapes; valid: "
+                         f"{', '.join(bench.SHAPES)}")
+    bad_impls = [i for i in impls if i not in bench.IMPLS]
+    if bad_impls:
+        raise ValueError(f"unknown implementation(s) {', '.join(bad_impls)} in --impls; valid: "
+                         f"{', '.join(bench.IMPLS)}")
+    if not shapes or not impls:
+        raise ValueError("--shapes and --impls must each name at least one")
+    if args.repeats < 1 or args.warmup < 0:
+        raise ValueError("--repeats must be >= 1 and --warmup >= 0")
+    return shapes, impls
+
+
+def _bench_distributed(args) -> int:
+    """`cotangent bench --distributed N`: four arms under DDP on N CPU ranks."""
+    from cotangent.harness import bench, bench_distributed
+
+    shapes, impls = _bench_choices(args, bench_distributed.DISTRIBUTED_SHAPES, ("fused",))
+    if args.distributed < 1:
+        raise ValueError(f"--distributed needs at least 1 rank, got {args.distributed}")
+    if args.device != "cpu":
+        raise ValueError("--distributed runs on cpu (gloo) only")
+    print(f"distributed update-phase benchmark: {args.distributed} CPU ranks, {len(shapes)} "
+          f"shapes x {len(impls)} native implementations, {args.repeats} repeats "
+          f"(+{args.warmup} warm-up), arms interleaved")
+    result = bench_distributed.run_distributed_bench(
+        args.distributed, shapes, impls, repeats=args.repeats, warmup=args.warmup)
+    print(result["table"])
     if args.json:
         print(bench.result_json(result))
     return 0 if all(r["bitwise"] for r in result["rows"]) else 1
@@ -443,7 +567,9 @@ def main(argv: list[str] | None = None) -> int:
     _analyze_parser(sub)
     _audit_parser(sub)
     _report_parser(sub)
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
+    args.argv = argv  # `train --nproc N` starts its ranks with these arguments
     try:
         return {"train": cmd_train, "bench": cmd_bench, "calibrate": cmd_calibrate,
                 "verify": cmd_verify, "data": cmd_data, "campaign": cmd_campaign,
@@ -457,5 +583,28 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def end_rank_process(code: int) -> None:
+    """End this data-parallel rank's process with exit status `code`, skipping the
+    interpreter's teardown (`os._exit` after flushing logging, stdout and stderr).
+
+    Why: `DistributedDataParallel`'s reducer keeps the gloo process group alive after
+    `destroy_process_group` (torch 2.13 here), so its worker threads outlive the Python code. A
+    worker that releases the tensors of a finished collective while the interpreter shuts down
+    needs the GIL and aborts the process (SIGABRT, "terminate called without an active
+    exception"): seen in about 1 of 20 two-rank runs on a busy 2-core machine, always after the
+    run's records were complete. Records are written atomically and the calibration cache
+    synchronously, so nothing is lost by skipping the teardown.
+    """
+    import logging
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    if "LOCAL_RANK" in os.environ:  # started by torchrun or `train --nproc` as one rank
+        end_rank_process(exit_code)
+    sys.exit(exit_code)

@@ -14,6 +14,12 @@ alternating), each from `torch.manual_seed(seed)` and its own window sampler, so
 hits both alike. Timed regions are bracketed by a device synchronisation. The update phase is
 clip + AdamW step + zero_grad (the moment the gradients are ready until the next backward may
 start); the whole step adds forward and backward.
+
+Data parallel (`cotangent train --nproc N`, or started by `torchrun`): every rank runs every
+arm, each arm's model wrapped in `DistributedDataParallel` (gloo on CPU, nccl on cuda with
+device cuda:LOCAL_RANK), from the same initial model; rank r draws its own windows
+(`rank_sampler_seed`). Only rank 0 prints and writes records; its clock times the steps. The
+final model hashes of every rank are gathered and compared (`ranks_agree`).
 """
 
 from __future__ import annotations
@@ -26,13 +32,14 @@ import resource
 import statistics
 import sys
 import time
-from collections.abc import Callable
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass, fields
 from datetime import datetime, timezone
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from tqdm import tqdm
 
@@ -64,7 +71,8 @@ class TrainConfig:
                          choices=tuple(sorted(MODEL_CONFIGS)))
     steps: int = setting("optimizer updates per arm", 300, low=1)
     seed: int = setting("model init: torch.manual_seed(seed); windows: "
-                        "default_rng(seed + 100000)", 0, low=0, high=2**63 - 100_000,
+                        "default_rng(seed + 100000 + rank * 2**63), rank 0 in a single "
+                        "process", 0, low=0, high=2**63 - 100_000,
                         high_open=True, want="an integer in [0, 2**63 - 100000)")
     batch_size: int = setting("windows per step, each context + 1 bytes", 8, low=1)
     lr: float = setting("peak learning rate", 1e-3, low=0.0)
@@ -142,10 +150,168 @@ def sync(device: torch.device) -> None:
         torch.mps.synchronize()
 
 
-class Arm:
-    """One arm's model, optimizer and update phase."""
+# ---------------------------------------------------------------------------------------------
+# Data parallelism
 
-    def __init__(self, name: str, cfg: TrainConfig, device: torch.device) -> None:
+# Set by torchrun (and torch.distributed's elastic launcher) in every rank it starts.
+LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                "MASTER_PORT")
+BACKENDS = {"cpu": "gloo", "cuda": "nccl"}  # device type -> process group backend
+SAMPLER_SEED_FORMULA = "numpy.random.default_rng(seed + 100000 + rank * 2**63)"
+
+
+def rank_sampler_seed(seed: int, rank: int) -> int:
+    """The `seed` given to rank `rank`'s `WindowSampler`: `seed + rank * 2**63`.
+
+    The sampler draws from `numpy.random.default_rng(seed + 100000 + rank * 2**63)`
+    (`SAMPLER_SEED_FORMULA`). Rank 0, and a run without data parallelism, draws exactly the
+    windows of a one-process run of the same seed. The map (seed, rank) -> generator seed is
+    one-to-one because `TrainConfig` bounds seed + 100000 below 2**63.
+
+    Raises:
+        ValueError: a negative seed or rank.
+    """
+    if seed < 0 or rank < 0:
+        raise ValueError(f"seed and rank must be >= 0, got seed {seed}, rank {rank}")
+    return seed + rank * 2**63
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class DataParallel:
+    """This process's place in a data-parallel run (an initialised default process group)."""
+
+    rank: int  # global rank, 0 .. world_size - 1
+    world_size: int  # ranks in the run
+    local_rank: int  # rank on this machine (the CUDA device index on cuda)
+    local_world_size: int  # ranks on this machine; torchrun gives ranks 0 .. this - 1 to rank 0's
+    backend: str  # gloo (cpu) or nccl (cuda)
+    threads: int  # torch intra-op threads of each rank
+    threads_from: str  # "OMP_NUM_THREADS" (set by the user or torchrun) or "cores // local ranks"
+
+    @property
+    def on_rank0_host(self) -> bool:
+        """Whether this rank shares rank 0's machine (torchrun numbers ranks node by node)."""
+        return self.rank < self.local_world_size
+
+    def record(self) -> dict:
+        """The metadata.json entry `data_parallel`."""
+        return {"world_size": self.world_size, "backend": self.backend,
+                "local_world_size": self.local_world_size, "threads_per_rank": self.threads,
+                "threads_from": self.threads_from, "sampler_seed": SAMPLER_SEED_FORMULA,
+                "model": "torch.nn.parallel.DistributedDataParallel per arm (defaults: "
+                         "gradient_as_bucket_view=False, broadcast_buffers=True), the optimizer "
+                         "over the unwrapped model's parameters",
+                "loss_bpb": "mean over ranks of each rank's batch loss",
+                "timing": "rank 0's clock; cpu_s: the CPU seconds of every rank on rank 0's "
+                          "machine",
+                "evaluation": "windows split into world_size contiguous parts, NLL sums "
+                              "gathered and added in rank order"}
+
+
+SINGLE_PROCESS_RECORD = {"world_size": 1, "backend": None, "sampler_seed": SAMPLER_SEED_FORMULA}
+
+
+def launcher_env(environ: Mapping[str, str] = os.environ) -> dict[str, int | str] | None:
+    """The rank variables torchrun sets (`LAUNCHER_ENV`), or None when none of them is set.
+
+    Returns:
+        {RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE: int, MASTER_ADDR: str, MASTER_PORT: int}.
+
+    Raises:
+        ValueError: some but not all of them are set, one is not an integer where one is
+            needed, or the ranks are out of range (RANK not below WORLD_SIZE, ...).
+    """
+    present = [k for k in LAUNCHER_ENV if k in environ]
+    if not present:
+        return None
+    missing = [k for k in LAUNCHER_ENV if k not in environ]
+    if missing:
+        raise ValueError(f"incomplete torchrun environment: {', '.join(present)} set but not "
+                         f"{', '.join(missing)}; start data-parallel runs with torchrun or "
+                         "--nproc, or unset these variables")
+    env: dict[str, int | str] = {"MASTER_ADDR": environ["MASTER_ADDR"]}
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_PORT"):
+        try:
+            env[key] = int(environ[key])
+        except ValueError:
+            raise ValueError(f"environment variable {key} must be an integer, got "
+                             f"{environ[key]!r}") from None
+    if not (0 <= env["RANK"] < env["WORLD_SIZE"]
+            and 0 <= env["LOCAL_RANK"] < env["LOCAL_WORLD_SIZE"] <= env["WORLD_SIZE"]):
+        raise ValueError("torchrun environment out of range: RANK {RANK}, WORLD_SIZE "
+                         "{WORLD_SIZE}, LOCAL_RANK {LOCAL_RANK}, LOCAL_WORLD_SIZE "
+                         "{LOCAL_WORLD_SIZE}".format(**env))
+    return env
+
+
+def check_data_parallel_device(device_type: str, local_ranks: int) -> None:
+    """Raise ValueError unless `local_ranks` data-parallel ranks per machine can train on
+    `device_type`: cpu (gloo), or cuda (nccl, one CUDA device per rank)."""
+    if device_type not in BACKENDS:
+        raise ValueError(f"data-parallel training runs on {' or '.join(BACKENDS)}, not "
+                         f"{device_type}")
+    if device_type == "cuda" and torch.cuda.device_count() < local_ranks:
+        raise ValueError(f"{local_ranks} ranks per machine on cuda need one CUDA device each; "
+                         f"this machine has {torch.cuda.device_count()}")
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+@contextmanager
+def process_group(env: dict | None, device_type: str) -> Iterator[DataParallel | None]:
+    """Join the data-parallel run described by `env` (`launcher_env`) for the block, or yield
+    None when `env` is None (one process, nothing changed).
+
+    Before joining: torch's intra-op threads become max(1, cores // LOCAL_WORLD_SIZE) (cores:
+    this process's CPU affinity set) unless OMP_NUM_THREADS is set (torchrun sets it to 1 when
+    unset and it starts more than one process per machine; `cotangent train --nproc` does
+    not); on cuda the current device becomes cuda:LOCAL_RANK. The default process group
+    (gloo on cpu, nccl on cuda, rendezvous through MASTER_ADDR:MASTER_PORT) is destroyed when
+    the block ends, also on an error.
+
+    Raises:
+        ValueError: a device type without a backend here, or too few CUDA devices.
+    """
+    if env is None:
+        yield None
+        return
+    check_data_parallel_device(device_type, env["LOCAL_WORLD_SIZE"])
+    if "OMP_NUM_THREADS" in os.environ:
+        threads_from = "OMP_NUM_THREADS"
+    else:
+        torch.set_num_threads(max(1, _cores() // env["LOCAL_WORLD_SIZE"]))
+        threads_from = "cores // local ranks"
+    backend = BACKENDS[device_type]
+    if device_type == "cuda":
+        torch.cuda.set_device(env["LOCAL_RANK"])
+    dist.init_process_group(backend, rank=env["RANK"], world_size=env["WORLD_SIZE"])
+    try:
+        yield DataParallel(rank=env["RANK"], world_size=env["WORLD_SIZE"],
+                           local_rank=env["LOCAL_RANK"],
+                           local_world_size=env["LOCAL_WORLD_SIZE"], backend=backend,
+                           threads=torch.get_num_threads(), threads_from=threads_from)
+    finally:
+        dist.destroy_process_group()
+
+
+# ---------------------------------------------------------------------------------------------
+
+
+class Arm:
+    """One arm's model, optimizer and update phase.
+
+    With `data_parallel`, `forward` is the model wrapped in `DistributedDataParallel` (after
+    the optimizer is built over the unwrapped model's parameters); `model` stays the unwrapped
+    model, which the clip, the evaluation and the hashes use.
+    """
+
+    def __init__(self, name: str, cfg: TrainConfig, device: torch.device,
+                 data_parallel: DataParallel | None = None) -> None:
         if name not in TRAIN_ARMS:
             raise ValueError(f"unknown arm {name!r}; known: {', '.join(TRAIN_ARMS)}")
         self.name = name
@@ -166,8 +332,11 @@ class Arm:
                                              batched_norms=name == "cotangent", **kw)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, cfg.steps))
+        if data_parallel is not None:  # gradients averaged over the ranks in backward
+            self.forward = torch.nn.parallel.DistributedDataParallel(
+                self.model, device_ids=[device.index] if device.type == "cuda" else None)
         if cfg.compile:  # after packing: cotangent.AdamW moves parameter storage
-            self.forward = torch.compile(self.model)
+            self.forward = torch.compile(self.forward)
 
     def update_phase(self) -> torch.Tensor:
         """Clip, step, zero_grad; returns the total gradient norm before clipping."""
@@ -180,10 +349,39 @@ class Arm:
         return total
 
 
-@torch.no_grad()
 def evaluate_bpb(model: torch.nn.Module, windows: torch.Tensor, *, batch: int,
-                 device: torch.device, autocast) -> tuple[float, int]:
-    """Bits per byte over `windows` (N, T + 1): total next-byte NLL / targets / ln 2."""
+                 device: torch.device, autocast,
+                 data_parallel: DataParallel | None = None) -> tuple[float, int]:
+    """Bits per byte over `windows` (N, T + 1): total next-byte NLL / targets / ln 2.
+
+    With `data_parallel`, every rank must call it (collectively): rank r evaluates
+    `torch.tensor_split(windows, world_size)[r]` with the unwrapped `model`, and every rank
+    returns the same value, the NLL sums gathered and added in rank order (so the float64
+    sum may round differently from one process's, never differently between arms or ranks).
+
+    Returns:
+        (bits per byte, number of targets), over all of `windows`.
+    """
+    if data_parallel is None:
+        total_nll, targets = _nll_sum(model, windows, batch=batch, device=device,
+                                      autocast=autocast)
+    else:
+        part = torch.tensor_split(windows, data_parallel.world_size)[data_parallel.rank]
+        parts: list = [None] * data_parallel.world_size
+        dist.all_gather_object(parts, _nll_sum(model, part, batch=batch, device=device,
+                                                autocast=autocast))
+        total_nll, targets = 0.0, 0
+        for nll, n in parts:
+            total_nll += nll
+            targets += n
+    return total_nll / targets * BITS_PER_NAT, targets
+
+
+@torch.no_grad()
+def _nll_sum(model: torch.nn.Module, windows: torch.Tensor, *, batch: int,
+             device: torch.device, autocast) -> tuple[float, int]:
+    """(total next-byte NLL in nats, number of targets) over `windows` (N, T + 1), `batch`
+    windows per forward pass, the model in eval mode meanwhile."""
     model.eval()
     total_nll, targets = 0.0, 0
     for i in range(0, len(windows), batch):
@@ -195,7 +393,7 @@ def evaluate_bpb(model: torch.nn.Module, windows: torch.Tensor, *, batch: int,
         total_nll += nll.item()
         targets += w[:, 1:].numel()
     model.train()
-    return total_nll / targets * BITS_PER_NAT, targets
+    return total_nll, targets
 
 
 def schedule_sha256(cfg: TrainConfig) -> str:
@@ -205,7 +403,8 @@ def schedule_sha256(cfg: TrainConfig) -> str:
 
 
 def run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None = None,
-              log=print, config_toml: str | None = None, progress_every_s: float = 0.0) -> dict:
+              log=print, config_toml: str | None = None, progress_every_s: float = 0.0,
+              data_parallel: DataParallel | None = None) -> dict:
     """Run `_run_train`; with `compile`, under `torch.use_deterministic_algorithms(True)`.
 
     Why: inductor's CPU code for the embedding backward accumulates in an order that depends
@@ -217,65 +416,112 @@ def run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None = 
     `progress_every_s`: when > 0, one plain progress line through `log` at most every this
     many seconds of the training loop, and one after the last step (`progress_line`); the
     CLI turns it on when stdout is not a terminal.
+    `data_parallel`: this rank's place in a data-parallel run (`process_group`); every rank
+    calls `run_train` with the same arguments; only rank 0 writes records.
     """
     previous = torch.are_deterministic_algorithms_enabled()
     try:
         if cfg.compile:
             torch.use_deterministic_algorithms(True)
         return _run_train(cfg, corpus, show_progress=show_progress, log=log,
-                          config_toml=config_toml, progress_every_s=progress_every_s)
+                          config_toml=config_toml, progress_every_s=progress_every_s,
+                          data_parallel=data_parallel)
     finally:
         torch.use_deterministic_algorithms(previous)
 
 
 def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, log,
-               config_toml: str | None, progress_every_s: float = 0.0) -> dict:
+               config_toml: str | None, progress_every_s: float = 0.0,
+               data_parallel: DataParallel | None = None) -> dict:
     """Train the arms interleaved, probe, evaluate, write records; returns the comparison dict.
 
     Each arm's run directory holds `metadata.json` (written first), `curve.jsonl` and
     `summary.json`, each written atomically, and an `INCOMPLETE` marker that is removed only
     after the summary is written: a killed run stays marked incomplete. A run directory that
-    already exists is never reused.
+    already exists is never reused. In a data-parallel run only rank 0 writes them.
 
     The dict has `arms`, `identical_final_hash` and, per arm, `update_ms` and `step_ms` (medians
     over steps), `val_bpb`, `test_bpb`, `final_model_sha256`, `run_dir` and the rest of the
     summary, including the machine-load record and timing flags of
     `cotangent.harness.contention` (`cpu_s`, `host_cpu_s`, ..., `step_outliers`, `busy`,
-    `flagged`).
+    `flagged`). A data-parallel run adds `ranks_agree` (every rank ended with the same final
+    model SHA-256 in every arm) and `data_parallel` (world_size, backend, ...); each arm's
+    summary has `data_parallel` with the per-rank hashes.
     """
     t_start = time.perf_counter()
+    dp = data_parallel
+    writer = dp is None or dp.rank == 0
     device = torch.device(cfg.device)
+    if dp is not None and device.type == "cuda":
+        device = torch.device("cuda", dp.local_rank)
     precision = cfg.resolved_precision()
     if not cfg.arms or len(set(cfg.arms)) != len(cfg.arms):
         raise ValueError(f"arms must be distinct and at least one, got {cfg.arms}")
-    stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+    stamp = [datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")]
+    if dp is not None:  # every rank names rank 0's run directories
+        dist.broadcast_object_list(stamp, src=0)
     run = _Run(cfg=cfg, device=device, autocast=_autocast(device, precision), t_start=t_start,
-               root=Path(cfg.out) / f"{stamp}-{cfg.model}-seed{cfg.seed}")
+               root=Path(cfg.out) / f"{stamp[0]}-{cfg.model}-seed{cfg.seed}",
+               data_parallel=dp)
     env = records.environment()
-    arms = {name: Arm(name, cfg, device) for name in cfg.arms}
+    arms = {name: Arm(name, cfg, device, dp) for name in cfg.arms}
     context = arms[cfg.arms[0]].model.cfg.context
     windows = _eval_windows(cfg, corpus, context)
-    samplers = {name: WindowSampler(corpus.splits["train"], seed=cfg.seed,
+    seed = rank_sampler_seed(cfg.seed, 0 if dp is None else dp.rank)
+    samplers = {name: WindowSampler(corpus.splits["train"], seed=seed,
                                     batch_size=cfg.batch_size, context=context)
                 for name in cfg.arms}
-    n_params, n_tensors = _start_records(run, arms, corpus, env, precision, config_toml)
+    params = list(arms[cfg.arms[0]].model.parameters())
+    n_params, n_tensors = sum(p.numel() for p in params), len(params)
+    if writer:
+        _start_records(run, arms, corpus, env, precision, config_toml)
+    for arm in arms.values():
+        arm.optimizer.zero_grad(set_to_none=True)
     setup_s = time.perf_counter() - t_start
     log(f"training {cfg.model} ({n_params:,} parameters, {n_tensors} tensors) for {cfg.steps} "
-        f"steps per arm on {device.type} in {precision}, arms interleaved: {', '.join(cfg.arms)}")
-    curves = _Curves(run.root, cfg.arms)
-    load = _train_loop(run, arms, samplers, curves, windows["probe"], show_progress, log,
-                       progress_every_s)
-    result: dict = {}
-    for name, arm in arms.items():
-        summary = _summarize_arm(run, name, arm, curves, windows, load, setup_s)
-        curves.finish(name)
-        records.write_json(run.root / name / "summary.json", summary)
-        (run.root / name / "INCOMPLETE").unlink()  # only now is the run complete
-        result[name] = summary
+        f"steps per arm on {device.type} in {precision}, arms interleaved: {', '.join(cfg.arms)}"
+        + ("" if dp is None else
+           f"; data-parallel: {dp.world_size} ranks ({dp.backend}), {dp.threads} torch "
+           f"thread(s) and {cfg.batch_size} windows per step on each rank"))
+    curves = _Curves(run.root, cfg.arms, write=writer)
+    load = _train_loop(run, arms, samplers, curves, windows["probe"],
+                       show_progress if writer else False, log, progress_every_s)
+    result: dict = {name: _summarize_arm(run, name, arm, curves, windows, load, setup_s)
+                    for name, arm in arms.items()}
+    if dp is not None:
+        _compare_ranks(result, cfg.arms, dp)
+    if writer:
+        _finish_records(run, curves, result)
     result["arms"] = list(cfg.arms)
     result["identical_final_hash"] = len(
         {result[name]["final_model_sha256"] for name in cfg.arms}) == 1
     return result
+
+
+def _finish_records(run: _Run, curves: _Curves, result: dict) -> None:
+    """Each arm's curve.jsonl and summary.json, then the removal of its INCOMPLETE marker."""
+    for name in run.cfg.arms:
+        curves.finish(name)
+        records.write_json(run.root / name / "summary.json", result[name])
+        (run.root / name / "INCOMPLETE").unlink()  # only now is the run complete
+
+
+def _compare_ranks(result: dict, arms: tuple[str, ...], dp: DataParallel) -> None:
+    """Gather every rank's final model hashes (collective); add each arm summary's
+    `data_parallel` entry and the result's `ranks_agree` and `data_parallel`."""
+    mine = {name: result[name]["final_model_sha256"] for name in arms}
+    every: list = [None] * dp.world_size
+    dist.all_gather_object(every, mine)
+    agree = all(other == mine for other in every)
+    for name in arms:
+        hashes = [other[name] for other in every]
+        result[name]["data_parallel"] = {
+            "world_size": dp.world_size, "backend": dp.backend,
+            "rank_final_model_sha256": hashes, "ranks_agree": len(set(hashes)) == 1,
+            "timed_rank": 0, "busy_rule_threads": dp.threads * dp.local_world_size}
+    result["ranks_agree"] = agree
+    result["data_parallel"] = {"world_size": dp.world_size, "backend": dp.backend,
+                               "threads_per_rank": dp.threads}
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -287,6 +533,7 @@ class _Run:
     autocast: Callable  # () -> the context manager of the forward passes
     root: Path  # parent of the arms' run directories
     t_start: float  # time.perf_counter() at the start of the run
+    data_parallel: DataParallel | None = None  # None: this process alone
 
 
 def _autocast(device: torch.device, precision: str) -> Callable:
@@ -309,12 +556,13 @@ def _eval_windows(cfg: TrainConfig, corpus: Corpus, context: int) -> dict:
 
 
 def _start_records(run: _Run, arms: dict[str, Arm], corpus: Corpus, env: dict, precision: str,
-                   config_toml: str | None) -> tuple[int, int]:
+                   config_toml: str | None) -> None:
     """Create each arm's run directory (never an existing one) with its INCOMPLETE marker,
-    metadata.json and config.toml; returns the model's parameter and tensor counts."""
+    metadata.json and config.toml."""
     cfg = run.cfg
     params = list(arms[cfg.arms[0]].model.parameters())
     n_params, n_tensors = sum(p.numel() for p in params), len(params)
+    dp = run.data_parallel
     for name, arm in arms.items():
         run_dir = run.root / name
         run_dir.mkdir(parents=True, exist_ok=False)  # never reuse or overwrite a run
@@ -334,6 +582,7 @@ def _start_records(run: _Run, arms: dict[str, Arm], corpus: Corpus, env: dict, p
             "schedule_sha256": schedule_sha256(cfg),
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
             "command": sys.argv,
+            "data_parallel": SINGLE_PROCESS_RECORD if dp is None else dp.record(),
         }
         if isinstance(arm.optimizer, cotangent.AdamW):
             meta["layout"] = arm.optimizer.layout_summary()
@@ -341,22 +590,21 @@ def _start_records(run: _Run, arms: dict[str, Arm], corpus: Corpus, env: dict, p
         records.write_json(run_dir / "metadata.json", meta)
         if config_toml is not None:
             records.write_atomic(run_dir / "config.toml", config_toml + "\n")
-        arm.optimizer.zero_grad(set_to_none=True)
-    return n_params, n_tensors
 
 
 class _Curves:
     """Each arm's curve rows (steps and probes) in memory and, one flushed line each, in its
     run directory's curve.partial.jsonl, so a killed run keeps its curve; `finish` replaces
-    that file by curve.jsonl, written atomically."""
+    that file by curve.jsonl, written atomically. With `write` False (a data-parallel rank
+    other than 0) the rows stay in memory only."""
 
-    def __init__(self, root: Path, names: tuple[str, ...]) -> None:
+    def __init__(self, root: Path, names: tuple[str, ...], *, write: bool = True) -> None:
         self.root = root
         self.rows: dict[str, list[dict]] = {name: [] for name in names}
         self.probes: dict[str, list[dict]] = {name: [] for name in names}
         self.trained_s = {name: 0.0 for name in names}  # sum of the arm's step_s so far
         self._partial = {name: open(root / name / "curve.partial.jsonl", "a", encoding="utf-8")
-                         for name in names}
+                         for name in names} if write else None
 
     def add(self, name: str, row: dict) -> None:
         """Record one row of arm `name` (a step row has step_s, a probe row probe_bpb)."""
@@ -365,11 +613,12 @@ class _Curves:
         else:
             self.trained_s[name] += row["step_s"]
         self.rows[name].append(row)
-        self._partial[name].write(json.dumps(row, sort_keys=True) + "\n")
-        self._partial[name].flush()
+        if self._partial is not None:
+            self._partial[name].write(json.dumps(row, sort_keys=True) + "\n")
+            self._partial[name].flush()
 
     def finish(self, name: str) -> None:
-        """Write arm `name`'s curve.jsonl and remove its curve.partial.jsonl."""
+        """Write arm `name`'s curve.jsonl and remove its curve.partial.jsonl (`write` only)."""
         run_dir = self.root / name
         self._partial[name].close()
         records.write_jsonl(run_dir / "curve.jsonl", self.rows[name])
@@ -398,7 +647,8 @@ def _train_loop(run: _Run, arms: dict[str, Arm], samplers: dict[str, WindowSampl
             since_line[name].append(row)
             if probe is not None and (step + 1) % cfg.eval_every == 0:
                 bpb, _ = evaluate_bpb(arms[name].model, probe, batch=cfg.eval_batch,
-                                      device=run.device, autocast=run.autocast)
+                                      device=run.device, autocast=run.autocast,
+                                      data_parallel=run.data_parallel)
                 curves.add(name, {"probe": len(curves.probes[name]), "step": step + 1,
                                   "probe_bpb": bpb, "training_s": curves.trained_s[name],
                                   "elapsed_s": time.perf_counter() - run.t_start})
@@ -417,7 +667,11 @@ def _train_step(run: _Run, arm: Arm, sampler: WindowSampler, step: int,
                 host: contention.HostSampler) -> dict:
     """One timed step of one arm (forward, backward, update phase; then the LR schedule);
     returns its curve row: loss in bits per byte, lr, gradient norm, step_s, update_s and the
-    machine load (cpu_s; host_cpu_s, host_steal_s where measured)."""
+    machine load (cpu_s; host_cpu_s, host_steal_s where measured).
+
+    Data parallel (collective): loss_bpb is the mean over ranks of each rank's batch loss and
+    cpu_s the CPU seconds of every rank on rank 0's machine (so that the contention rules do
+    not count this run's own ranks as other work); step_s and update_s are this rank's."""
     device = run.device
     batch = sampler.next_batch().to(device)
     lr = arm.optimizer.param_groups[0]["lr"]
@@ -438,12 +692,27 @@ def _train_step(run: _Run, arm: Arm, sampler: WindowSampler, step: int,
     c1 = time.process_time()
     h1 = host.sample()
     arm.scheduler.step()
-    row = {"step": step, "loss_bpb": loss.item() * BITS_PER_NAT, "lr": lr,
-           "grad_norm": total.item(), "step_s": t2 - t0, "update_s": t2 - t1, "cpu_s": c1 - c0}
+    loss_nats, cpu_s = _across_ranks(run.data_parallel, loss.item(), c1 - c0)
+    row = {"step": step, "loss_bpb": loss_nats * BITS_PER_NAT, "lr": lr,
+           "grad_norm": total.item(), "step_s": t2 - t0, "update_s": t2 - t1, "cpu_s": cpu_s}
     if h0 is not None and h1 is not None:
         row["host_cpu_s"] = h1[0] - h0[0]
         row["host_steal_s"] = h1[1] - h0[1]
     return row
+
+
+def _across_ranks(dp: DataParallel | None, loss: float, cpu_s: float) -> tuple[float, float]:
+    """(loss, cpu_s) unchanged in one process; data parallel (collective, one float64
+    all_reduce, outside the timed region): (mean loss over ranks, the CPU seconds summed over
+    the ranks on rank 0's machine)."""
+    if dp is None:
+        return loss, cpu_s
+    device = torch.device("cuda", dp.local_rank) if dp.backend == "nccl" else torch.device("cpu")
+    both = torch.tensor([loss, cpu_s if dp.on_rank0_host else 0.0], dtype=torch.float64,
+                        device=device)
+    dist.all_reduce(both)
+    total_loss, host_cpu_s = both.tolist()
+    return total_loss / dp.world_size, host_cpu_s
 
 
 def _summarize_arm(run: _Run, name: str, arm: Arm, curves: _Curves, windows: dict, load: dict,
@@ -451,11 +720,11 @@ def _summarize_arm(run: _Run, name: str, arm: Arm, curves: _Curves, windows: dic
     """Evaluate arm `name`'s final model on valid and test, and summarize its steps: medians
     and sums of the times, BPB, final hash, machine load and timing flags (summary.json).
     A run whose host load was not measured at every step drops the partial host columns."""
-    cfg, device = run.cfg, run.device
+    cfg, device, dp = run.cfg, run.device, run.data_parallel
     val_bpb, val_targets = evaluate_bpb(arm.model, windows["valid"], batch=cfg.eval_batch,
-                                        device=device, autocast=run.autocast)
+                                        device=device, autocast=run.autocast, data_parallel=dp)
     test_bpb, test_targets = evaluate_bpb(arm.model, windows["test"], batch=cfg.eval_batch,
-                                          device=device, autocast=run.autocast)
+                                          device=device, autocast=run.autocast, data_parallel=dp)
     steps = [r for r in curves.rows[name] if "loss_bpb" in r]
     step_s = [r["step_s"] for r in steps]
     update_s = [r["update_s"] for r in steps]
@@ -467,7 +736,9 @@ def _summarize_arm(run: _Run, name: str, arm: Arm, curves: _Curves, windows: dic
             r.pop("host_steal_s", None)
     host_cpu_s = [r["host_cpu_s"] for r in steps] if measured else None
     host_cpus = load["host"].cpus if measured else None
-    flags = contention.assess(step_s, cpu_s, host_cpu_s, host_cpus, load["threads"])
+    # Data parallel: cpu_s covers every rank on rank 0's machine, so do the threads.
+    threads = load["threads"] * (1 if dp is None else dp.local_world_size)
+    flags = contention.assess(step_s, cpu_s, host_cpu_s, host_cpus, threads)
     return {
         "arm": name,
         "steps": cfg.steps,
@@ -541,7 +812,8 @@ def format_config(cfg: TrainConfig) -> str:
 
 
 def format_comparison(result: dict) -> str:
-    """Human-readable comparison table of `run_train`'s result."""
+    """Human-readable comparison table of `run_train`'s result (a data-parallel run adds
+    whether every rank ended with the same hashes)."""
     arms = result["arms"]
     lines = [f"{'arm':<19} {'update_ms':>10} {'step_ms':>9} {'val_bpb':>8} {'test_bpb':>8}  "
              "final_model_sha256"]
@@ -555,6 +827,11 @@ def format_comparison(result: dict) -> str:
     else:
         lines.append("identical final model SHA-256: "
                      f"{'yes' if result['identical_final_hash'] else 'NO'}")
+    dp = result.get("data_parallel")
+    if dp is not None:
+        lines.append(f"same final model SHA-256 on all {dp['world_size']} ranks "
+                     f"({dp['backend']}): {'yes' if result['ranks_agree'] else 'NO'}; "
+                     "the times are rank 0's")
     for name in arms[1:]:
         r = result[name]
         lines.append(f"{name} / {arms[0]} (medians per step): update phase "
@@ -570,8 +847,13 @@ def format_comparison(result: dict) -> str:
 
 
 def result_json(result: dict) -> str:
-    """One-line JSON of the comparison (the last line of `cotangent train --json`)."""
+    """One-line JSON of the comparison (the last line of `cotangent train --json`); a
+    data-parallel run adds `ranks_agree` and `data_parallel` (world_size, backend,
+    threads_per_rank)."""
     keys = ("update_ms", "step_ms", "val_bpb", "test_bpb", "final_model_sha256", "run_dir")
     obj = {"identical_final_hash": result["identical_final_hash"]}
     obj.update({name: {k: result[name][k] for k in keys} for name in result["arms"]})
+    if "data_parallel" in result:
+        obj["ranks_agree"] = result["ranks_agree"]
+        obj["data_parallel"] = result["data_parallel"]
     return json.dumps(obj, sort_keys=True)
