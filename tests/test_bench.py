@@ -44,3 +44,29 @@ def test_bench_rejects_unknown_shapes_and_lists_the_valid_ones(capsys):
     err = capsys.readouterr().err.strip()
     assert "unknown implementation(s) fast" in err
     assert all(impl in err.split("valid:")[1] for impl in IMPLS)
+
+
+@pytest.mark.e2e
+def test_distributed_bench_runs_four_arms_bitwise_on_two_ranks(capsys):
+    code = cli.main(["bench", "--distributed", "2", "--shapes", "many-small", "--repeats", "2",
+                     "--warmup", "1", "--json"])
+    result = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert code == 0 and result["world"] == 2
+    (row,) = result["rows"]
+    assert row["bitwise"] is True and row["native_impl"] == "fused"
+    assert row["params"] == 644_817 and row["repeats"] == 2
+    for arm in ("native-ddp", "cotangent-ddp", "native-zero", "cotangent-zero1"):
+        assert row[f"{arm}_ms"] > 0
+    state = row["state_bytes_per_rank"]
+    native = 2 * 4 * 644_817 + 146 * 4  # exp_avg, exp_avg_sq (fp32) and fp32 step counts
+    assert state["native-ddp"] == [native, native]
+    # ZeRO-1: each rank holds one share (plus 64-byte padding and its step buffer), together
+    # about one native copy, neither more than 60% of it
+    assert all(b < 0.6 * native for b in state["cotangent-zero1"])
+    assert native <= sum(state["cotangent-zero1"]) <= 1.05 * native
+
+
+def test_distributed_bench_rejects_bad_rank_counts(capsys):
+    assert cli.main(["bench", "--distributed", "0", "--shapes", "many-small"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "at least 1 rank" in err and "Traceback" not in err

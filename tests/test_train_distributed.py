@@ -134,12 +134,14 @@ def test_two_ranks_end_identical_across_arms_and_ranks(tmp_path):
     t0 = time.perf_counter()
     code, out, err = _run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                            "--nproc-per-node", "2", "-m", "cotangent.harness.cli",
-                           *_tiny_args(tmp_path / "torchrun")], _clean_env())
+                           *_tiny_args(tmp_path / "torchrun", "--arms",
+                                       "native,cotangent,cotangent-zero1")], _clean_env())
     torchrun_s = time.perf_counter() - t0
     assert code == 0, err[-3000:]
     again = json.loads(out.strip().splitlines()[-1])
     assert again["ranks_agree"] is True and again["identical_final_hash"] is True
     assert again["native"]["final_model_sha256"] == final
+    assert again["cotangent-zero1"]["final_model_sha256"] == final  # ZeRO-1: the same bits
     meta = json.loads((_arm_dirs(tmp_path / "torchrun")[0] / "metadata.json").read_text())
     assert meta["data_parallel"]["threads_from"] == "OMP_NUM_THREADS"
     print(f"--nproc 2: {nproc_s:.1f} s, torchrun: {torchrun_s:.1f} s")
@@ -344,3 +346,10 @@ def test_ranks_that_disagree_fail_the_comparison(monkeypatch):
         **{arm: {**result[arm], "update_ms": 1.0, "step_ms": 2.0, "val_bpb": 3.0,
                  "test_bpb": 3.0, "run_dir": "r/" + arm} for arm in ("native", "cotangent")},
     }))["ranks_agree"] is False
+
+
+def test_zero1_arm_without_data_parallelism_is_a_clear_error(tmp_path, capsys):
+    code = cli.main(["train", "--model", "tiny", "--steps", "1", "--out", str(tmp_path),
+                     "--arms", "native,cotangent-zero1"])
+    assert code == 2
+    assert "run it data-parallel (--nproc N or torchrun)" in capsys.readouterr().err

@@ -13,7 +13,8 @@ Each repeat first runs a real DDP forward and backward (untimed): the module's o
 ``sum_i (p_i * g_i).sum()`` for fixed rank-seeded tensors ``g_i``, so backward gives each rank
 ``g_i`` exactly and DDP's reducer averages them across ranks as in training. Then the update
 (clip + step) is timed on every rank from a common start (a barrier); a step is as slow as its
-slowest rank, so each repeat's time is the maximum over ranks. Medians over the repeats after the warm-up ones.
+slowest rank, so each repeat's time is the maximum over ranks. Medians over the repeats after
+the warm-up ones.
 `comm_ms` is the exposed communication of `cotangent-zero1`: the median time of its parameter
 broadcast alone (`cotangent.sharding.broadcast_params`, timed separately after the run).
 Every row then checks that the four arms hold the same parameters, gradients and total norms
@@ -38,6 +39,7 @@ import cotangent
 from cotangent import sharding
 from cotangent.harness.bench import BENCH_ADAMW_ARGS, IMPLS, _same_bytes, bench_model
 from cotangent.harness.records import environment
+from cotangent.harness.train import end_rank_process
 
 ARMS = ("native-ddp", "cotangent-ddp", "native-zero", "cotangent-zero1")
 DISTRIBUTED_SHAPES = ("many-small", "transformer-small", "causal-conv", "gated-gqa")
@@ -66,7 +68,7 @@ def _state_bytes(opt) -> int:
 
 def _rank_row(shape: str, impl: str, *, repeats: int, warmup: int, max_norm: float) -> dict:
     """Run one row on this rank (a collective); returns this rank's measurements."""
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank = dist.get_rank()
     base = bench_model(shape)
     gen = torch.Generator().manual_seed(1000 + rank)
     grads = [torch.randn(p.shape, generator=gen) * 0.01 for p in base.parameters()]
@@ -137,6 +139,7 @@ def _rank_main(rank: int, world: int, port: int, jobs: list, settings: dict, res
                 results.put(_combine(shape, impl, everyone))
     finally:
         dist.destroy_process_group()
+    end_rank_process(0)  # DDP's reducer keeps gloo alive: skip the teardown (see there)
 
 
 def _combine(shape: str, impl: str, ranks: list[dict]) -> dict:

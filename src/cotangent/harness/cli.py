@@ -22,6 +22,7 @@ from cotangent.harness.train import (
     TrainConfig,
     check_data_parallel_device,
     check_device,
+    end_rank_process,
     format_comparison,
     format_config,
     launcher_env,
@@ -581,26 +582,6 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"cotangent: error: {exc}", file=sys.stderr)
         return 2
-
-
-def end_rank_process(code: int) -> None:
-    """End this data-parallel rank's process with exit status `code`, skipping the
-    interpreter's teardown (`os._exit` after flushing logging, stdout and stderr).
-
-    Why: `DistributedDataParallel`'s reducer keeps the gloo process group alive after
-    `destroy_process_group` (torch 2.13 here), so its worker threads outlive the Python code. A
-    worker that releases the tensors of a finished collective while the interpreter shuts down
-    needs the GIL and aborts the process (SIGABRT, "terminate called without an active
-    exception"): seen in about 1 of 20 two-rank runs on a busy 2-core machine, always after the
-    run's records were complete. Records are written atomically and the calibration cache
-    synchronously, so nothing is lost by skipping the teardown.
-    """
-    import logging
-
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
 
 
 if __name__ == "__main__":
