@@ -46,7 +46,6 @@ def _run_config(rank: int, cfg: dict) -> list[str]:
     """Train native and Cotangent side by side on this rank; return the differences."""
     import cotangent
     from torch.nn.parallel import DistributedDataParallel as DDP
-    from cotangent.verify import first_difference
 
     flags = {"fused": dict(fused=True), "for-loop": dict(foreach=False)}[cfg["impl"]]
     torch.manual_seed(0)
@@ -79,22 +78,7 @@ def _run_config(rank: int, cfg: dict) -> list[str]:
                 norms.append(opt.last_total_norm)
         sides.append((model, opt, norms))
     (m1, o1, n1), (m2, o2, n2) = sides
-    problems = []
-    for (name, p), q in zip(m1.named_parameters(), m2.parameters()):
-        for what, a, b in ((f"{name}", p.detach(), q.detach()), (f"grad of {name}", p.grad,
-                                                                  q.grad)):
-            if (d := first_difference(a, b)) is not None:
-                problems.append(f"{what}: {d}")
-        s1, s2 = o1.state.get(p, {}), o2.state.get(q, {})
-        if set(s1) != set(s2):
-            problems.append(f"state keys of {name}: {sorted(s1)} vs {sorted(s2)}")
-        for key in set(s1) & set(s2):
-            if (d := first_difference(s1[key], s2[key])) is not None:
-                problems.append(f"{key} of {name}: {d}")
-    for i, (a, b) in enumerate(zip(n1, n2)):
-        if (d := first_difference(a, b)) is not None:
-            problems.append(f"total norm {i}: {d}")
-    return [f"{cfg}: {p}" for p in problems]
+    return _differences(str(cfg), m1, o1, n1, m2, o2, n2, state_of_2_only=False)
 
 
 def _worker(rank: int, world: int, port: int, checks: str, results) -> None:
