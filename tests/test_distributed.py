@@ -262,8 +262,15 @@ def _zero_config(rank: int, world: int, cfg: dict) -> list[str]:
         problems.append(f"{label}: state bytes per rank {[int(g) for g in gathered]} against "
                         f"{native_bytes} native, {len(owned)} parameters held on rank {rank}")
 
-    # consolidation: the unsharded native format, on every rank (to=None) and on rank 0
+    # consolidation: the unsharded native format, on every rank (to=None) and on rank 0; a
+    # stale entry assigned on a rank that does not own the parameter is not gathered
+    strays = [q for slot, q in enumerate(m3.parameters()) if not o3._store.owns(slot)]
+    for q in strays:
+        o3.state[q] = {"step": torch.tensor(99.0), "exp_avg": torch.ones_like(q),
+                       "exp_avg_sq": torch.ones_like(q)}
     o3.consolidate_state_dict(to=None)
+    for q in strays:
+        del o3.state[q]
     problems += [f"{label} consolidated (all): {p}"
                  for p in _state_dict_differences(o1.state_dict(), o3.state_dict())]
     o3.consolidate_state_dict(to=0)

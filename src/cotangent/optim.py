@@ -476,7 +476,10 @@ class AdamW(torch.optim.AdamW):
         zero = self._require_zero("consolidate_state_dict()")
         if to is not None and not (isinstance(to, int) and 0 <= to < zero.world):
             raise ValueError(f"to must be a rank in 0..{zero.world - 1} or None, got {to!r}")
-        local = {s: self.state[p] for s, p in enumerate(self._store.params) if self.state.get(p)}
+        # this rank's share only: an entry assigned on a rank that does not own the parameter
+        # is never read by an update, and must not stand for the owner's
+        local = {s: self.state[p] for s, p in enumerate(self._store.params)
+                 if self._store.owns(s) and self.state.get(p)}
         self._consolidated = None
         if to is None:
             self._consolidated = (self._updates, sharding.all_gather_states(local, zero))
