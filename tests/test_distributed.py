@@ -330,8 +330,46 @@ def _zero_config(rank: int, world: int, cfg: dict) -> list[str]:
     return problems
 
 
-def _zero_checks(rank: int, world: int) -> list[str]:
+def _zero_error_checks(rank: int, world: int) -> list[str]:
+    """A norm that fails on one share only (the inf-norm of an empty gradient, which native
+    refuses) raises on every rank instead of leaving the others in the gather; entries
+    assigned for another rank's parameters leave `state` at the next zero_grad()/step()."""
+    import cotangent
+
     problems = []
+    params = [torch.nn.Parameter(torch.zeros(0)), torch.nn.Parameter(torch.ones(8)),
+              torch.nn.Parameter(torch.ones(64))]
+    for norms in ("all", "share"):
+        opt = cotangent.AdamW(params, max_norm=1.0, norm_type=float("inf"), shard="zero1",
+                              shard_norms=norms)
+        for p in params:
+            p.grad = torch.full_like(p, 0.5)
+        try:
+            opt.step()
+            problems.append(f"inf-norm of an empty gradient, shard_norms={norms}: no error")
+        except RuntimeError as exc:
+            owner = params[0] in opt.state or rank == 0
+            if owner and "infinity norm" not in str(exc) or (
+                    not owner and "rank(s) [0]" not in str(exc) and "infinity" not in str(exc)):
+                problems.append(f"shard_norms={norms}: unclear error {exc}")
+    opt = cotangent.AdamW(params[1:], lr=0.1, max_norm=1.0, shard="zero1")
+    for p in params[1:]:
+        p.grad = torch.full_like(p, 0.5)
+    opt.step()
+    foreign = [p for slot, p in enumerate(params[1:]) if not opt._store.owns(slot)]
+    for p in foreign:
+        opt.state[p] = {"step": torch.tensor(7.0), "exp_avg": torch.ones_like(p),
+                        "exp_avg_sq": torch.ones_like(p)}
+    opt.zero_grad()
+    if any(p in opt.state for p in foreign):
+        problems.append("state assigned for another rank's parameter stayed in opt.state")
+    if world > 1 and not foreign:
+        problems.append(f"rank {rank} owns every parameter: the check above checked nothing")
+    return problems
+
+
+def _zero_checks(rank: int, world: int) -> list[str]:
+    problems = _zero_error_checks(rank, world)
     for cfg in ZERO_CONFIGS:
         problems += _zero_config(rank, world, cfg)
     return problems

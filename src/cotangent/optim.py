@@ -71,7 +71,10 @@ class AdamW(torch.optim.AdamW):
     validated and copied in, as `load_state_dict` does), ``p.data = t`` (that parameter is then
     updated where it is), hyperparameter edits, gradients assigned or written without a backward,
     a changed thread count. What cannot be followed is a clear error (see Raises), never a silent
-    difference.
+    difference. One difference is deliberate: with ``fused=True``, a gradient whose strides
+    differ from its parameter's (e.g. assigned transposed) is read in the parameter's layout,
+    as the for-loop and foreach implementations read it; native CPU fused AdamW reads it in
+    storage order instead (pytorch#106951) and CUDA fused AdamW raises.
 
     Args:
         params: iterable of parameters or of param-group dicts, as for `torch.optim.AdamW`.
@@ -161,6 +164,7 @@ class AdamW(torch.optim.AdamW):
         self._zero = sharding.setup(shard, shard_norms, process_group)
         self._updates = 0  # completed updates (a consolidated state dict is of one of them)
         self._consolidated: tuple[int, dict] | None = None
+        self._state_seen: tuple | None = None  # (id, edits) of `state` when last cleaned
         try:
             max_norm = None if max_norm is None else float(max_norm)
             norm_type = float(norm_type)
@@ -351,6 +355,22 @@ class AdamW(torch.optim.AdamW):
             self._repack()
         elif self._calibrated_for != self._calibration_settings():
             self._calibrate()
+        if self._zero is not None:
+            self._drop_foreign_state()
+
+    def _drop_foreign_state(self) -> None:
+        """ZeRO-1: `state` holds this rank's share only. Entries assigned for parameters another
+        rank owns (the owner's own assignment is what its update reads) are dropped, so that
+        nothing reads a copy that no update advances."""
+        state = self.state
+        seen = (id(state), getattr(state, "edits", None))
+        if seen == self._state_seen and isinstance(state, WatchedState):
+            return
+        store = self._store
+        for slot, p in enumerate(store.params):
+            if not store.owns(slot) and p in state:
+                del state[p]
+        self._state_seen = (id(state), getattr(state, "edits", None))
 
     def _calibration_settings(self) -> tuple:
         return (torch.get_num_threads(), self.max_norm is not None, self.norm_type,
@@ -550,7 +570,7 @@ class AdamW(torch.optim.AdamW):
         if live:
             return
         self._store, self._tracker, self._zero = None, None, None
-        self._updates, self._consolidated = 0, None
+        self._updates, self._consolidated, self._state_seen = 0, None, None
         self._last_total_norm, self._norm_backwards = None, -1
         self._clipped, self._prepared, self._scale_applied = None, None, False
         self._repack()

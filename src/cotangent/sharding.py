@@ -134,16 +134,38 @@ class ShardNorms:
         self.dtype, self.device = layout.dtype, layout.device
 
     def run(self, norm_type: float) -> Tensor:
-        """The per-tensor norms of the whole buffer in the full program's order (collective)."""
-        width = max(self.counts)
-        mine = torch.empty(width, dtype=self.dtype, device=self.device)
+        """The per-tensor norms of the whole buffer in the full program's order (collective).
+
+        Raises:
+            What the native norm call raises on the rank whose share it fails on; on every
+            other rank, a RuntimeError naming that rank (every rank takes part in the gather
+            first, so none is left waiting in it).
+        """
+        itemsize = torch.empty((), dtype=self.dtype).element_size()
         n = self.counts[self.zero.rank]
-        if n:
-            norms = run_norm_program(self.program, norm_type, None)
-            mine[:n] = norms if self.own_order is None else norms.index_select(0, self.own_order)
-        raw = [torch.empty_like(mine).view(torch.uint8) for _ in range(self.zero.world)]
-        dist.all_gather(raw, mine.view(torch.uint8), group=self.zero.group)
-        norms = torch.cat([r.view(self.dtype)[:n] for r, n in zip(raw, self.counts)])
+        mine = torch.zeros(max(self.counts) * itemsize + 1, dtype=torch.uint8,
+                           device=self.device)  # the norms' bytes, then a failure flag
+        error = None
+        try:
+            if n:
+                norms = run_norm_program(self.program, norm_type, None)
+                if self.own_order is not None:
+                    norms = norms.index_select(0, self.own_order)
+                mine[:n * itemsize] = norms.view(torch.uint8)
+        except Exception as exc:  # re-raised below, after the other ranks have been told
+            error = exc
+            mine[-1] = 1
+        raw = [torch.empty_like(mine) for _ in range(self.zero.world)]
+        dist.all_gather(raw, mine, group=self.zero.group)
+        if error is not None:
+            raise error
+        failed = [r for r, part in enumerate(raw) if part[-1].item()]
+        if failed:
+            raise RuntimeError(
+                f"rank(s) {failed} raised while computing the gradient norms of their ZeRO-1 "
+                "share (shard_norms='share'); see the error there")
+        norms = torch.cat([part[:c * itemsize].view(self.dtype)
+                           for part, c in zip(raw, self.counts)])
         return norms if self.index is None else norms.index_select(0, self.index)
 
 
