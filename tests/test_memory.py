@@ -1,0 +1,127 @@
+"""`cotangent.memory`: the saved-tensor storage audit, with exact byte counts (CPU, FP32,
+torch 2.13.0; the compiled cases use torch.compile's default inductor backend)."""
+
+from __future__ import annotations
+
+import json
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from cotangent.memory import audit
+from cotangent.verify import first_difference
+
+B, T, D, K = 4, 16, 128, 32
+FULL = B * T * D * 4  # bytes of a (B, T, d) float32 activation
+SLICE = B * T * K * 4  # bytes the 32-channel slice reads
+
+
+class Gate(nn.Module):
+    """A projection whose first K channels gate the output: the slice feeds a multiply, which
+    saves it for backward (a view: the whole (B, T, d) projection stays alive)."""
+
+    def __init__(self, variant: str = "slice") -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.proj = nn.Linear(D, D)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, K))
+        self.variant = variant
+
+    def forward(self, x):
+        h = self.proj(x)  # (B, T, d)
+        g = h[..., :K]  # (B, T, K) view of h's storage
+        if self.variant == "contiguous":
+            g = g.contiguous()  # (B, T, K) storage of its own
+        return (g * self.scale).sum()
+
+
+def _x():
+    return torch.randn(B, T, D, generator=torch.Generator().manual_seed(1))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_saved_slice_pins_its_storage_and_contiguous_removes_the_pin(compiled):
+    reports = {}
+    for variant in ("slice", "contiguous"):
+        model = Gate(variant)
+        fn = torch.compile(model) if compiled else model
+        reports[variant] = audit(fn, _x(), params=list(model.parameters()))
+    s, c = reports["slice"].summary(), reports["contiguous"].summary()
+    assert s["hook_errors"] == c["hook_errors"] == 0
+    # slice: the input (saved by the projection) and the projection's whole output
+    assert s["activation_bytes"] == 2 * FULL and s["pinned_storages"] == 1
+    assert s["pinned_unreferenced_bytes"] == FULL - SLICE
+    assert s["referenced_bytes"] == FULL + SLICE
+    # contiguous: the input and a (B, T, K) copy; nothing pinned
+    assert c["activation_bytes"] == FULL + SLICE and c["pinned_storages"] == 0
+    assert s["activation_bytes"] - c["activation_bytes"] == FULL - SLICE
+    assert reports["slice"].as_dict()["mode"] == ("compiled" if compiled else "eager")
+    delta = reports["slice"].compare(reports["contiguous"])
+    assert delta["summary"]["activation_bytes"] == SLICE - FULL
+    assert {(d["nbytes"], d["count_delta"]) for d in delta["classes"]} == {(FULL, -1),
+                                                                           (SLICE, 1)}
+
+
+def test_the_audit_is_transparent_and_keeps_nothing_alive():
+    outputs = []
+    for audited in (False, True):
+        model = Gate()
+        x = _x().requires_grad_()
+        loss = audit(model, x).result if audited else model(x)
+        loss.backward()
+        outputs.append([loss.detach(), x.grad] + [p.grad for p in model.parameters()])
+    for a, b in zip(*outputs):
+        assert first_difference(a, b) is None
+
+    t = torch.randn(64, requires_grad=True)
+
+    def forward():
+        h = t * 2  # an intermediate that sin() saves
+        ref = weakref.ref(h)
+        return h.sin().sum(), ref
+
+    report = audit(forward)
+    out, ref = report.result
+    assert report.summary()["activation_bytes"] == 64 * 4 and ref() is not None
+    del out, report.result
+    assert ref() is None  # freed with the graph although the report lives on
+    assert report.summary()["saved_references"] >= 1
+
+
+def test_deduplication_by_storage_and_exact_coverage():
+    w1, w2 = torch.ones(K, requires_grad=True), torch.ones(K, requires_grad=True)
+    x = torch.randn(B, T, D, requires_grad=True)
+
+    def twice_and_two_slices(x):
+        y = x * 2  # (B, T, d), saved by nothing below except through views/itself
+        same = (y * y).sum()  # the same tensor saved twice
+        halves = (y[..., :K] * w1 + y[..., 2 * K:3 * K] * w2).sum()  # two disjoint slices
+        return same + halves
+
+    report = audit(twice_and_two_slices, x, params=[w1, w2])
+    rows = [r for r in report.storages if not r["is_parameter"]]
+    (y_row,) = [r for r in rows if r["saved_refs"] == 4]  # y, y, and the two slices
+    assert y_row["nbytes"] == FULL and y_row["referenced_bytes"] == FULL  # y itself covers all
+    report2 = audit(lambda x: (x[..., :K] * w1 + x[..., 2 * K:3 * K] * w2).sum(), x * 2,
+                    params=[w1, w2])
+    (row,) = [r for r in report2.storages if not r["is_parameter"]]
+    assert row["saved_refs"] == 2 and row["referenced_bytes"] == 2 * SLICE
+    assert row["coverage"] == 0.5 and row["pinned"] is False  # half is not below half
+    params = [r for r in report2.storages if r["is_parameter"]]
+    assert len(params) == 2 and report2.summary()["activation_bytes"] == FULL
+
+
+def test_unsupported_kinds_are_hook_errors_and_json_round_trips():
+    s = torch.eye(4).to_sparse().requires_grad_()
+    d = torch.randn(4, 4, requires_grad=True)
+    report = audit(lambda: torch.sparse.mm(s, d).sum(), labels={"4x4": 64})
+    doc = report.as_dict()
+    assert doc["summary"]["hook_errors"] >= 1 and "sparse" in " ".join(doc["errors"]).lower()
+    assert json.loads(report.to_json()) == doc
+    assert set(doc) == {"schema_version", "torch", "device", "mode", "dtype", "threads",
+                        "summary", "storages", "classes", "diff", "errors"}
+    assert set(doc["summary"]) == {"saved_references", "unique_storages", "activation_bytes",
+                                   "referenced_bytes", "pinned_storages",
+                                   "pinned_unreferenced_bytes", "hook_errors"}
