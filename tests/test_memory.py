@@ -125,3 +125,67 @@ def test_unsupported_kinds_are_hook_errors_and_json_round_trips():
     assert set(doc["summary"]) == {"saved_references", "unique_storages", "activation_bytes",
                                    "referenced_bytes", "pinned_storages",
                                    "pinned_unreferenced_bytes", "hook_errors"}
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_demo_stack_storage_classes_per_gate_variant(compiled):
+    from cotangent.harness.memory_cli import run_demo
+
+    # the gate reads 32 of 128 channels (pinned); T = 24 keeps (B, T, d) apart from the (32, d)
+    # fused weight in size
+    b, t, d, layers = 2, 24, 128, 2
+    full, gate = b * t * d * 4, b * t * 32 * 4
+    counts = {}
+    for variant in ("slice", "contiguous", "weight-fused"):
+        report = run_demo(variant, batch=b, context=t, width=d, layers=layers,
+                          compiled=compiled, dtype=torch.float32)
+        assert report.summary()["hook_errors"] == 0
+        counts[variant] = {c["nbytes"]: c["count"] for c in report.classes()}
+        if variant == "slice":
+            assert report.summary()["pinned_storages"] == layers
+            assert report.summary()["pinned_unreferenced_bytes"] == layers * (full - gate)
+    assert counts["slice"][full] - counts["contiguous"][full] == layers
+    assert counts["contiguous"].get(gate, 0) - counts["slice"].get(gate, 0) == layers
+    assert counts["weight-fused"].get(gate, 0) == counts["slice"].get(gate, 0) == 0
+    assert counts["weight-fused"][full] == counts["contiguous"][full]
+
+
+def test_memory_command_prints_the_comparison_and_json(capsys):
+    from cotangent.harness import cli
+
+    code = cli.main(["memory", "--demo", "--compare", "contiguous", "--batch", "2",
+                     "--context", "16", "--width", "128", "--json"])
+    out = capsys.readouterr().out
+    assert code == 0
+    doc = json.loads(out.strip().splitlines()[-1])
+    full, gate = 2 * 16 * 128 * 4, 2 * 16 * 32 * 4
+    assert {(d["nbytes"], d["count_delta"], d["label"]) for d in doc["diff"]["classes"]} == {
+        (full, -2, "B,T,d"), (gate, 2, "B,T,32")}
+    assert "-2 x 16,384 B (B,T,d)" in out and "remedies for pinned storages" in out
+    assert cli.main(["memory", "--model", "tiny", "--batch", "1", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert doc["summary"]["hook_errors"] == 0 and doc["summary"]["activation_bytes"] > 0
+    assert cli.main(["memory", "--demo", "--width", "16"]) == 2
+    assert "gate channels" in capsys.readouterr().err
+    assert cli.main(["memory", "--model", "tiny", "--compare", "slice"]) == 2
+
+
+def test_contiguous_gate_is_bitwise_equal_to_the_slice_in_eager_fp32_and_bf16_counts():
+    """The remedy's precision note: `.contiguous()` changes no bit in eager FP32 (loss and
+    every gradient); in BF16 (tiny, eager) the audit counts 2-byte storages the same way."""
+    from cotangent.harness.memory_cli import DemoStack, run_demo
+
+    results = []
+    for variant in ("slice", "contiguous"):
+        model = DemoStack(128, 2, variant)
+        x = torch.randn(2, 8, 128, generator=torch.Generator().manual_seed(1))
+        loss = model(x)
+        loss.backward()
+        results.append([loss.detach()] + [p.grad for p in model.parameters()])
+    for a, b in zip(*results):
+        assert first_difference(a, b) is None
+    report = run_demo("slice", batch=2, context=8, width=128, layers=2, compiled=False,
+                      dtype=torch.bfloat16)
+    s = report.summary()
+    assert report.as_dict()["dtype"] == "bfloat16" and s["pinned_storages"] == 2
+    assert s["pinned_unreferenced_bytes"] == 2 * (2 * 8 * 128 * 2 - 2 * 8 * 32 * 2)

@@ -190,8 +190,9 @@ class SavedTensorAudit:
 
     Args:
         params: tensors whose storages are parameters (listed, excluded from activations).
-        module: a module whose submodules' forwards attribute each save (eager code; a
-            compiled module's saves come from its graph, attributed to no module).
+        module: a module whose submodules' forwards attribute each save to the innermost
+            one running (eager code; a compiled module's graph runs inside its top module's
+            forward, so its saves are attributed to that module as a whole).
         labels: names for size classes, e.g. ``{"B,T,d": B * T * d * 4}`` (bytes).
         mode: recorded in the report ("eager" unless given).
     """

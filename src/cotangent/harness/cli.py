@@ -537,6 +537,72 @@ def cmd_audit(args) -> int:
     return audit.main([args.runs])
 
 
+def _memory_parser(sub) -> None:
+    from cotangent.harness.memory_cli import DEMO_VARIANTS
+
+    p = sub.add_parser(
+        "memory", help="saved-tensor storage audit: activations that pin whole storages",
+        description="Run one forward (+ loss) under torch.autograd.graph.saved_tensors_hooks "
+                    "and list what autograd saves for backward, by storage: bytes, bytes its "
+                    "saved views reference, pinned storages (less than half referenced) and "
+                    "their remedies, size classes. --compare VARIANT audits a second variant "
+                    "of the demo stack and prints the signed change per size class.")
+    what = p.add_mutually_exclusive_group(required=True)
+    what.add_argument("--model", default=None, choices=sorted(MODEL_CONFIGS),
+                      help="a harness model (random bytes, batch --batch)")
+    what.add_argument("--demo", action="store_true",
+                      help="a stack of gated blocks whose 32-channel gate slice is saved "
+                           f"(variants: {', '.join(DEMO_VARIANTS)})")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--compile", dest="compiled", action="store_true", default=False,
+                      help="audit torch.compile(model) (inductor)")
+    mode.add_argument("--eager", dest="compiled", action="store_false", help="(default)")
+    p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"],
+                   help="demo: parameter and input dtype; model: bf16 autocast (default fp32)")
+    p.add_argument("--variant", default="slice", choices=DEMO_VARIANTS,
+                   help="demo gate variant (default slice)")
+    p.add_argument("--compare", default=None, choices=DEMO_VARIANTS, metavar="VARIANT",
+                   help=f"demo: also audit this variant and print the difference "
+                        f"({', '.join(DEMO_VARIANTS)})")
+    p.add_argument("--batch", type=int, default=4, help="B (default 4)")
+    p.add_argument("--context", type=int, default=256, help="demo T (default 256)")
+    p.add_argument("--width", type=int, default=256, help="demo d (default 256)")
+    p.add_argument("--layers", type=int, default=2, help="demo gated blocks (default 2)")
+    p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
+
+
+def cmd_memory(args) -> int:
+    import torch
+
+    from cotangent.harness import memory_cli
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    if min(args.batch, args.context, args.width, args.layers) < 1:
+        raise ValueError("--batch, --context, --width and --layers must be >= 1")
+    if args.width < memory_cli.GATE_CHANNELS:
+        raise ValueError(f"--width must be at least the {memory_cli.GATE_CHANNELS} gate channels")
+    if args.model is not None and args.compare is not None:
+        raise ValueError("--compare compares demo variants; use it with --demo")
+    if args.model is not None:
+        report = memory_cli.run_model(args.model, batch=args.batch, compiled=args.compiled,
+                                      dtype=dtype)
+    else:
+        shape = dict(batch=args.batch, context=args.context, width=args.width,
+                     layers=args.layers, compiled=args.compiled, dtype=dtype)
+        report = memory_cli.run_demo(args.variant, **shape)
+        if args.compare is not None:
+            print(f"baseline: demo variant {args.variant}")
+            print(report.table())
+            other = memory_cli.run_demo(args.compare, **shape)
+            report.compare(other)
+            print(f"\nvariant: {args.compare}")
+            report = other
+    print(report.table())
+    if args.json:
+        print(report.to_json())
+    return 0
+
+
 def _report_parser(sub) -> None:
     p = sub.add_parser(
         "report", help="figures and a Markdown/HTML report of an analysed campaign",
@@ -567,6 +633,7 @@ def main(argv: list[str] | None = None) -> int:
     _campaign_parser(sub)
     _analyze_parser(sub)
     _audit_parser(sub)
+    _memory_parser(sub)
     _report_parser(sub)
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
@@ -574,7 +641,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return {"train": cmd_train, "bench": cmd_bench, "calibrate": cmd_calibrate,
                 "verify": cmd_verify, "data": cmd_data, "campaign": cmd_campaign,
-                "analyze": cmd_analyze, "audit": cmd_audit, "report": cmd_report}[args.command](args)
+                "analyze": cmd_analyze, "audit": cmd_audit, "report": cmd_report,
+                "memory": cmd_memory}[args.command](args)
     except KeyboardInterrupt:
         print("cotangent: interrupted (run directories of an unfinished run keep their "
               "INCOMPLETE marker)", file=sys.stderr)
