@@ -189,3 +189,24 @@ def test_contiguous_gate_is_bitwise_equal_to_the_slice_in_eager_fp32_and_bf16_co
     s = report.summary()
     assert report.as_dict()["dtype"] == "bfloat16" and s["pinned_storages"] == 2
     assert s["pinned_unreferenced_bytes"] == 2 * (2 * 8 * 128 * 2 - 2 * 8 * 32 * 2)
+
+
+@pytest.mark.parametrize("make", [
+    lambda s: s[:, :3],  # row slices
+    lambda s: s.t()[1:5],  # transposed, then sliced: runs of one element
+    lambda s: s[::2, 1::3],  # stepped
+    lambda s: s[:1].expand(5, 12),  # stride 0: the same bytes many times
+    lambda s: s.reshape(2, 3, 2, 5).permute(0, 2, 3, 1),  # channels_last-like
+], ids=["rows", "transposed", "stepped", "expanded", "permuted"])
+def test_referenced_bytes_equal_a_brute_force_count(make):
+    from cotangent.memory import _union_bytes
+
+    base = torch.zeros(60, dtype=torch.float32)
+    storage = base.view(5, 12)
+    views = [make(storage), storage[4, 7:9]]
+    seen = set()
+    for v in views:
+        idx = torch.arange(60).as_strided(v.shape, v.stride(), v.storage_offset())
+        seen.update(idx.reshape(-1).tolist())
+    meta = [(v.storage_offset(), tuple(v.shape), tuple(v.stride()), 4) for v in views]
+    assert _union_bytes(meta, 240) == 4 * len(seen)
