@@ -48,6 +48,14 @@ class _Storage:
         return _union_bytes(self.views, self.nbytes)
 
 
+def _names_by_size(labels: dict[str, int]) -> dict[int, str]:
+    """Size (bytes) -> the label(s) of that size, joined by " = " (e.g. "B,T,C = B,T,256")."""
+    names: dict[int, list[str]] = {}
+    for name, nbytes in labels.items():
+        names.setdefault(nbytes, []).append(name)
+    return {n: " = ".join(v) for n, v in names.items()}
+
+
 def _view_intervals(offset: int, shape: tuple[int, ...], stride: tuple[int, ...],
                     itemsize: int) -> tuple[Tensor, int]:
     """Start byte offsets (1-D int64) and the common byte length of the contiguous runs that a
@@ -111,7 +119,7 @@ class MemoryReport:
     def classes(self) -> list[dict]:
         """Activation storages grouped by size (bytes), largest first; `label` names a user
         shape whose byte size equals the class (`labels`)."""
-        names = {v: k for k, v in self.labels.items()}
+        names = _names_by_size(self.labels)
         counts: dict[int, int] = {}
         for s in self.storages:
             if not s["is_parameter"]:
@@ -132,7 +140,7 @@ class MemoryReport:
         stored as `other.diff` and returned."""
         mine = {c["nbytes"]: c for c in self.classes()}
         theirs = {c["nbytes"]: c for c in other.classes()}
-        names = {v: k for k, v in {**self.labels, **other.labels}.items()}
+        names = _names_by_size({**self.labels, **other.labels})
         deltas = []
         for n in sorted(set(mine) | set(theirs), reverse=True):
             a, b = mine.get(n, {}).get("count", 0), theirs.get(n, {}).get("count", 0)
