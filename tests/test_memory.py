@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from cotangent.memory import audit
+from cotangent.memory import SavedTensorAudit, audit
 from cotangent.verify import first_difference
 
 B, T, D, K = 4, 16, 128, 32
@@ -76,18 +76,70 @@ def test_the_audit_is_transparent_and_keeps_nothing_alive():
         assert first_difference(a, b) is None
 
     t = torch.randn(64, requires_grad=True)
+    with SavedTensorAudit() as rec:
+        out = (t * 2).sin().sum()  # sin saves the intermediate t * 2
+    assert rec.report().summary()["activation_bytes"] == 64 * 4
+    del out
+    assert rec.report().summary()["activation_bytes"] == 0  # released with the graph
+    with SavedTensorAudit():
+        y = t.exp()  # exp saves its own output: no reference cycle through the hook
+    ref = weakref.ref(y)
+    del y
+    assert ref() is None
 
-    def forward():
-        h = t * 2  # an intermediate that sin() saves
-        ref = weakref.ref(h)
-        return h.sin().sum(), ref
 
-    report = audit(forward)
-    out, ref = report.result
-    assert report.summary()["activation_bytes"] == 64 * 4 and ref() is not None
-    del out, report.result
-    assert ref() is None  # freed with the graph although the report lives on
-    assert report.summary()["saved_references"] >= 1
+def test_regressions_from_review():
+    """In-place edits of saved tensors still raise; meta storages are told apart; freed and
+    reused addresses are not merged; broadcast views cost nothing; attribution survives a
+    caught exception; a compiled function is reported as compiled."""
+    x = torch.tensor([0.0, 1.0], requires_grad=True)
+    with SavedTensorAudit():
+        y = x.exp()
+        y.add_(1)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.sum().backward()
+
+    w = torch.randn(10, 1000, device="meta", requires_grad=True)
+    report = audit(lambda a, b: (a @ b).sum(), torch.randn(5, 10, device="meta"), w,
+                   params=[w])
+    assert report.summary()["activation_bytes"] == 5 * 10 * 4  # not merged with w (pointer 0)
+
+    p = torch.randn(64, 1024, requires_grad=True)
+
+    def reuse():
+        (p * 1.0).exp().sum().backward()  # a graph built and released inside fn
+        return (p * 2.0).sin().sum()  # may reuse the freed addresses
+
+    report = audit(reuse, params=[p])
+    assert report.summary()["activation_bytes"] == 64 * 1024 * 4
+    assert report.summary()["saved_references"] == 1
+
+    mask = torch.rand(256, 256) > 0.5
+    s = torch.randn(2, 8, 256, 256, requires_grad=True)
+    report = audit(lambda: s.masked_fill(mask.expand(2, 8, 256, 256), 0.0).sum())
+    (row,) = [r for r in report.storages if r["dtype"] == "bool"]
+    assert row["referenced_bytes"] == 256 * 256
+
+    class Flaky(nn.Module):
+        def forward(self, a):
+            raise ValueError("caught by the caller")
+
+    class Net(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.flaky = Flaky()
+
+        def forward(self, a):
+            try:
+                self.flaky(a)
+            except ValueError:
+                pass
+            return a.exp().sum()
+
+    report = audit(Net(), torch.randn(4, 8, requires_grad=True))
+    assert [r["modules"] for r in report.storages] == [["Net"]]
+    assert audit(torch.compile(lambda a: a.exp().sum()),
+                 torch.randn(8, requires_grad=True)).as_dict()["mode"] == "compiled"
 
 
 def test_deduplication_by_storage_and_exact_coverage():
@@ -168,6 +220,11 @@ def test_memory_command_prints_the_comparison_and_json(capsys):
     assert cli.main(["memory", "--demo", "--width", "16"]) == 2
     assert "gate channels" in capsys.readouterr().err
     assert cli.main(["memory", "--model", "tiny", "--compare", "slice"]) == 2
+    assert cli.main(["memory", "--model", "tiny", "--width", "16"]) == 2
+    assert "--width: demo settings" in capsys.readouterr().err
+    assert cli.main(["memory", "--demo", "--context", "100000000", "--width", "4096"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("cotangent: error: the audited forward failed") and "Traceback" not in err
 
 
 def test_contiguous_gate_is_bitwise_equal_to_the_slice_in_eager_fp32_and_bf16_counts():

@@ -203,3 +203,17 @@ def refuse_under_compile(what: str) -> None:
     """Stop torch.compile (Dynamo) when it traces into `what` (one of `_REFUSALS`' keys)."""
     if torch.compiler.is_compiling():
         _REFUSALS[what]()
+
+
+def storage_identity(t: Tensor) -> tuple:
+    """A key for `t`'s storage: (device, data pointer), or, for storages without data (meta
+    tensors, zero bytes: their pointer is 0), the storage object's own C++ address
+    (`UntypedStorage._cdata`)."""
+    storage = t.untyped_storage()
+    ptr = storage.data_ptr()
+    return (str(t.device), ptr) if ptr else (str(t.device), "storage", storage._cdata)
+
+
+def is_compiled(fn) -> bool:
+    """Whether `fn` is what `torch.compile` returned (a module wrapper or a function)."""
+    return hasattr(fn, "_orig_mod") or hasattr(fn, "_torchdynamo_orig_callable")

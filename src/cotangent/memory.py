@@ -12,12 +12,17 @@ Definitions (fixed, so that other tools can read the numbers; all sizes in integ
   storage of one of `params`; `activation_bytes` is the sum of their sizes;
 - `referenced_bytes` (per storage and summed over activation storages): the bytes of the storage
   that at least one saved view reads;
+- `saved_references`: saved views autograd still holds when the report is made;
 - a storage is *pinned* when its saved views reference less than half of its bytes;
   `pinned_unreferenced_bytes` sums, over pinned storages, storage bytes minus referenced bytes.
 
-The audit holds no reference to a saved tensor: what it records is metadata (pointers, sizes,
-shapes, strides), so the saved tensors are freed by the backward exactly as without it, and the
-hooks return each tensor unchanged (the loss and gradients are byte-equal with and without it).
+The audit keeps no saved tensor alive: what it records is metadata (pointers, sizes, shapes,
+strides); the pack hook hands autograd the tensor detached (so a saved output forms no
+reference cycle with its own graph node) with its version, and the unpack hook makes the
+in-place-modification check autograd skips for hooked tensors. A saved view counts while
+autograd holds it: views released by a backward, or by a graph freed inside `fn`, drop out of
+the report (and a freed address that a later storage reuses is not merged with it). The loss
+and gradients are byte-equal with and without the audit.
 """
 
 from __future__ import annotations
@@ -28,24 +33,47 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from cotangent import _compat
+
 SCHEMA_VERSION = 1
 PINNED_BELOW = 0.5  # a storage is pinned when its saved views reference less than this fraction
 
 
 @dataclass
 class _Storage:
-    """What the saved views of one storage are."""
+    """What the saved views of one storage are; a view counts while autograd still holds it
+    (`_Saved` marks it released when the graph lets go of it)."""
 
     nbytes: int
     dtype: str
     device: str
     is_parameter: bool
     views: list[tuple[int, tuple[int, ...], tuple[int, ...], int]] = field(default_factory=list)
-    shapes: list[tuple[int, ...]] = field(default_factory=list)
+    live: list[bool] = field(default_factory=list)
     modules: list[str] = field(default_factory=list)
 
+    def live_views(self) -> list:
+        return [v for v, alive in zip(self.views, self.live) if alive]
+
     def referenced_bytes(self) -> int:
-        return _union_bytes(self.views, self.nbytes)
+        return _union_bytes(self.live_views(), self.nbytes)
+
+
+class _Saved:
+    """What the pack hook hands autograd: the tensor detached (no reference to its grad_fn,
+    so a saved output does not form a reference cycle with its own node) and its version at
+    save time (autograd skips its in-place check for hooked tensors; `_unpack` makes it)."""
+
+    __slots__ = ("tensor", "version", "entry", "index")
+
+    def __init__(self, tensor: Tensor, entry: _Storage | None, index: int) -> None:
+        self.tensor = tensor.detach()
+        self.version = tensor._version
+        self.entry, self.index = entry, index
+
+    def __del__(self) -> None:  # autograd released it: freed graph, or backward done
+        if self.entry is not None:
+            self.entry.live[self.index] = False
 
 
 def _names_by_size(labels: dict[str, int]) -> dict[int, str]:
@@ -61,7 +89,8 @@ def _view_intervals(offset: int, shape: tuple[int, ...], stride: tuple[int, ...]
     """Start byte offsets (1-D int64) and the common byte length of the contiguous runs that a
     strided view reads: dimensions of stride 1 (and those that continue them contiguously) make
     the run, the others enumerate its starts."""
-    dims = sorted(((st, n) for n, st in zip(shape, stride) if n != 1), reverse=True)
+    # size-1 dims and broadcast (stride-0) dims add no bytes
+    dims = sorted(((st, n) for n, st in zip(shape, stride) if n != 1 and st != 0), reverse=True)
     run = 1
     while dims and dims[-1][0] == run:  # innermost dims that extend the run contiguously
         st, n = dims.pop()
@@ -207,7 +236,7 @@ class SavedTensorAudit:
 
     def __init__(self, params=None, module: torch.nn.Module | None = None,
                  labels: dict[str, int] | None = None, mode: str | None = None) -> None:
-        self.param_ptrs = {p.untyped_storage().data_ptr() for p in (params or [])}
+        self.param_keys = {_compat.storage_identity(p) for p in (params or [])}
         self.module = module
         self.labels = labels
         self.mode = mode or "eager"
@@ -217,14 +246,21 @@ class SavedTensorAudit:
         self._stack: list[str] = []
         self._handles: list = []
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _unpack)
+        self.released: int = 0  # saved views released before the report
 
     def __enter__(self) -> SavedTensorAudit:
-        if self.module is not None:  # eager attribution: the innermost running module
+        if self.module is not None:  # attribution: the innermost running module
             inner = getattr(self.module, "_orig_mod", self.module)
-            for name, sub in inner.named_modules():
+            # a compiled module: its graph runs inside the wrapper's forward (hooks inside
+            # would be traced, not run), so it is attributed as a whole
+            named = ([("", self.module)] if _compat.is_compiled(self.module)
+                     else inner.named_modules())
+            for name, sub in named:
                 label = name or type(inner).__name__
                 self._handles.append(sub.register_forward_pre_hook(self._enter_module(label)))
-                self._handles.append(sub.register_forward_hook(self._leave_module))
+                # always_call: popped also when the module raises (and the caller catches it)
+                self._handles.append(sub.register_forward_hook(self._leave_module,
+                                                               always_call=True))
         self._hooks.__enter__()
         return self
 
@@ -243,33 +279,42 @@ class SavedTensorAudit:
             h.remove()
         self._handles.clear()
 
-    def _pack(self, t: Tensor) -> Tensor:
+    def _pack(self, t: Tensor) -> _Saved:
         self.count += 1
         try:
-            if t.layout is not torch.strided or t.is_nested:
+            if t.is_nested:
+                raise TypeError("a nested tensor")
+            if t.layout is not torch.strided:
                 raise TypeError(f"layout {t.layout}")
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            key = (str(t.device), ptr)
+            key = _compat.storage_identity(t)
             entry = self.storages.get(key)
+            if entry is not None and not any(entry.live):
+                # every view saved from this address was released: the memory was freed and
+                # now holds another storage
+                self.released += len(entry.views)
+                entry = None
             if entry is None:
                 entry = self.storages[key] = _Storage(
-                    storage.nbytes(), str(t.dtype).removeprefix("torch."), str(t.device),
-                    ptr in self.param_ptrs)
+                    t.untyped_storage().nbytes(), str(t.dtype).removeprefix("torch."),
+                    str(t.device), key in self.param_keys)
             entry.views.append((t.storage_offset(), tuple(t.shape), tuple(t.stride()),
                                 t.element_size()))
-            entry.shapes.append(tuple(t.shape))
+            entry.live.append(True)
             if self._stack and self._stack[-1] not in entry.modules:
                 entry.modules.append(self._stack[-1])
+            return _Saved(t, entry, len(entry.views) - 1)
         except Exception as exc:  # recorded, never raised: the forward must go on
-            self.errors.append(f"saved {type(t).__name__} {tuple(t.shape)}: "
+            self.errors.append(f"saved {type(t).__name__} {_describe_shape(t)}: "
                                f"{type(exc).__name__}: {exc}")
-        return t
+            return _Saved(t, None, 0)
 
     def report(self) -> MemoryReport:
         """The report of everything saved so far (coverage computed now)."""
         rows = []
         for entry in self.storages.values():
+            live = entry.live_views()
+            if not live:
+                continue  # released: the backward ran, or the graph was freed inside fn
             referenced = entry.referenced_bytes()
             rows.append(dict(
                 nbytes=entry.nbytes, referenced_bytes=referenced,
@@ -277,7 +322,7 @@ class SavedTensorAudit:
                 pinned=(not entry.is_parameter and entry.nbytes > 0
                         and referenced < PINNED_BELOW * entry.nbytes),
                 is_parameter=entry.is_parameter, dtype=entry.dtype, device=entry.device,
-                saved_refs=len(entry.views), shapes=[list(s) for s in entry.shapes],
+                saved_refs=len(live), shapes=[list(v[1]) for v in live],
                 modules=entry.modules))
         rows.sort(key=lambda r: (-r["nbytes"], r["is_parameter"]))
         by_dtype: dict[str, int] = {}
@@ -287,11 +332,28 @@ class SavedTensorAudit:
         meta = dict(torch=torch.__version__, device=rows[0]["device"] if rows else "cpu",
                     mode=self.mode, dtype=max(by_dtype, key=by_dtype.get) if by_dtype else None,
                     threads=torch.get_num_threads())
-        return MemoryReport(meta, rows, self.errors, self.count, self.labels)
+        return MemoryReport(meta, rows, self.errors, sum(r["saved_refs"] for r in rows),
+                            self.labels)
 
 
-def _unpack(t: Tensor) -> Tensor:
+def _unpack(saved: _Saved) -> Tensor:
+    """The saved tensor, after autograd's own check that it was not modified in place since
+    it was saved (which autograd does not make for hooked tensors)."""
+    t = saved.tensor
+    if t._version != saved.version:
+        raise RuntimeError(
+            "one of the variables needed for gradient computation has been modified by an "
+            f"inplace operation: [{t.type()} {list(t.shape)}], which is output 0 of a saved "
+            f"tensor at version {t._version}; expected version {saved.version} instead "
+            "(raised by cotangent.memory's unpack hook, as autograd would without it)")
     return t
+
+
+def _describe_shape(t: Tensor) -> str:
+    try:
+        return str(tuple(t.shape))
+    except Exception:  # old-style nested tensors have no sizes
+        return "(no sizes)"
 
 
 def audit(fn, *args, params=None, labels: dict[str, int] | None = None, mode: str | None = None,
@@ -317,7 +379,7 @@ def audit(fn, *args, params=None, labels: dict[str, int] | None = None, mode: st
     module = fn if isinstance(fn, torch.nn.Module) else None
     if params is None and module is not None:
         params = list(module.parameters())
-    mode = mode or ("compiled" if hasattr(fn, "_orig_mod") else "eager")
+    mode = mode or ("compiled" if _compat.is_compiled(fn) else "eager")
     with SavedTensorAudit(params, module, labels, mode) as rec:
         result = fn(*args, **kwargs)
     report = rec.report()
