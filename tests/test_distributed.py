@@ -26,6 +26,10 @@ CONFIGS = [dict(impl=impl, bucket_view=bv, unused=unused, no_sync=ns, opt_before
            for impl, bv, unused, ns, ob in itertools.product(
                ("fused", "for-loop"), (False, True), (False, True), (False, True), (False, True))
            if ob == (bv == ns)]  # half of the before/after crossings keep the run short
+# `.grad` reset to None behind the optimizer's back (`model.zero_grad()`): DDP then hands the
+# next backward's gradients over in tensors of its own
+CONFIGS += [dict(impl=impl, bucket_view=bv, unused=True, no_sync=False, opt_before=False,
+                 module_zero_grad=True) for impl in ("fused", "for-loop") for bv in (False, True)]
 
 
 class Net(nn.Module):
@@ -64,7 +68,10 @@ def _run_config(rank: int, cfg: dict) -> list[str]:
         gen = torch.Generator().manual_seed(rank)
         norms = []
         for step in range(4):
-            opt.zero_grad()
+            if cfg.get("module_zero_grad"):
+                model.zero_grad(set_to_none=True)
+            else:
+                opt.zero_grad()
             micro = 2 if cfg["no_sync"] else 1
             for k in range(micro):
                 x = torch.randn(4, 8, generator=gen)
@@ -387,7 +394,7 @@ def test_zero1_is_bitwise_equal_to_native_ddp_and_to_zero_redundancy_optimizer()
 
 def test_ddp_loops_are_bitwise_equal_to_native_on_every_rank():
     reports = run_ranks("ddp")
-    assert len(CONFIGS) == 16
+    assert len(CONFIGS) == 20
     problems = [f"rank {rank}: {p}" for rank, ps in reports for p in ps]
     assert not problems, "\n".join(problems[:5])
 
