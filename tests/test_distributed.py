@@ -16,7 +16,9 @@ import itertools
 import os
 import queue
 import socket
+import time
 import traceback
+from datetime import timedelta
 
 import pytest
 import torch
@@ -94,7 +96,8 @@ def _worker(rank: int, world: int, port: int, checks: str, results) -> None:
 
         torch.set_num_threads(1)
         os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("gloo", rank=rank, world_size=world,
+                                timeout=timedelta(seconds=120))  # a stuck collective raises
         problems = CHECKS[checks](rank, world)
         dist.destroy_process_group()
         results.put((rank, problems))
@@ -122,15 +125,25 @@ def run_ranks(checks: str, world: int = 2, timeout_s: float = 240) -> list[tuple
         p.start()
     try:
         reports = []
-        for _ in procs:
+        deadline = time.monotonic() + timeout_s
+        while len(reports) < world:
             try:
-                reports.append(results.get(timeout=timeout_s))
+                reports.append(results.get(timeout=0.5))
+                continue
             except queue.Empty:
-                pytest.fail(f"a rank reported nothing within {timeout_s} s (crashed or hung)")
+                pass
+            # a rank that died without reporting (segfault, os._exit, killed) fails the test
+            # now, instead of leaving the others in a collective until the deadline
+            dead = [(i, p.exitcode) for i, p in enumerate(procs)
+                    if p.exitcode is not None and i not in {r for r, _ in reports}]
+            if dead:
+                pytest.fail(f"rank(s) {dead} (rank, exit code) ended without a report")
+            if time.monotonic() > deadline:
+                pytest.fail(f"a rank reported nothing within {timeout_s} s (hung)")
     finally:
         for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
+            p.join(timeout=3)
+            if p.is_alive():  # e.g. left in a collective by a crashed peer
                 p.kill()
     return sorted(reports, key=lambda r: r[0])
 
@@ -382,7 +395,22 @@ def _zero_checks(rank: int, world: int) -> list[str]:
     return problems
 
 
-CHECKS = {"ddp": _ddp_checks, "zero1": _zero_checks}
+def _crash_checks(rank: int, world: int) -> list[str]:
+    """Rank 1 dies without a word; rank 0 waits for it in a collective."""
+    if rank == 1:
+        os._exit(3)
+    torch.distributed.barrier()
+    return []
+
+
+CHECKS = {"ddp": _ddp_checks, "zero1": _zero_checks, "crash": _crash_checks}
+
+
+def test_a_rank_that_dies_fails_the_test_within_seconds():
+    t0 = time.monotonic()
+    with pytest.raises(pytest.fail.Exception, match=r"rank\(s\) \[\(1, 3\)\]"):
+        run_ranks("crash")
+    assert time.monotonic() - t0 < 60
 
 
 def test_zero1_is_bitwise_equal_to_native_ddp_and_to_zero_redundancy_optimizer():
