@@ -17,6 +17,7 @@ import torch.nn as nn
 
 import cotangent
 from bitwise import assert_same_bits, assert_same_update
+from cases import lockstep
 from cotangent import norms
 
 IMPLS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}
@@ -223,6 +224,10 @@ def test_model_cast_after_building_is_a_clear_error(cast):
         opt.step()
 
 
+
+def _sum_of_squares(m, x, step):
+    return m(x).square().sum()
+
 @pytest.mark.parametrize("impl", list(IMPLS))
 def test_parameter_data_replaced_is_followed_like_native(impl):
     """`p.data = t` (SAM restoring the weights, a momentum encoder, a parametrization): native
@@ -234,24 +239,21 @@ def test_parameter_data_replaced_is_followed_like_native(impl):
     ref = cotangent.ReferenceUpdate(m1.parameters(), max_norm=0.05, **HP, **IMPLS[impl])
     opt = cotangent.AdamW(m2.parameters(), max_norm=0.05, **HP, **IMPLS[impl])
     assigned = {}
-    gen = torch.Generator().manual_seed(1)
-    for step in range(5):
-        x = torch.randn(3, 4, generator=gen)
-        if step in (1, 3):
-            for m in (m1, m2):  # a fresh tensor of the same shape, dtype and strides
-                assigned[id(m)] = m[1].weight.data.clone() * 0.5
-                m[1].weight.data = assigned[id(m)]
-        for m, o in ((m1, ref), (m2, opt)):
-            o.zero_grad()
-            m(x).square().sum().backward()
-        total = ref.step()
-        opt.step()
-        assert_same_bits(total, opt.last_total_norm, f"step {step} total norm")
-        assert_same_update(m1.parameters(), ref.optimizer.state, m2.parameters(), opt.state,
-                           f"step {step}")
+
+    def assign(step, side):
+        m, _ = side
+        if step in (1, 3):  # a fresh tensor of the same shape, dtype and strides
+            assigned[id(m)] = m[1].weight.data.clone() * 0.5
+            m[1].weight.data = assigned[id(m)]
+
+    def check(step):
         if step >= 1:  # the assigned tensor is the parameter's memory, updated in place
             assert m2[1].weight.data_ptr() == assigned[id(m2)].data_ptr()
             assert_same_bits(assigned[id(m1)], assigned[id(m2)], f"step {step} assigned")
+
+    lockstep(m1, ref, m2, opt, 5, "p.data replaced", loss=_sum_of_squares,
+             batch=lambda gen, step: torch.randn(3, 4, generator=gen), edit=assign,
+             edit_before_backward=True, after_step=check)
 
 
 def test_parameters_tied_through_data_are_a_clear_error():
@@ -569,16 +571,7 @@ def test_a_parameter_clipped_twice_like_native(impl):
                                     **IMPLS[impl])
     opt = cotangent.AdamW(m2.parameters(), max_norm=0.05, clip_order=order(m2), **HP,
                           **IMPLS[impl])
-    for step in range(3):
-        x = torch.randn(4, 8)
-        for m, o in ((m1, ref), (m2, opt)):
-            o.zero_grad()
-            m(x).square().sum().backward()
-        total = ref.step()
-        opt.step()
-        assert_same_bits(total, opt.last_total_norm, f"step {step} total norm")
-        assert_same_update(m1.parameters(), ref.optimizer.state, m2.parameters(), opt.state,
-                           f"step {step}")
+    lockstep(m1, ref, m2, opt, 3, "tied autoencoder", loss=_sum_of_squares)
 
 
 @pytest.mark.parametrize("impl", list(IMPLS))
