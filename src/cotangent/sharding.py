@@ -23,6 +23,7 @@ from torch import Tensor
 
 from cotangent.norms import NormProgram, norm_program, run_norm_program
 from cotangent.packing import FlatLayout, share_window
+from cotangent.store import compact_state
 
 SHARD_MODES = (None, "zero1")
 SHARD_NORMS = ("all", "share")
@@ -181,30 +182,24 @@ def _inverse(order, device) -> Tensor | None:
     return torch.tensor(inverse, device=device)
 
 
-def state_payload(states: dict[int, dict]) -> dict[int, dict]:
-    """`states` (slot -> state dict) with every tensor cloned into its own compact storage
-    (a view would carry its whole flat buffer into the pickle of `all_gather_object`)."""
-    return {slot: {k: v.clone(memory_format=torch.preserve_format) if isinstance(v, Tensor)
-                   else v for k, v in entry.items()} for slot, entry in states.items()}
-
-
 def all_gather_states(local: dict[int, dict], zero: Zero1) -> dict[int, dict]:
-    """Every rank's `local` (slot -> state dict) merged: a collective."""
+    """Every rank's `local` (slot -> state dict) merged: a collective. Tensors travel as
+    compact copies (`compact_state`: a view would carry its whole flat buffer into the pickle)."""
     gathered: list = [None] * zero.world
-    dist.all_gather_object(gathered, state_payload(local), group=zero.group)
-    merged: dict[int, dict] = {}
-    for part in gathered:
-        merged.update(part)
-    return merged
+    dist.all_gather_object(gathered, dict(compact_state(local)), group=zero.group)
+    return _merged(gathered)
 
 
 def gather_states(local: dict[int, dict], zero: Zero1, to: int) -> dict[int, dict] | None:
     """Every rank's `local` merged on rank `to` of the group (None elsewhere): a collective."""
     gathered = [None] * zero.world if zero.rank == to else None
-    dist.gather_object(state_payload(local), gathered, zero.source(to), group=zero.group)
-    if gathered is None:
-        return None
+    dist.gather_object(dict(compact_state(local)), gathered, zero.source(to), group=zero.group)
+    return None if gathered is None else _merged(gathered)
+
+
+def _merged(parts: list[dict[int, dict]]) -> dict[int, dict]:
+    """The ranks' slot -> state dicts as one (shares are disjoint)."""
     merged: dict[int, dict] = {}
-    for part in gathered:
+    for part in parts:
         merged.update(part)
     return merged
