@@ -217,3 +217,22 @@ def storage_identity(t: Tensor) -> tuple:
 def is_compiled(fn) -> bool:
     """Whether `fn` is what `torch.compile` returned (a module wrapper or a function)."""
     return hasattr(fn, "_orig_mod") or hasattr(fn, "_torchdynamo_orig_callable")
+
+
+# torch.optim.Muon's own helpers (torch/optim/_muon.py): its per-matrix step, learning-rate
+# adjustment and hyperparameter normalisation. `cotangent.Muon` calls the native step itself
+# wherever its batched form is not proven, so those matrices get native's bits by construction.
+from torch.optim._muon import _adjust_lr as muon_adjust_lr  # noqa: E402, F401
+from torch.optim._muon import _single_tensor_muon as _torch_single_tensor_muon  # noqa: E402
+from torch.optim.optimizer import _to_scalar as muon_to_scalar  # noqa: E402, F401
+
+
+def muon_single_tensor(params: list[Tensor], grads: list[Tensor], bufs: list[Tensor], *, lr,
+                       weight_decay: float, momentum: float, nesterov: bool,
+                       ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float,
+                       adjust_lr_fn: str | None) -> None:
+    """torch.optim.Muon's for-loop step (`_single_tensor_muon`) on real parameters."""
+    _torch_single_tensor_muon(params, grads, bufs, lr=lr, weight_decay=weight_decay,
+                              momentum=momentum, nesterov=nesterov,
+                              ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps,
+                              adjust_lr_fn=adjust_lr_fn, has_complex=False)

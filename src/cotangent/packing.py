@@ -183,3 +183,54 @@ def share_window(layout: FlatLayout, share: int) -> tuple[int, int]:
         return (0, 0)
     align = align_elements(layout.dtype)
     return (mine[0].offset, mine[-1].offset + _round_up(mine[-1].numel, align))
+
+
+def plan_matrix_layouts(params: list[Tensor], batches: list[list[int]]) -> list[FlatLayout]:
+    """One `FlatLayout` per batch of equal-shape matrices (Muon's unit of batched work).
+
+    `batches` lists slots of `params` (each slot exactly once); the members of a batch share
+    shape, dtype and device. A batch of contiguous members becomes one bucket whose rows are the
+    members in the given order, each starting on a 64-byte boundary, so that
+    `matrix_view(layout, flat)` is the (n, rows, cols) view of the whole batch; a member that
+    is not contiguous (a transposed weight) gets a layout of its own.
+
+    Raises:
+        ValueError: a slot missing or repeated, a batch mixing shapes, dtypes or devices, or a
+            parameter that is not dense and non-overlapping.
+    """
+    listed = sorted(s for batch in batches for s in batch)
+    if listed != list(range(len(params))):
+        raise ValueError("every parameter slot must appear in exactly one batch")
+    layouts = []
+    for batch in batches:
+        first = params[batch[0]]
+        for s in batch:
+            p = params[s]
+            if (p.shape, p.dtype, p.device) != (first.shape, first.dtype, first.device):
+                raise ValueError(f"batch of slot {batch[0]} mixes {tuple(first.shape)} "
+                                 f"{first.dtype} with slot {s}: {tuple(p.shape)} {p.dtype}")
+            if not is_dense_non_overlapping(p):
+                raise ValueError(f"parameter {s} (shape {tuple(p.shape)}, stride {p.stride()}) "
+                                 "is not dense and non-overlapping")
+        runs = ([batch] if first.is_contiguous() and all(params[s].is_contiguous() for s in batch)
+                else [[s] for s in batch])
+        for run in runs:
+            p = params[run[0]]
+            n = p.numel()
+            row_stride = _round_up(n, align_elements(p.dtype))
+            segments = [Segment(s, i * row_stride, tuple(params[s].shape),
+                                tuple(params[s].stride()), n, params[s].is_contiguous())
+                        for i, s in enumerate(run)]
+            bucket = Bucket(n, row_stride, 0, segments)
+            layouts.append(FlatLayout(p.device, p.dtype, row_stride * len(run), [bucket],
+                                      segments))
+    return layouts
+
+
+def matrix_view(layout: FlatLayout, flat: Tensor) -> Tensor:
+    """The (n, rows, cols) view of a `plan_matrix_layouts` layout's single bucket in `flat`:
+    row i is member i, with the members' own (rows, cols) strides."""
+    bucket = layout.buckets[0]
+    rows, cols = bucket.segments[0].shape
+    return flat.as_strided((bucket.rows, rows, cols), (bucket.row_stride, cols, 1),
+                           bucket.offset)

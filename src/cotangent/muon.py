@@ -1,0 +1,309 @@
+"""`cotangent.Muon`: a drop-in for `torch.optim.Muon` over packed buffers, bitwise equal to it.
+
+torch 2.13's Muon (`torch/optim/_muon.py`) is a for-loop optimizer: per 2-D parameter it runs
+``buf.lerp_(grad, 1 - momentum)``, ``update = grad.lerp(buf, momentum)`` (Nesterov; else the
+buffer), the Newton-Schulz orthogonalization of `update` in bfloat16 (transposed when the
+matrix is tall: normalize by the Frobenius norm clamped at `eps`, then `ns_steps` times
+``gram = X @ X.T``, ``addmm(gram, gram, gram, beta=b, alpha=c)``,
+``X = addmm(X, gram_update, X, beta=a)``), ``param.mul_(1 - lr * weight_decay)`` and
+``param.add_(update, alpha=-adjusted_lr)`` with ``adjusted_lr = lr * sqrt(max(1, rows/cols))``
+("original") or ``0.2 * lr * sqrt(max(rows, cols))`` ("match_rms_adamw").
+
+Cotangent keeps the parameters, gradients and momentum buffers of each param group's
+equal-shape matrices in one flat buffer per (group, shape, dtype, device) - a *batch* - and runs
+the same arithmetic once per batch: the element-wise ops over the whole (n, rows, cols) view,
+the Newton-Schulz products as `bmm`/`baddbmm`, the norms per matrix. A calibration probe
+(`batched_step_is_exact`: one step of torch's own `_single_tensor_muon` on separate tensors
+against the batched step on a packed copy, with random values and with NaN, infinities, signed
+zeros and subnormals sprinkled in, bytes compared) decides per (device, dtype, batch shape,
+momentum, nesterov, coefficients, steps, eps, lr adjustment, threads, torch version) whether
+the batched form is used; otherwise, and for any batch with a missing gradient or a gradient
+laid out unlike its parameter, torch's own per-matrix function runs on the packed views (the
+native code itself, so native's bits by construction).
+
+State is native's: ``optimizer.state[p]["momentum_buffer"]`` (a view of the packed buffer),
+created at a parameter's first gradient, so `state_dict()` / `load_state_dict()` interchange
+with `torch.optim.Muon` in both directions.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from cotangent import _compat, calibration
+from cotangent.calibration import sprinkle_special_values
+from cotangent.norms import _bytes_equal
+from cotangent.packing import (
+    FlatLayout,
+    _round_up,
+    align_elements,
+    matrix_view,
+    plan_matrix_layouts,
+)
+from cotangent.store import FlatStore, describe, validate_params
+from cotangent.tracking import GradientTracker, gradients_to_carry
+
+_KEY = "momentum_buffer"
+
+
+def newton_schulz_batched(update: Tensor, ns_coefficients: tuple[float, float, float],
+                          ns_steps: int, eps: float) -> Tensor:
+    """torch.optim.Muon's Newton-Schulz orthogonalization of each matrix of a batch.
+
+    Args:
+        update: (n, rows, cols) floating-point tensor (any strides).
+    Returns:
+        (n, rows, cols) bfloat16: per matrix, the arithmetic of torch's
+        `_zeropower_via_newtonschulz` with `mm`/`addmm` replaced by `bmm`/`baddbmm` and the
+        Frobenius norm taken per matrix (whether that gives torch's bits is what
+        `batched_step_is_exact` probes).
+    """
+    a, b, c = ns_coefficients
+    x = update.bfloat16()
+    tall = update.size(-2) > update.size(-1)
+    if tall:
+        x = x.mT
+    norms = torch.stack([m.norm() for m in x]).view(-1, 1, 1)
+    x.div_(norms.clamp(min=eps))
+    for _ in range(ns_steps):
+        gram = torch.bmm(x, x.mT)
+        gram_update = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        x = torch.baddbmm(x, gram_update, x, beta=a)
+    return x.mT if tall else x
+
+
+def batched_muon_step(params: Tensor, grads: Tensor, bufs: Tensor, *, lr, weight_decay: float,
+                      momentum: float, nesterov: bool, ns_coefficients: tuple[float, float, float],
+                      ns_steps: int, eps: float, adjust_lr_fn: str | None) -> None:
+    """One Muon step of a batch of equal-shape matrices, in place on `params` and `bufs`.
+
+    Args:
+        params, grads, bufs: (n, rows, cols) views (packed parameters, gradients, momentum
+            buffers), all of one dtype and device; `grads` is read only.
+        lr: float or 0-d/1-element tensor; the other arguments as torch.optim.Muon's.
+    """
+    lr = _compat.muon_to_scalar(lr)
+    bufs.lerp_(grads, 1 - momentum)
+    update = grads.lerp(bufs, momentum) if nesterov else bufs
+    update = newton_schulz_batched(update, ns_coefficients, ns_steps, eps)
+    adjusted_lr = _compat.muon_adjust_lr(lr, adjust_lr_fn, params.shape[1:])
+    params.mul_(1 - lr * weight_decay)
+    params.add_(update, alpha=-adjusted_lr)
+
+
+def _hyper(group: dict) -> dict:
+    return {k: group[k] for k in ("weight_decay", "momentum", "nesterov", "ns_coefficients",
+                                  "ns_steps", "eps", "adjust_lr_fn")}
+
+
+def batched_step_is_exact(device: torch.device, dtype: torch.dtype, n: int, rows: int, cols: int,
+                          group: dict) -> bool:
+    """Calibration probe: does `batched_muon_step` on packed (n, rows, cols) views give
+    torch.optim.Muon's bits (its `_single_tensor_muon` on n separate tensors) for the group's
+    hyperparameters? Two trials (random values; then NaN/inf/signed zeros/subnormals sprinkled
+    into gradients, parameters and buffers), each with the group's lr and a second lr; bytes of
+    parameters, momentum buffers and gradients compared. Cached (`cotangent.calibration`)."""
+    hyper = _hyper(group)
+    key = calibration.full_key("muon-batched", device.type,
+                               (dtype, n, rows, cols, *sorted(hyper.items())))
+    verdict = calibration.lookup(key)
+    if verdict is None:
+        verdict = _probe(device, dtype, n, rows, cols, group["lr"], hyper)
+        calibration.record(key, verdict)
+    return verdict
+
+
+def _probe(device, dtype, n, rows, cols, lr, hyper) -> bool:
+    gen = torch.Generator().manual_seed(20261130 + n * 7919 + rows * 31 + cols)
+    stride = _round_up(rows * cols, align_elements(dtype))
+    lr_values = [lr, 0.0123] if not isinstance(lr, Tensor) else [lr]
+    for trial in range(2):
+        for probe_lr in lr_values:
+            values = [torch.randn(n, rows, cols, generator=gen).to(dtype) * s
+                      for s in (1.0, 1e-3, 0.1)]
+            if trial:
+                for j, v in enumerate(values):
+                    sprinkle_special_values(list(v.view(n, -1)), shift=3 * j)
+            values = [v.to(device) for v in values]
+            native = [[v[i].clone() for i in range(n)] for v in values]
+            flats = []
+            for v in values:
+                flat = torch.zeros(stride * n, dtype=dtype, device=device)
+                flat.as_strided((n, rows, cols), (stride, cols, 1)).copy_(v)
+                flats.append(flat)
+            views = [f.as_strided((n, rows, cols), (stride, cols, 1)) for f in flats]
+            _compat.muon_single_tensor(native[0], native[1], native[2], lr=probe_lr, **hyper)
+            batched_muon_step(views[0], views[1], views[2], lr=probe_lr, **hyper)
+            for i in range(n):
+                for j in range(3):
+                    if not _bytes_equal(native[j][i], views[j][i]):
+                        return False
+    return True
+
+
+class Muon(torch.optim.Muon):
+    """`torch.optim.Muon` with packed parameters, gradients and momentum buffers and batched
+    Newton-Schulz iterations; bitwise equal to `torch.optim.Muon` with the same arguments
+    (same constructor, defaults, validation and errors: it is a subclass).
+
+    Parameters are moved into flat buffers at construction (each ``p.data`` becomes a view;
+    ``p.grad`` a view of the gradient buffer, None until a backward delivers one, as native).
+    Param groups added later, parameters replaced in ``param_groups`` or given new storage
+    (``p.data = t``) are repacked at the next `step`/`zero_grad`; state assigned from outside
+    (``load_state_dict``, ``opt.state[p]["momentum_buffer"] = t``) is validated and copied in.
+
+    Raises (beyond torch.optim.Muon's own):
+        ValueError: a parameter that cannot be packed (appears twice, shares storage with
+            another, not a leaf, sparse, complex, not floating point, on the meta device).
+        RuntimeError: a state tensor of the wrong shape, dtype or device (nothing modified).
+    """
+
+    def __init__(self, params, *args, **kwargs) -> None:
+        self._packed_ids: list[int] | None = None
+        super().__init__(params, *args, **kwargs)
+        self._pack()
+
+    # ------------------------------------------------------------------ packing
+
+    def _all_params(self) -> list[Tensor]:
+        return [p for group in self.param_groups for p in group["params"]]
+
+    @torch.no_grad()
+    def _pack(self) -> None:
+        params = self._all_params()
+        validate_params(params)
+        old_tracker = getattr(self, "_tracker", None)
+        grads = gradients_to_carry(old_tracker, params)
+        carried = {id(p): self.state[p][_KEY].detach().clone() for p in params
+                   if p in self.state and _KEY in self.state[p]}
+        if old_tracker is not None:
+            old_tracker.remove_hooks()
+        batches, self._group_of = [], []
+        start = 0
+        for gi, group in enumerate(self.param_groups):
+            keys: dict[tuple, list[int]] = {}
+            for i, p in enumerate(group["params"]):
+                keys.setdefault((tuple(p.shape), p.dtype, p.device), []).append(start + i)
+            batches += keys.values()
+            self._group_of += [gi] * len(keys)
+            start += len(group["params"])
+        layouts = plan_matrix_layouts(params, batches)
+        # plan_matrix_layouts splits a batch with non-contiguous members into lone layouts
+        self._layout_group = []
+        for batch, gi in zip(batches, self._group_of):
+            contiguous = all(params[s].is_contiguous() for s in batch)
+            self._layout_group += [gi] * (1 if contiguous else len(batch))
+        self._store = FlatStore.pack(params, layouts, grads, {})
+        self._tracker = GradientTracker(self._store)
+        self._buffers = [layout.new_buffer(0.0) for layout in layouts]
+        self._buffer_views = [self._store.alias(self._buffers, s) for s in range(len(params))]
+        for slot, p in enumerate(params):
+            if id(p) in carried:
+                self._buffer_views[slot].copy_(carried[id(p)])
+                self.state[p][_KEY] = self._buffer_views[slot]
+        self._packed_ids = [id(p) for p in params]
+
+    def _refresh(self) -> None:
+        """Repack after structural edits; adopt momentum buffers assigned from outside."""
+        params = self._all_params()
+        if ([id(p) for p in params] != self._packed_ids
+                or [p.data_ptr() for p in params] != self._store.param_ptrs):
+            self._pack()
+            return
+        for slot, p in enumerate(params):
+            state = self.state.get(p)
+            if not state or _KEY not in state or state[_KEY] is self._buffer_views[slot]:
+                continue
+            value = state[_KEY]
+            if (not isinstance(value, Tensor) or value.shape != p.shape
+                    or value.dtype != p.dtype or value.device != p.device):
+                what = (f"{tuple(value.shape)} {value.dtype} {value.device}"
+                        if isinstance(value, Tensor) else type(value).__name__)
+                raise RuntimeError(f"{describe(slot, p)}: state['{_KEY}'] is {what}; it must "
+                                   f"match the parameter ({tuple(p.shape)} {p.dtype} "
+                                   f"{p.device})")
+        for slot, p in enumerate(params):
+            state = self.state.get(p)
+            if state and _KEY in state and state[_KEY] is not self._buffer_views[slot]:
+                with torch.no_grad():
+                    self._buffer_views[slot].copy_(state[_KEY])
+                state[_KEY] = self._buffer_views[slot]
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        if self._packed_ids is not None:  # not during __init__
+            self._pack()
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._refresh()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """`Optimizer.zero_grad` over packed gradients: ``set_to_none=True`` leaves every
+        ``.grad`` None until the next backward (the buffer holds -0.0 so that the backward's
+        accumulation reproduces a fresh gradient bit for bit); ``set_to_none=False`` zeroes the
+        existing gradients in place."""
+        _compat.refuse_under_compile("cotangent.Muon.zero_grad()")
+        self._refresh()
+        self._tracker.zero_grad(set_to_none)
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One Muon update of every parameter with a gradient (torch.optim.Muon.step)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._refresh()
+        store = self._store
+        grads = self._tracker.scan()
+        present = set(grads.present)
+        params = store.params
+        for slot in grads.present:  # native creates the buffer at a parameter's first gradient
+            state = self.state[params[slot]]
+            if _KEY not in state:
+                self._buffer_views[slot].zero_()
+                state[_KEY] = self._buffer_views[slot]
+        for li, layout in enumerate(store.layouts):
+            group = self.param_groups[self._layout_group[li]]
+            slots = [seg.slot for seg in layout.segments]
+            with_grad = [s for s in slots if s in present]
+            if not with_grad:
+                continue
+            if (len(with_grad) == len(slots) and layout.segments[0].contiguous
+                    and not any(s in grads.foreign for s in slots)
+                    and self._batched(layout, group)):
+                batched_muon_step(matrix_view(layout, store.flat_params[li]),
+                                  matrix_view(layout, store.flat_grads[li]),
+                                  matrix_view(layout, self._buffers[li]),
+                                  lr=group["lr"], **_hyper(group))
+            else:
+                _compat.muon_single_tensor(
+                    [params[s] for s in with_grad], [grads.tensor(store, s) for s in with_grad],
+                    [self._buffer_views[s] for s in with_grad], lr=group["lr"], **_hyper(group))
+        self._tracker.release_absent(grads.present)
+        return loss
+
+    def _batched(self, layout: FlatLayout, group: dict) -> bool:
+        bucket = layout.buckets[0]
+        rows, cols = bucket.segments[0].shape
+        return batched_step_is_exact(layout.device, layout.dtype, bucket.rows, rows, cols, group)
+
+    def batch_summary(self) -> list[dict]:
+        """Per batch: group index, shape, members, dtype, device and whether the batched form
+        is proven (None until the first step that needs the probe)."""
+        out = []
+        for li, layout in enumerate(self._store.layouts):
+            bucket = layout.buckets[0]
+            group = self.param_groups[self._layout_group[li]]
+            rows, cols = bucket.segments[0].shape
+            key = calibration.full_key("muon-batched", layout.device.type,
+                                       (layout.dtype, bucket.rows, rows, cols,
+                                        *sorted(_hyper(group).items())))
+            out.append({"group": self._layout_group[li], "shape": [rows, cols],
+                        "matrices": bucket.rows, "dtype": str(layout.dtype),
+                        "device": str(layout.device), "batched": calibration.lookup(key)})
+        return out
