@@ -7,13 +7,18 @@ Public API:
     verify: prove native == Cotangent bit for bit on your own model, step by step.
     ReferenceUpdate: the readable native path (clip_grad_norm_ + torch.optim.AdamW) it is tested
         against.
+    Muon: drop-in for ``torch.optim.Muon`` over packed buffers, batched Newton-Schulz.
+    MuonAdamW: nanochat's Muon + AdamW optimizer; ``packed=False`` is the published stack/copy
+        path, ``packed=True`` the same step on views of flat buffers.
 """
 
 from cotangent.clip import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
+from cotangent.muon import Muon
+from cotangent.muon_adamw import MuonAdamW
 from cotangent.optim import AdamW
 from cotangent.reference import ReferenceUpdate
 from cotangent.verify import verify
 
-__all__ = ["AdamW", "ReferenceUpdate", "clip_grad_norm_", "clip_grads_with_norm_",
-           "get_total_norm", "verify", "__version__"]
+__all__ = ["AdamW", "Muon", "MuonAdamW", "ReferenceUpdate", "clip_grad_norm_",
+           "clip_grads_with_norm_", "get_total_norm", "verify", "__version__"]
 __version__ = "0.1.0"

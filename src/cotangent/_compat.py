@@ -6,6 +6,7 @@ changes one breaks a single, small module (and its test) instead of the whole li
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import torch
@@ -236,3 +237,15 @@ def muon_single_tensor(params: list[Tensor], grads: list[Tensor], bufs: list[Ten
                               momentum=momentum, nesterov=nesterov,
                               ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps,
                               adjust_lr_fn=adjust_lr_fn, has_complex=False)
+
+
+@contextlib.contextmanager
+def compiled_strictly(active: bool):
+    """While `active`: a torch.compile'd call that would exceed Dynamo's recompile limit raises
+    (``torch._dynamo.config.fail_on_recompile_limit_hit``) instead of silently running eager,
+    whose bits may differ from the compiled code's."""
+    if not active:
+        yield
+        return
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield

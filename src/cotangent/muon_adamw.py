@@ -1,0 +1,355 @@
+"""`cotangent.MuonAdamW`: the Muon + AdamW optimizer of nanochat, with a packed path.
+
+The arithmetic reproduced is that of nanochat's `MuonAdamW` (github.com/karpathy/nanochat,
+`nanochat/optims.py`, itself adapted from modded-nanogpt), written here op for op:
+
+- AdamW groups (embeddings, head, scalars), one parameter at a time: ``p.mul_(1 - lr * wd)``,
+  ``exp_avg.lerp_(g, 1 - beta1)``, ``exp_avg_sq.lerp_(g.square(), 1 - beta2)``, bias
+  corrections ``1 - beta ** step``, ``denom = (exp_avg_sq / bias2).sqrt() + eps``,
+  ``p.add_(exp_avg / denom, alpha=-(lr / bias1))``; the effective weight decay is
+  ``weight_decay * p.wd_mul`` when a parameter carries a `wd_mul` attribute.
+- Muon groups: the 2-D parameters grouped by shape (groups in sorted shape order, members in
+  the order given), each group stepped as one (n, rows, cols) stack: Nesterov momentum by lerp
+  (``buf.lerp_(g, 1 - m)``, ``g = g.lerp_(buf, m)``); Polar Express orthogonalization
+  (Amsel, Persson, Musco, Gower 2025, arXiv:2505.16932; the coefficients for 5 iterations,
+  safety factor 2e-2, cushion 2) in bfloat16, on the transpose of tall matrices, after dividing
+  by ``norm * 1.02 + 1e-6`` (Frobenius norm per matrix); NorMuon-style second-moment scaling
+  along the reduced dimension (columns when rows >= cols, else rows) that keeps the update's
+  norm; cautious weight decay (decay only where update and parameter have the same sign);
+  lr scaled by ``sqrt(max(1, rows / cols))``.
+- Hyperparameters reach the step functions as 0-D float32 CPU tensors (filled before each call)
+  so that a compiled step does not recompile when a scheduler changes them.
+
+Two paths, bitwise equal (tests/test_muon_adamw.py, eager and compiled):
+    reference (``packed=False``): as published: ``torch.stack`` of the group's gradients and
+        parameters, the step on the stacks, ``torch._foreach_copy_`` back into the parameters.
+    packed (``packed=True``, default): each Muon group's parameters and gradients live in one
+        flat buffer (members 64-byte aligned), ``p.data`` / ``p.grad`` are views of it, and the
+        same step runs on the (n, rows, cols) views: no stack, no copy back. The only difference
+        in the step is that the Nesterov blend is computed out of place (``g.lerp(buf, m)``),
+        so ``p.grad`` keeps the gradient, as it does under the reference path (whose in-place
+        blend writes into its stacked copy).
+
+With ``compile=True`` both step functions run under ``torch.compile(dynamic=False,
+fullgraph=True)``, one compiled variant per distinct (shape, dtype, reduced dim) Muon group and
+per AdamW parameter shape; a call that would exceed Dynamo's recompile limit raises instead of
+silently falling back to eager (`cotangent._compat.compiled_strictly`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from cotangent import _compat
+from cotangent.packing import matrix_view, plan_matrix_layouts
+from cotangent.store import FlatStore, describe, validate_params
+from cotangent.tracking import GradientTracker, gradients_to_carry
+
+POLAR_EXPRESS_COEFFICIENTS = (
+    (8.156554524902461, -22.48329292557795, 15.878769915207462),
+    (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+    (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+    (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+    (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+)
+
+
+def adamw_step(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, step_t: Tensor,
+               lr_t: Tensor, beta1_t: Tensor, beta2_t: Tensor, eps_t: Tensor,
+               wd_t: Tensor) -> None:
+    """One AdamW update of one parameter, in place (decoupled decay first).
+
+    Args: `p`, `grad`, `exp_avg`, `exp_avg_sq` of one shape and dtype; the hyperparameters
+    as 0-D float32 CPU tensors (`step_t` the 1-based step count)."""
+    p.mul_(1 - lr_t * wd_t)
+    exp_avg.lerp_(grad, 1 - beta1_t)
+    exp_avg_sq.lerp_(grad.square(), 1 - beta2_t)
+    bias1 = 1 - beta1_t ** step_t
+    bias2 = 1 - beta2_t ** step_t
+    denom = (exp_avg_sq / bias2).sqrt() + eps_t
+    p.add_(exp_avg / denom, alpha=-(lr_t / bias1))
+
+
+def muon_step(grads: Tensor, params: Tensor, momentum_buffer: Tensor,
+              second_momentum_buffer: Tensor, momentum_t: Tensor, lr_t: Tensor, wd_t: Tensor,
+              beta2_t: Tensor, ns_steps: int, red_dim: int, blend_in_place: bool) -> None:
+    """One Muon update of a stack of equal-shape matrices, in place on `params` and the buffers.
+
+    Args:
+        grads, params, momentum_buffer: (n, rows, cols), one dtype.
+        second_momentum_buffer: (n, rows, 1) when rows >= cols (red_dim -1), else (n, 1, cols)
+            (red_dim -2).
+        momentum_t, lr_t, wd_t, beta2_t: 0-D float32 CPU tensors (lr already scaled by
+            sqrt(max(1, rows / cols))).
+        ns_steps: Polar Express iterations (at most 5).
+        blend_in_place: True writes the Nesterov blend into `grads` (the published code, whose
+            `grads` is a stacked copy); False leaves `grads` untouched (same values computed).
+    """
+    momentum = momentum_t.to(grads.dtype)
+    momentum_buffer.lerp_(grads, 1 - momentum)
+    g = grads.lerp_(momentum_buffer, momentum) if blend_in_place else grads.lerp(
+        momentum_buffer, momentum)
+    # Polar Express, in bfloat16, on the wide orientation
+    x = g.bfloat16()
+    tall = g.size(-2) > g.size(-1)
+    if tall:
+        x = x.mT
+    x = x / (x.norm(dim=(-2, -1), keepdim=True) * 1.02 + 1e-6)
+    for a, b, c in POLAR_EXPRESS_COEFFICIENTS[:ns_steps]:
+        gram = x @ x.mT
+        poly = b * gram + c * (gram @ gram)
+        x = a * x + poly @ x
+    g = x.mT if tall else x
+    # NorMuon: per-row (or per-column) second moment, rescaled to keep the update's norm
+    beta2 = beta2_t.to(g.dtype)
+    v_mean = g.float().square().mean(dim=red_dim, keepdim=True)
+    reduced = g.size(red_dim)
+    v_norm = (v_mean.sum(dim=(-2, -1), keepdim=True) * reduced).sqrt()
+    second_momentum_buffer.lerp_(v_mean.to(dtype=second_momentum_buffer.dtype), 1 - beta2)
+    step_size = second_momentum_buffer.clamp_min(1e-10).rsqrt()
+    scaled_sq_sum = (v_mean * reduced) * step_size.float().square()
+    v_norm_new = scaled_sq_sum.sum(dim=(-2, -1), keepdim=True).sqrt()
+    g = g * (step_size * (v_norm / v_norm_new.clamp_min(1e-10))).to(g.dtype)
+    # cautious weight decay, then the update
+    lr = lr_t.to(g.dtype)
+    wd = wd_t.to(g.dtype)
+    mask = (g * params) >= 0
+    params.sub_(lr * g + lr * wd * params * mask)
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def _compiled(name: str):
+    if name not in _COMPILED:
+        fn = {"muon": muon_step, "adamw": adamw_step}[name]
+        _COMPILED[name] = torch.compile(fn, dynamic=False, fullgraph=True)
+    return _COMPILED[name]
+
+
+def muon_groups(muon_params: list[Tensor]) -> list[list[Tensor]]:
+    """The published grouping: one group per distinct shape, in sorted shape order, members in
+    the order given."""
+    return [[p for p in muon_params if p.shape == shape]
+            for shape in sorted({p.shape for p in muon_params})]
+
+
+class MuonAdamW(torch.optim.Optimizer):
+    """Muon for 2-D matrices, AdamW for the rest, as nanochat's `MuonAdamW` (module docstring).
+
+    Args:
+        adamw_groups: list of dicts, each with "params" and optionally "lr"; one AdamW param
+            group each, in order.
+        muon_params: iterable of 2-D tensors (Muon); grouped by shape.
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW defaults.
+        muon_lr, muon_momentum, muon_ns_steps (1..5), muon_beta2 (None: 0.0),
+        muon_weight_decay: Muon settings (cautious weight decay).
+        packed: the packed path (default) or the published stack/copy path (False).
+        compile: run the step functions under torch.compile (see the module docstring).
+
+    Each param group carries ``kind`` ("adamw" or "muon"); Muon groups follow the AdamW groups.
+    State: AdamW parameters hold ``step`` (int), ``exp_avg``, ``exp_avg_sq``; each Muon group's
+    first parameter holds the group's ``momentum_buffer`` (n, rows, cols) and
+    ``second_momentum_buffer``, as in the reference, so state dicts interchange between paths.
+
+    Raises:
+        ValueError: a Muon parameter that is not 2-D, an AdamW group without "params", a
+            parameter listed twice, `muon_ns_steps` outside 1..5, or (packed) a parameter that
+            cannot be packed.
+        RuntimeError (at `step`): a Muon parameter without a gradient (the published code
+            stacks every member's gradient); raised before anything is updated.
+    """
+
+    def __init__(self, adamw_groups: list[dict], muon_params, adamw_lr: float = 1e-3,
+                 adamw_betas: tuple[float, float] = (0.9, 0.999), adamw_eps: float = 1e-8,
+                 adamw_weight_decay: float = 0.01, muon_lr: float = 0.02,
+                 muon_momentum: float = 0.95, muon_ns_steps: int = 5,
+                 muon_beta2: float | None = 0.95, muon_weight_decay: float = 0.0, *,
+                 packed: bool = True, compile: bool = False) -> None:
+        muon_params = list(muon_params)
+        for i, p in enumerate(muon_params):
+            if p.ndim != 2:
+                raise ValueError(f"Muon parameter {i} has shape {tuple(p.shape)}; Muon takes "
+                                 "2-D matrices only (put it in an AdamW group)")
+        if not 1 <= muon_ns_steps <= len(POLAR_EXPRESS_COEFFICIENTS):
+            raise ValueError(f"muon_ns_steps must be in 1..{len(POLAR_EXPRESS_COEFFICIENTS)} "
+                             f"(Polar Express coefficients), got {muon_ns_steps}")
+        groups = []
+        for i, group in enumerate(adamw_groups):
+            if not isinstance(group, dict) or "params" not in group:
+                raise ValueError(f"adamw_groups[{i}] must be a dict with 'params'")
+            groups.append(dict(params=list(group["params"]), lr=group.get("lr", adamw_lr),
+                               kind="adamw", betas=adamw_betas, eps=adamw_eps,
+                               weight_decay=adamw_weight_decay))
+        for members in muon_groups(muon_params):
+            groups.append(dict(params=members, lr=muon_lr, kind="muon", momentum=muon_momentum,
+                               ns_steps=muon_ns_steps, beta2=muon_beta2,
+                               weight_decay=muon_weight_decay))
+        self.packed = packed
+        self.compile = compile
+        self._packed_ids: list[int] | None = None
+        super().__init__(groups, dict(lr=adamw_lr))
+        f32 = dict(dtype=torch.float32, device="cpu")
+        self._adamw_t = {k: torch.tensor(0.0, **f32)
+                         for k in ("step", "lr", "beta1", "beta2", "eps", "wd")}
+        self._muon_t = {k: torch.tensor(0.0, **f32) for k in ("momentum", "lr", "wd", "beta2")}
+        if packed:
+            self._pack()
+
+    # ------------------------------------------------------------------ packing
+
+    def _muon_params(self) -> list[Tensor]:
+        return [p for g in self.param_groups if g["kind"] == "muon" for p in g["params"]]
+
+    @torch.no_grad()
+    def _pack(self) -> None:
+        """Move each Muon group's parameters (and gradients) into one flat buffer."""
+        params = self._muon_params()
+        validate_params(params)
+        old = getattr(self, "_tracker", None)
+        grads = gradients_to_carry(old, params)
+        if old is not None:
+            old.remove_hooks()
+        batches, start = [], 0
+        for g in self.param_groups:
+            if g["kind"] == "muon":
+                batches.append(list(range(start, start + len(g["params"]))))
+                start += len(g["params"])
+        layouts = plan_matrix_layouts(params, batches)
+        self._store = FlatStore.pack(params, layouts, grads, {})
+        self._tracker = GradientTracker(self._store)
+        # a group whose members are not all contiguous is split into lone layouts: it keeps
+        # the reference path (stack + copy back); the others map group -> layout index
+        self._group_layout: dict[int, int] = {}
+        li = 0
+        for gi, g in enumerate(self.param_groups):
+            if g["kind"] != "muon":
+                continue
+            if all(p.is_contiguous() for p in g["params"]):
+                self._group_layout[gi] = li
+                li += 1
+            else:
+                li += len(g["params"])
+        self._packed_ids = [id(p) for p in params]
+
+    def _refresh(self) -> None:
+        params = self._muon_params()
+        if ([id(p) for p in params] != self._packed_ids
+                or [p.data_ptr() for p in params] != self._store.param_ptrs):
+            self._pack()
+
+    def add_param_group(self, param_group: dict) -> None:
+        param_group.setdefault("kind", "adamw")
+        super().add_param_group(param_group)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As `Optimizer.zero_grad`; packed Muon gradients stay in their buffer (-0.0 filled,
+        reading None until a backward delivers one)."""
+        if not self.packed:
+            return super().zero_grad(set_to_none)
+        _compat.refuse_under_compile("cotangent.MuonAdamW.zero_grad()")
+        self._refresh()
+        super().zero_grad(set_to_none)  # the AdamW parameters; Muon views are reset below
+        self._tracker.zero_grad(set_to_none)
+
+    # ------------------------------------------------------------------ step
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """One update of every group (AdamW parameters without a gradient are skipped)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self.packed:
+            self._refresh()
+            scanned = self._tracker.scan()
+            present = set(scanned.present)
+            for slot in scanned.foreign:  # laid out unlike its parameter: copied into the view
+                self._tracker.take_in(slot, scanned.foreign[slot])
+        slot = 0
+        for gi, group in enumerate(self.param_groups):  # validate before any update
+            if group["kind"] != "muon":
+                continue
+            for p in group["params"]:
+                has = (slot in present) if self.packed else p.grad is not None
+                if not has:
+                    raise RuntimeError(f"{describe(slot, p)} (Muon group of shape "
+                                       f"{tuple(p.shape)}) has no gradient; MuonAdamW steps "
+                                       "every member of a Muon group (nothing was updated)")
+                slot += 1
+        for gi, group in enumerate(self.param_groups):
+            if group["kind"] == "adamw":
+                self._adamw_group(group)
+            elif group["params"]:
+                self._muon_group(gi, group)
+        return loss
+
+    def _adamw_group(self, group: dict) -> None:
+        beta1, beta2 = group["betas"]
+        fn = _compiled("adamw") if self.compile else adamw_step
+        t = self._adamw_t
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self.state[p]
+            if not state:
+                state["step"] = 0
+                state["exp_avg"] = torch.zeros_like(p)
+                state["exp_avg_sq"] = torch.zeros_like(p)
+            state["step"] += 1
+            t["step"].fill_(state["step"])
+            t["lr"].fill_(group["lr"])
+            t["beta1"].fill_(beta1)
+            t["beta2"].fill_(beta2)
+            t["eps"].fill_(group["eps"])
+            t["wd"].fill_(group["weight_decay"] * getattr(p, "wd_mul", 1.0))
+            with _compat.compiled_strictly(self.compile):
+                fn(p, p.grad, state["exp_avg"], state["exp_avg_sq"], t["step"], t["lr"],
+                   t["beta1"], t["beta2"], t["eps"], t["wd"])
+
+    def _muon_group(self, gi: int, group: dict) -> None:
+        params = group["params"]
+        rows, cols = params[0].shape
+        state = self.state[params[0]]
+        like = dict(dtype=params[0].dtype, device=params[0].device)
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros(len(params), rows, cols, **like)
+        if "second_momentum_buffer" not in state:
+            shape = (len(params), rows, 1) if rows >= cols else (len(params), 1, cols)
+            state["second_momentum_buffer"] = torch.zeros(shape, **like)
+        red_dim = -1 if rows >= cols else -2
+        t = self._muon_t
+        t["momentum"].fill_(group["momentum"])
+        t["beta2"].fill_(group["beta2"] if group["beta2"] is not None else 0.0)
+        t["lr"].fill_(group["lr"] * max(1.0, rows / cols) ** 0.5)
+        t["wd"].fill_(group["weight_decay"])
+        fn = _compiled("muon") if self.compile else muon_step
+        li = self._group_layout.get(gi) if self.packed else None
+        with _compat.compiled_strictly(self.compile):
+            if li is not None:
+                layout = self._store.layouts[li]
+                fn(matrix_view(layout, self._store.flat_grads[li]),
+                   matrix_view(layout, self._store.flat_params[li]), state["momentum_buffer"],
+                   state["second_momentum_buffer"], t["momentum"], t["lr"], t["wd"],
+                   t["beta2"], group["ns_steps"], red_dim, False)
+            else:
+                stacked_grads = torch.stack([p.grad for p in params])
+                stacked_params = torch.stack(params)
+                fn(stacked_grads, stacked_params, state["momentum_buffer"],
+                   state["second_momentum_buffer"], t["momentum"], t["lr"], t["wd"],
+                   t["beta2"], group["ns_steps"], red_dim, True)
+                torch._foreach_copy_(params, list(stacked_params.unbind(0)))
+
+    def compiled_variants(self) -> int:
+        """Number of distinct compiled step variants this optimizer needs (compile=True):
+        one per Muon group (shape, dtype, device, path) and per AdamW parameter shape/dtype."""
+        muon = {(tuple(g["params"][0].shape), g["params"][0].dtype, g["params"][0].device,
+                 self.packed and gi in self._group_layout)
+                for gi, g in enumerate(self.param_groups) if g["kind"] == "muon" and g["params"]}
+        adamw = {(tuple(p.shape), p.dtype, p.device) for g in self.param_groups
+                 if g["kind"] == "adamw" for p in g["params"]}
+        return len(muon) + len(adamw)
+
+
