@@ -1,0 +1,204 @@
+"""Occurrence aggregation for shared (recurrent) blocks: four ways to update replicated leaves.
+
+A block applied at k places in a network (a recurrent core) can be trained as one shared module
+(autograd sums the k gradients into one leaf) or as k *replica leaves*, one per occurrence,
+that start identical and must stay identical. With replicas, the optimizer's nonlinearity
+(Muon's orthogonalization, Adam's normalization) can be applied before or after the k
+contributions are combined. The modes, as this project defines them:
+
+    pooled   ("P")  every replica's gradient is replaced by the sum of the k gradients (what a
+                    shared module feeds its optimizer); every replica takes the same step.
+    averaged ("A")  every replica steps on its own gradient with its own optimizer state; the
+                    common displacement is the mean of the k displacements.
+    ap       ("AP") averaged direction, pooled norm: the mean displacement rescaled to the norm
+                    of the pooled displacement.
+    pa       ("PA") pooled direction, averaged norm: the pooled displacement rescaled to the
+                    norm of the mean displacement.
+
+AP and PA need both displacements every step, so they keep one extra *pooled leaf* per shared
+tensor (`pooled_leaves()`: the caller adds them to the optimizer); it receives the summed
+gradient and, after the step, is reset to the replicas' new value with them.
+
+Per step, `after_step()` returns the diagnostics (float): ``pooled_norm`` and ``averaged_norm``
+(L2 norms of the pooled / mean displacements over all shared tensors; None where the mode does
+not compute one), ``target_norm`` (the norm the applied displacement should have),
+``realized_norm`` (the norm of new - old parameters actually written), ``relative_norm_mismatch``
+(max over tensors of |realized - target| / target), ``cosine`` (between the pooled and mean
+displacements; None unless both exist) and ``sync_error`` (max |replica - replica 0| over all
+replicas after the step: 0.0 when they are in sync).
+
+Sums run left to right in occurrence order, in the gradients' dtype; norms, dot products and
+rescale factors in float32 (float64 for the sums of squares).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+MODES = ("pooled", "averaged", "ap", "pa")
+
+
+def _sq(t: Tensor) -> float:
+    return float(t.double().square().sum())
+
+
+class OccurrenceAggregator:
+    """Keeps replica leaves of shared tensors identical under one of `MODES` (module docstring).
+
+    Args:
+        occurrences: one sequence per shared tensor: its k >= 2 replica leaves (distinct
+            tensors of one shape, dtype and device, with identical bytes).
+        mode: one of `MODES`.
+
+    Raises:
+        ValueError: an unknown mode, fewer than 2 replicas, replicas that differ in shape,
+            dtype, device or bytes, or a tensor listed twice.
+    """
+
+    def __init__(self, occurrences: Sequence[Sequence[Tensor]], mode: str) -> None:
+        if mode not in MODES:
+            raise ValueError(f"unknown occurrence mode {mode!r}; known: {', '.join(MODES)}")
+        seen: set[int] = set()
+        groups = []
+        for j, occ in enumerate(occurrences):
+            occ = list(occ)
+            if len(occ) < 2:
+                raise ValueError(f"shared tensor {j} has {len(occ)} replica(s); need at least 2")
+            first = occ[0]
+            for k, t in enumerate(occ):
+                if id(t) in seen:
+                    raise ValueError(f"shared tensor {j}, replica {k} is listed twice")
+                seen.add(id(t))
+                if (t.shape, t.dtype, t.device) != (first.shape, first.dtype, first.device):
+                    raise ValueError(f"shared tensor {j}: replica {k} is {tuple(t.shape)} "
+                                     f"{t.dtype} {t.device}, replica 0 {tuple(first.shape)} "
+                                     f"{first.dtype} {first.device}")
+                if k and not _same_bytes(t, first):
+                    raise ValueError(f"shared tensor {j}: replica {k} does not hold replica "
+                                     "0's values; replicas must start identical")
+            groups.append(occ)
+        self.mode = mode
+        self.occurrences = groups
+        self._pooled: list[Tensor] = []
+        if mode in ("ap", "pa"):
+            self._pooled = [occ[0].detach().clone().requires_grad_(occ[0].requires_grad)
+                            for occ in groups]
+        self._before: list[Tensor] | None = None
+
+    def pooled_leaves(self) -> list[Tensor]:
+        """The extra leaves the optimizer must hold (modes "ap" and "pa"; else empty), one per
+        shared tensor, in `occurrences` order: put them with the replicas' kind of parameters
+        (the same param group settings)."""
+        return list(self._pooled)
+
+    @torch.no_grad()
+    def before_step(self) -> None:
+        """After the backward, before ``optimizer.step()``: remember the replicas' values and
+        set the gradients the mode steps on.
+
+        Raises:
+            RuntimeError: a replica without a gradient (nothing modified).
+        """
+        for j, occ in enumerate(self.occurrences):
+            for k, t in enumerate(occ):
+                if t.grad is None:
+                    raise RuntimeError(f"shared tensor {j}, replica {k} has no gradient")
+        self._before = [occ[0].detach().clone() for occ in self.occurrences]
+        if self.mode == "averaged":
+            return
+        for j, occ in enumerate(self.occurrences):
+            pooled = occ[0].grad.clone()
+            for t in occ[1:]:
+                pooled.add_(t.grad)
+            if self.mode == "pooled":
+                for t in occ:
+                    t.grad.copy_(pooled)
+            else:
+                self._pooled[j].grad = pooled
+
+    @torch.no_grad()
+    def after_step(self) -> dict:
+        """After ``optimizer.step()``: write the mode's common displacement into every replica
+        (and pooled leaf); return the diagnostics (module docstring).
+
+        Raises:
+            RuntimeError: `before_step` was not called since the last `after_step`.
+        """
+        if self._before is None:
+            raise RuntimeError("after_step() without before_step() since the last step")
+        sums = {"pooled": 0.0, "averaged": 0.0, "target": 0.0, "realized": 0.0, "dot": 0.0}
+        mismatch = 0.0
+        for j, (occ, base) in enumerate(zip(self.occurrences, self._before)):
+            pooled = averaged = None
+            if self.mode == "pooled":
+                pooled = occ[0] - base
+            else:
+                averaged = torch.stack([t - base for t in occ]).mean(dim=0)
+            if self.mode in ("ap", "pa"):
+                pooled = self._pooled[j] - base
+            if self.mode == "ap":
+                move, target = _rescale(averaged, pooled)
+            elif self.mode == "pa":
+                move, target = _rescale(pooled, averaged)
+            else:
+                move = pooled if pooled is not None else averaged
+                target = move.float().norm()
+            if self.mode != "pooled":  # the replicas already hold base + pooled in P
+                new = base + move
+                for t in occ:
+                    t.copy_(new)
+                if self._pooled:
+                    self._pooled[j].copy_(new)
+            realized = (occ[0] - base).float().norm()
+            if float(target) > 0:
+                mismatch = max(mismatch, abs(float(realized) - float(target)) / float(target))
+            if pooled is not None:
+                sums["pooled"] += _sq(pooled)
+            if averaged is not None:
+                sums["averaged"] += _sq(averaged)
+            if pooled is not None and averaged is not None:
+                sums["dot"] += float((pooled.double() * averaged.double()).sum())
+            sums["target"] += float(target) ** 2
+            sums["realized"] += float(realized) ** 2
+        self._before = None
+        both = self.mode in ("ap", "pa")
+        denom = (sums["pooled"] * sums["averaged"]) ** 0.5
+        return {
+            "pooled_norm": sums["pooled"] ** 0.5 if self.mode != "averaged" else None,
+            "averaged_norm": sums["averaged"] ** 0.5 if self.mode != "pooled" else None,
+            "target_norm": sums["target"] ** 0.5,
+            "realized_norm": sums["realized"] ** 0.5,
+            "relative_norm_mismatch": mismatch,
+            "cosine": (sums["dot"] / denom if denom > 0 else None) if both else None,
+            "sync_error": self.sync_error(),
+        }
+
+    @torch.no_grad()
+    def sync_error(self) -> float:
+        """max |replica - replica 0| over every replica (and pooled leaf) of every shared
+        tensor; 0.0 exactly when they hold equal values (NaN counts as out of sync)."""
+        worst = 0.0
+        for j, occ in enumerate(self.occurrences):
+            others = occ[1:] + ([self._pooled[j]] if self._pooled else [])
+            for t in others:
+                diff = (t.float() - occ[0].float()).abs()
+                worst = max(worst, float("inf") if diff.isnan().any() else float(diff.max()))
+        return worst
+
+
+def _rescale(direction: Tensor, norm_of: Tensor) -> tuple[Tensor, Tensor]:
+    """`direction` scaled to the L2 norm of `norm_of` (float32 factor), and that norm; a zero
+    direction stays zero."""
+    target = norm_of.float().norm()
+    length = direction.float().norm()
+    if float(length) == 0.0:
+        return torch.zeros_like(direction), target
+    return direction * (target / length).to(direction.dtype), target
+
+
+def _same_bytes(a: Tensor, b: Tensor) -> bool:
+    return bool(torch.equal(a.detach().reshape(-1).view(torch.uint8),
+                            b.detach().reshape(-1).view(torch.uint8)))
