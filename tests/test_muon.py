@@ -1,0 +1,195 @@
+"""`cotangent.Muon` against `torch.optim.Muon`, byte for byte (CPU, float32 parameters,
+bfloat16 Newton-Schulz, torch 2.13's for-loop Muon, the only implementation it has).
+
+Every comparison goes through tests/bitwise.py (`cotangent.verify.first_difference`: dtype,
+shape and every byte), over parameters, gradients and every state entry, after each step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import cotangent
+import cotangent.muon as cm
+from bitwise import assert_same_bits, assert_same_update, same_bits
+
+
+class Mats(nn.Module):
+    """Square, wide and tall matrices, three of one shape (one batch), and a transposed
+    (non-contiguous) one that stays on the per-matrix path."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(48, 48, bias=False)
+        self.b = nn.Linear(48, 48, bias=False)
+        self.c = nn.Linear(48, 48, bias=False)
+        self.up = nn.Linear(48, 96, bias=False)  # weight (96, 48): tall
+        self.down = nn.Linear(96, 48, bias=False)  # weight (48, 96): wide
+        self.t = nn.Parameter(torch.randn(48, 40).mul_(0.05).t())  # (40, 48) non-contiguous
+
+    def forward(self, x):
+        x = x + torch.tanh(self.a(x)) + torch.tanh(self.b(x)) * self.c(x)
+        x = x + self.down(torch.relu(self.up(x)))
+        return x @ self.t.T
+
+
+def build(seed=0):
+    torch.manual_seed(seed)
+    return Mats()
+
+
+def loss_of(model, step, gen):
+    x = torch.randn(6, 48, generator=gen)
+    out = model(x)
+    if step == 2:  # a step where a.weight gets no gradient: its batch goes per matrix
+        model.a.weight.requires_grad_(False)
+        out = model(x)
+        model.a.weight.requires_grad_(True)
+    return out.square().mean()
+
+
+def lockstep(native, ours, opt_n, opt_o, steps=5, hook=None):
+    gen_n, gen_o = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    checks = 0
+    for step in range(steps):
+        for model, opt, gen in ((native, opt_n, gen_n), (ours, opt_o, gen_o)):
+            loss_of(model, step, gen).backward()
+            if hook is not None:
+                hook(model, step)
+            opt.step()
+        checks += assert_same_update(native.parameters(), opt_n.state, ours.parameters(),
+                                     opt_o.state, f"step {step}")
+        for opt in (opt_n, opt_o):
+            opt.zero_grad()
+    return checks
+
+
+def signed_zero_grads(model, step):
+    """Exact +0.0 and -0.0 gradient entries (rows of the batched matrices)."""
+    with torch.no_grad():
+        model.b.weight.grad[0].zero_()
+        model.b.weight.grad[1].fill_(-0.0)
+        model.up.weight.grad[:, 3].fill_(-0.0)
+
+
+CASES = [
+    dict(),
+    dict(nesterov=False),
+    dict(adjust_lr_fn="original"),
+    dict(adjust_lr_fn="match_rms_adamw"),
+    dict(ns_steps=3, weight_decay=0.0),
+    dict(momentum=0.0, nesterov=False),
+    dict(lr=torch.tensor(0.01), ns_coefficients=(3.0, -3.2, 1.2), eps=1e-5),
+]
+
+
+@pytest.mark.parametrize("kwargs", CASES, ids=lambda k: ",".join(f"{a}={b}" for a, b in
+                                                                  k.items()) or "defaults")
+def test_muon_equals_torch_muon(kwargs):
+    native, ours = build(), build()
+    kw = {"lr": 0.02, **kwargs}
+    kw_n = {**kw, "lr": kw["lr"].clone()} if isinstance(kw["lr"], torch.Tensor) else kw
+    opt_n = torch.optim.Muon(native.parameters(), **kw_n)
+    opt_o = cotangent.Muon(ours.parameters(), **kw)
+    checks = lockstep(native, ours, opt_n, opt_o, hook=signed_zero_grads)
+    assert checks >= 5 * 6 * 3
+    summary = opt_o.batch_summary()
+    batch = next(b for b in summary if b["shape"] == [48, 48])
+    assert batch["matrices"] == 3
+    # the probe ran for this batch (its verdict is recorded: True on every machine we measured)
+    assert batch["batched"] is not None
+
+
+def test_param_groups_state_dict_and_edits():
+    native, ours = build(), build()
+    groups = lambda m: [{"params": [m.a.weight, m.b.weight, m.up.weight]},  # noqa: E731
+                        {"params": [m.c.weight, m.down.weight, m.t], "lr": 0.005,
+                         "nesterov": False}]
+    opt_n = torch.optim.Muon(groups(native), lr=0.02)
+    opt_o = cotangent.Muon(groups(ours), lr=0.02)
+    lockstep(native, ours, opt_n, opt_o, steps=3)
+    # state_dict interchange: ours -> a fresh native, native -> a fresh ours
+    sd_o, sd_n = opt_o.state_dict(), opt_n.state_dict()
+    native2, ours2 = copy.deepcopy(native), build()
+    with torch.no_grad():
+        for p, q in zip(ours2.parameters(), native.parameters()):
+            p.copy_(q)
+    opt_n2 = torch.optim.Muon(groups(native2), lr=0.02)
+    opt_n2.load_state_dict(sd_o)
+    opt_o2 = cotangent.Muon(groups(ours2), lr=0.02)
+    opt_o2.load_state_dict(sd_n)
+    lockstep(native2, ours2, opt_n2, opt_o2, steps=2)
+    # a momentum buffer assigned from outside is copied in; a wrong shape is refused untouched
+    with torch.no_grad():
+        value = torch.randn(48, 48)
+    opt_n2.state[native2.a.weight]["momentum_buffer"] = value.clone()
+    opt_o2.state[ours2.a.weight]["momentum_buffer"] = value.clone()
+    lockstep(native2, ours2, opt_n2, opt_o2, steps=1)
+    before = [p.detach().clone() for p in ours2.parameters()]
+    opt_o2.state[ours2.b.weight]["momentum_buffer"] = torch.zeros(3, 3)
+    loss_of(ours2, 0, torch.Generator().manual_seed(1)).backward()
+    with pytest.raises(RuntimeError, match="momentum_buffer"):
+        opt_o2.step()
+    assert all(same_bits(a, b) for a, b in zip(before, ours2.parameters()))
+
+
+def test_add_param_group_and_replaced_data():
+    native, ours = build(), build()
+    opt_n = torch.optim.Muon([native.a.weight, native.up.weight], lr=0.02)
+    opt_o = cotangent.Muon([ours.a.weight, ours.up.weight], lr=0.02)
+    lockstep(native, ours, opt_n, opt_o, steps=2)
+    for m, o in ((native, opt_n), (ours, opt_o)):
+        o.add_param_group({"params": [m.b.weight, m.c.weight, m.down.weight, m.t]})
+    lockstep(native, ours, opt_n, opt_o, steps=2)
+    for m in (native, ours):  # new storage for a parameter: repacked at the next step
+        m.b.weight.data = m.b.weight.data.clone()
+    lockstep(native, ours, opt_n, opt_o, steps=2)
+
+
+def test_failed_probe_keeps_native_per_matrix_path(monkeypatch):
+    """Negative control: a batched Newton-Schulz that is off by one bf16 ULP fails the probe,
+    and the step then runs torch's own per-matrix code (still native's bits)."""
+    monkeypatch.setenv("COTANGENT_CACHE_DIR", "off")
+    monkeypatch.setattr(cm.calibration, "_MEMORY", {})
+    real = cm.newton_schulz_batched
+
+    def nudged(*args, **kwargs):
+        out = real(*args, **kwargs)
+        flat = out.view(torch.int16).reshape(-1)
+        flat[0] += 1
+        return out
+
+    monkeypatch.setattr(cm, "newton_schulz_batched", nudged)
+    native, ours = build(), build()
+    opt_n = torch.optim.Muon(native.parameters(), lr=0.02)
+    opt_o = cotangent.Muon(ours.parameters(), lr=0.02)
+    lockstep(native, ours, opt_n, opt_o, steps=2)
+    assert [b["batched"] for b in opt_o.batch_summary() if b["shape"] == [48, 48]] == [False]
+
+
+def test_packed_views_and_errors():
+    model = build()
+    opt = cotangent.Muon(model.parameters())
+    assert [b["matrices"] for b in opt.batch_summary()] == [3, 1, 1, 1]
+    # the three (48, 48) weights are rows of one buffer: consecutive 64-byte aligned segments
+    ptrs = [m.weight.data_ptr() for m in (model.a, model.b, model.c)]
+    assert ptrs[1] - ptrs[0] == ptrs[2] - ptrs[1] == 48 * 48 * 4
+    assert all(p % 64 == 0 for p in ptrs)
+    with pytest.raises(ValueError, match="2D"):
+        cotangent.Muon([nn.Parameter(torch.zeros(3))])
+    w = nn.Parameter(torch.zeros(4, 4))
+    with pytest.raises(ValueError, match="same tensor"):
+        cotangent.Muon([w, w])
+
+
+def test_comparison_catches_one_ulp():
+    """Negative control of the comparison itself: one flipped low bit is reported."""
+    a = torch.randn(48, 48)
+    b = a.clone()
+    b.view(torch.int32)[3, 4] ^= 1
+    assert not same_bits(a, b)
+    with pytest.raises(AssertionError):
+        assert_same_bits(a, b, "nudged")

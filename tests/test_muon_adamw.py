@@ -1,0 +1,256 @@
+"""`cotangent.MuonAdamW`: the packed path against the published (reference) path, byte for byte,
+and the occurrence modes on top of both (CPU, float32 parameters, torch 2.13; eager here,
+compiled in the e2e test). Width 64: a full-width Muon step takes tens of seconds on CPU."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import cotangent
+from bitwise import assert_same_update, same_bits
+from cotangent.muon_adamw import MuonAdamW, muon_groups
+from cotangent.occurrence import MODES, OccurrenceAggregator
+
+W = 64
+
+
+class TinyLM(nn.Module):
+    """Embedding, four square matrices, an MLP pair (tall and wide), head; `shared`: the
+    square core applied `repeats` times as one module, else `repeats` replica leaves."""
+
+    def __init__(self, repeats: int = 1, replicas: bool = False) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(256, W)
+        core = [nn.Linear(W, W, bias=False) for _ in range(2)]
+        self.core = nn.ModuleList(core)
+        self.repeats = repeats
+        self.up = nn.Linear(W, 4 * W, bias=False)
+        self.down = nn.Linear(4 * W, W, bias=False)
+        self.head = nn.Linear(W, 256, bias=False)
+        self.replicas = nn.ModuleList(  # drawn last: the other weights match the shared model's
+            nn.ModuleList(nn.Linear(W, W, bias=False) for _ in range(2))
+            for _ in range(repeats - 1)) if replicas else None
+        if replicas:
+            with torch.no_grad():
+                for rep in self.replicas:
+                    for mine, src in zip(rep, self.core):
+                        mine.weight.copy_(src.weight)
+
+    def occurrence_groups(self):
+        return [[self.core[i].weight] + [rep[i].weight for rep in self.replicas]
+                for i in range(2)]
+
+    def forward(self, idx):
+        x = self.emb(idx)  # (B, T, W)
+        for r in range(self.repeats):
+            core = self.core if r == 0 or self.replicas is None else self.replicas[r - 1]
+            for layer in core:
+                x = x + torch.tanh(layer(F.rms_norm(x, (W,))))  # (B, T, W)
+        x = x + self.down(torch.relu(self.up(F.rms_norm(x, (W,)))))
+        return self.head(F.rms_norm(x, (W,)))  # (B, T, 256)
+
+
+def build(repeats=1, replicas=False, seed=0):
+    torch.manual_seed(seed)
+    return TinyLM(repeats, replicas)
+
+
+def matrices(model):
+    return [p for n, p in model.named_parameters() if p.ndim == 2 and "emb" not in n
+            and "head" not in n]
+
+
+def make_opt(model, packed, compile=False, extra=(), **kw):
+    kw = {"adamw_betas": (0.8, 0.95), "adamw_eps": 1e-10, "adamw_weight_decay": 0.0,
+          "muon_weight_decay": 0.1, **kw}
+    return MuonAdamW([{"params": [model.emb.weight], "lr": 0.2},
+                      {"params": [model.head.weight], "lr": 0.004}],
+                     matrices(model) + list(extra), packed=packed, compile=compile, **kw)
+
+
+def lm_loss(model, step, gen):
+    idx = torch.randint(0, 256, (4, 32), generator=gen)
+    logits = model(idx[:, :-1])
+    return F.cross_entropy(logits.reshape(-1, 256), idx[:, 1:].reshape(-1))
+
+
+def special_grads(model, step):
+    """Exact +0.0 and -0.0 gradient entries."""
+    with torch.no_grad():
+        model.core[0].weight.grad[0].zero_()
+        model.core[1].weight.grad[:, 1].fill_(-0.0)
+        model.down.weight.grad[2].fill_(-0.0)
+
+
+def lockstep(ref, ours, opt_r, opt_o, steps=6, hook=special_grads, aggs=None):
+    gens = [torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)]
+    diags = []
+    for step in range(steps):
+        for i, (model, opt, gen) in enumerate(((ref, opt_r, gens[0]), (ours, opt_o, gens[1]))):
+            lm_loss(model, step, gen).backward()
+            if hook is not None:
+                hook(model, step)
+            if aggs:
+                aggs[i].before_step()
+            opt.step()
+            if aggs:
+                diags.append(aggs[i].after_step())
+        assert_same_update(ref.parameters(), opt_r.state, ours.parameters(), opt_o.state,
+                           f"step {step}")
+        for opt in (opt_r, opt_o):
+            opt.zero_grad(set_to_none=True)
+    return diags
+
+
+CASES = [
+    dict(),
+    dict(muon_beta2=None, muon_weight_decay=0.0),
+    dict(muon_ns_steps=3, muon_momentum=0.9),
+]
+
+
+@pytest.mark.parametrize("kw", CASES, ids=["defaults", "no-beta2-no-decay", "ns3"])
+def test_packed_equals_reference(kw):
+    ref, ours = build(), build()
+    ours.head.weight.wd_mul = ref.head.weight.wd_mul = 0.5
+    lockstep(ref, ours, make_opt(ref, False, **kw), make_opt(ours, True, **kw))
+
+
+def test_groups_follow_the_reference_order():
+    model = build()
+    opt = make_opt(model, True)
+    mats = matrices(model)
+    expect = muon_groups(mats)  # the published grouping: sorted shapes, given member order
+    got = [g["params"] for g in opt.param_groups if g["kind"] == "muon"]
+    assert [[id(p) for p in g] for g in got] == [[id(p) for p in g] for g in expect]
+    assert [tuple(g[0].shape) for g in got] == [(W, W), (W, 4 * W), (4 * W, W)]
+
+
+def _op_names(opt, model):
+    lm_loss(model, 0, torch.Generator().manual_seed(1)).backward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        opt.step()
+    return {e.name for e in prof.events()}
+
+
+def test_no_stack_and_no_copy_back_in_the_packed_step():
+    ours, ref = build(), build()
+    packed_ops = _op_names(make_opt(ours, True), ours)
+    reference_ops = _op_names(make_opt(ref, False), ref)
+    assert "aten::stack" in reference_ops and "aten::_foreach_copy_" in reference_ops  # control
+    assert "aten::stack" not in packed_ops and "aten::_foreach_copy_" not in packed_ops
+    assert "aten::mm" in packed_ops or "aten::bmm" in packed_ops
+
+
+def test_state_dict_interchanges_between_paths():
+    ref, ours = build(), build()
+    opt_r, opt_o = make_opt(ref, False), make_opt(ours, True)
+    lockstep(ref, ours, opt_r, opt_o, steps=2)
+    ref2, ours2 = build(), build()
+    with torch.no_grad():
+        for a, b, c in zip(ref2.parameters(), ours2.parameters(), ref.parameters()):
+            a.copy_(c)
+            b.copy_(c)
+    opt_r2, opt_o2 = make_opt(ref2, False), make_opt(ours2, True)
+    opt_r2.load_state_dict(opt_o.state_dict())
+    opt_o2.load_state_dict(opt_r.state_dict())
+    lockstep(ref2, ours2, opt_r2, opt_o2, steps=2)
+
+
+def test_errors_leave_everything_untouched():
+    with pytest.raises(ValueError, match="2-D"):
+        MuonAdamW([], [nn.Parameter(torch.zeros(3))])
+    with pytest.raises(ValueError, match="muon_ns_steps"):
+        MuonAdamW([], [nn.Parameter(torch.zeros(3, 3))], muon_ns_steps=6)
+    model = build()
+    opt = make_opt(model, True)
+    lm_loss(model, 0, torch.Generator().manual_seed(1)).backward()
+    model.up.weight.grad = None
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match="no gradient"):
+        opt.step()
+    assert all(same_bits(a, b) for a, b in zip(before, model.parameters()))
+    assert not opt.state
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_occurrence_packed_equals_reference(mode):
+    ref, ours = build(3, True), build(3, True)
+    aggs = [OccurrenceAggregator(m.occurrence_groups(), mode) for m in (ref, ours)]
+    opt_r = make_opt(ref, False, extra=aggs[0].pooled_leaves())
+    opt_o = make_opt(ours, True, extra=aggs[1].pooled_leaves())
+    diags = lockstep(ref, ours, opt_r, opt_o, hook=None, aggs=aggs)
+    assert len(diags) == 12
+    for i in range(0, 12, 2):  # the two paths report the same diagnostics, bit for bit
+        assert diags[i] == diags[i + 1]
+    for d in diags:
+        assert d["sync_error"] == 0.0
+        assert d["realized_norm"] > 0
+        if mode in ("ap", "pa"):
+            assert d["relative_norm_mismatch"] <= 1e-5
+            assert -1.0 <= d["cosine"] <= 1.0
+    for p, q in zip(aggs[1].pooled_leaves(), [g[0] for g in ours.occurrence_groups()]):
+        assert same_bits(p.detach(), q.detach())  # pooled leaves follow the replicas
+
+
+def test_sync_check_reports_a_desynchronized_replica():
+    model = build(3, True)
+    agg = OccurrenceAggregator(model.occurrence_groups(), "averaged")
+    assert agg.sync_error() == 0.0
+    with torch.no_grad():
+        model.replicas[1][0].weight[0, 0] += 1e-3
+    assert agg.sync_error() > 0.0
+    with pytest.raises(ValueError, match="start identical"):
+        OccurrenceAggregator(model.occurrence_groups(), "pooled")
+    with pytest.raises(ValueError, match="unknown occurrence mode"):
+        OccurrenceAggregator([], "mean")
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["reference", "packed"])
+def test_pooled_versus_native_sharing(packed):
+    """Measured fact (CPU, float32, torch 2.13): the pooled mode with its default backward-order
+    sum gives a natively shared module's bits (the shared core against every replica, and every
+    other parameter) for 6 steps, though the Muon batches differ (2 shared matrices against 6
+    replicas); summed in forward order the pooled gradient already differs from autograd's."""
+    shared, replicated = build(3, False), build(3, True)
+    idx = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(5))
+    assert same_bits(shared(idx).detach(), replicated(idx).detach())
+    agg = OccurrenceAggregator(replicated.occurrence_groups(), "pooled")
+    opt_s, opt_p = make_opt(shared, packed), make_opt(replicated, packed)
+    gens = [torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)]
+    for step in range(6):
+        lm_loss(shared, step, gens[0]).backward()
+        lm_loss(replicated, step, gens[1]).backward()
+        if step == 0:  # the forward-order sum differs from autograd's accumulation
+            forward = [g[0].grad + g[1].grad + g[2].grad for g in replicated.occurrence_groups()]
+            assert not all(same_bits(a, shared.core[i].weight.grad)
+                           for i, a in enumerate(forward))
+        agg.before_step()
+        for i, group in enumerate(replicated.occurrence_groups()):
+            assert same_bits(group[0].grad, shared.core[i].weight.grad), f"step {step}"
+        opt_s.step()
+        opt_p.step()
+        assert agg.after_step()["sync_error"] == 0.0
+        for i, group in enumerate(replicated.occurrence_groups()):
+            for replica in group:
+                assert same_bits(replica.detach(), shared.core[i].weight.detach()), f"step {step}"
+        for name in ("emb", "up", "down", "head"):
+            assert same_bits(getattr(shared, name).weight.detach(),
+                             getattr(replicated, name).weight.detach()), f"{name} step {step}"
+        opt_s.zero_grad()
+        opt_p.zero_grad()
+
+
+@pytest.mark.e2e
+def test_compiled_packed_equals_compiled_reference():
+    ref, ours = build(), build()
+    opt_r, opt_o = make_opt(ref, False, compile=True), make_opt(ours, True, compile=True)
+    assert opt_o.compiled_variants() <= torch._dynamo.config.recompile_limit
+    lockstep(ref, ours, opt_r, opt_o)
+
+
+def test_public_names():
+    assert cotangent.MuonAdamW is MuonAdamW
