@@ -173,7 +173,7 @@ def test_failed_probe_keeps_native_per_matrix_path(monkeypatch):
 def test_packed_views_and_errors():
     model = build()
     opt = cotangent.Muon(model.parameters())
-    assert [b["matrices"] for b in opt.batch_summary()] == [3, 1, 1, 1]
+    assert [b["matrices"] for b in opt.batch_summary()] == [1, 3, 1, 1]  # t first (own param)
     # the three (48, 48) weights are rows of one buffer: consecutive 64-byte aligned segments
     ptrs = [m.weight.data_ptr() for m in (model.a, model.b, model.c)]
     assert ptrs[1] - ptrs[0] == ptrs[2] - ptrs[1] == 48 * 48 * 4
