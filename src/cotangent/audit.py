@@ -32,6 +32,13 @@ Exit status 0 only when every check passes; 1 when any fails (each failure names
    numbers; its reason texts are not recomputed) and each comparison's timing_flagged_seeds.
    Bootstrap intervals depend on numpy's generator, so for them the audit checks n, the mean,
    and low <= high inside the range of the paired values (where every resampled mean lies).
+6. Decision rules: when protocol.toml declares `[[decision_rules]]`, they are validated and
+   re-evaluated per model from the done runs' summary.json records (test_bpb, training_s,
+   update_s, peak_rss_kib) with this file's evaluator (`check_decision_rules`,
+   `decision_rule_verdicts`: the one implementation, which `cotangent analyze` imports);
+   results.json's decision_rules must list the same rules, state that they are prospective
+   decision rules and not significance tests, and record the same verdicts, clause and
+   condition outcomes and (within 1e-9) values. Without rules, results.json must claim none.
 
 Definitions are those of `cotangent.harness.analysis` (its docstring is copied into
 results.json as "definitions").
@@ -39,10 +46,12 @@ results.json as "definitions").
 
 from __future__ import annotations
 
+import ast
 import csv
 import hashlib
 import json
 import math
+import re
 import statistics
 import sys
 import tomllib
@@ -130,6 +139,320 @@ def t_interval(values: list[float], level: float) -> dict:
     half = t_quantile((1.0 + level) / 2.0, n - 1) * sd / math.sqrt(n)
     return {"n": n, "mean": mean, "sd": sd, "low": mean - half, "high": mean + half,
             "level": level}
+
+
+# ----------------------------------------------------------------------------- decision rules
+
+# The one implementation of prospective decision rules: `cotangent.harness.campaign` validates
+# a protocol's rules with `check_decision_rules`, `cotangent.harness.analysis` evaluates them
+# with `decision_rule_verdicts`, and the audit below re-evaluates them from the run records.
+DECISION_METRICS = {
+    "bpb": "mean test BPB over the seeds (summary.json test_bpb)",
+    "training_s": "median training seconds over the seeds (summary.json training_s)",
+    "update_s": "median update-phase seconds over the seeds (summary.json update_s)",
+    "peak_mib": "median peak resident memory of the run's process, MiB (summary.json "
+                "peak_rss_kib / 1024)",
+}
+DECISION_FUNCTIONS = ("min", "max")
+DECISION_OPS = {ast.Lt: "<", ast.LtE: "<=", ast.Gt: ">", ast.GtE: ">="}
+RULE_KEYS = ("name", "kind", "description", "any_of", "all_of")
+RULE_NAME = re.compile(r"[A-Za-z0-9_-]+")
+MAX_CONDITION_CHARS = 1000
+DECISION_NOTE = (
+    "These are prospective decision rules, declared in protocol.toml and frozen with it (its "
+    "SHA-256 is in freeze.json) before any run. A verdict compares point estimates (the mean "
+    "test BPB and the median times and peak memory over each arm's done seeds) with the "
+    "thresholds the protocol fixed; it is a decision rule, not a significance test, and carries "
+    "no p-value, confidence level or error rate. A rule passes when any of its clauses holds "
+    "and a clause holds when all of its conditions hold; a value that cannot be computed (an "
+    "arm without a done run, a run without the record) is unknown, and the verdict is "
+    "'undecided' when the unknown values could change it.")
+
+
+def _arm_of(call: ast.Call) -> str | None:
+    """The arm written in `metric(ARM)`: a bare name or a quoted string (None: neither)."""
+    if len(call.args) != 1 or call.keywords:
+        return None
+    arg = call.args[0]
+    if isinstance(arg, ast.Name):
+        return arg.id
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        return arg.value
+    return None
+
+
+def _check_expression(node: ast.AST, text: str, arms) -> None:
+    """Refuse every node but numbers, + - * /, unary +/-, min/max and metric(ARM)."""
+    allowed = ("numbers, + - * /, unary minus, parentheses, min(...), max(...) and "
+               "metric(ARM)")
+    if isinstance(node, ast.Constant):
+        value = node.value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{value!r} in {text!r} is not a number")
+        try:
+            finite = math.isfinite(float(value))
+        except OverflowError:
+            finite = False
+        if not finite:
+            raise ValueError(f"{ast.unparse(node)} in {text!r} is not a finite number")
+    elif isinstance(node, ast.BinOp):
+        if not isinstance(node.op, (ast.Add, ast.Sub, ast.Mult, ast.Div)):
+            raise ValueError(f"{ast.unparse(node)!r} in {text!r}: only {allowed} are allowed")
+        _check_expression(node.left, text, arms)
+        _check_expression(node.right, text, arms)
+    elif isinstance(node, ast.UnaryOp):
+        if not isinstance(node.op, (ast.USub, ast.UAdd)):
+            raise ValueError(f"{ast.unparse(node)!r} in {text!r}: only {allowed} are allowed")
+        _check_expression(node.operand, text, arms)
+    elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        name = node.func.id
+        if name in DECISION_FUNCTIONS:
+            if not node.args or node.keywords or any(isinstance(x, ast.Starred)
+                                                     for x in node.args):
+                raise ValueError(f"{ast.unparse(node)!r} in {text!r}: {name} takes one or more "
+                                 "expressions")
+            for arg in node.args:
+                _check_expression(arg, text, arms)
+        elif name in DECISION_METRICS:
+            arm = _arm_of(node)
+            if arm is None:
+                raise ValueError(f"{ast.unparse(node)!r} in {text!r}: a metric takes one arm, a "
+                                 f"bare name or a quoted string (e.g. {name}(\"cotangent-zero1\"),"
+                                 " quoted because of the '-')")
+            if arm not in arms:
+                raise ValueError(f"unknown arm {arm!r} in {text!r} (the protocol's arms: "
+                                 f"{', '.join(arms)})")
+        else:
+            raise ValueError(f"unknown metric {name!r} in {text!r} (metrics: "
+                             f"{', '.join(DECISION_METRICS)}; functions: "
+                             f"{', '.join(DECISION_FUNCTIONS)})")
+    elif isinstance(node, ast.Name):
+        raise ValueError(f"bare name {node.id!r} in {text!r}: write a number or metric(ARM) "
+                         f"with a metric from {', '.join(DECISION_METRICS)}")
+    else:
+        raise ValueError(f"{ast.unparse(node)!r} in {text!r}: only {allowed} are allowed")
+
+
+def parse_condition(text, arms) -> ast.Compare:
+    """The syntax tree of one condition, `EXPR OP EXPR` with OP one of <=, <, >=, >, checked
+    node by node against a whitelist (it is evaluated by `_value`, never by eval).
+
+    Raises:
+        ValueError: one line naming the condition and what is wrong with it.
+    """
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(f"a condition must be a non-empty string, got {text!r}")
+    if len(text) > MAX_CONDITION_CHARS:
+        raise ValueError(f"a condition of {len(text)} characters (at most "
+                         f"{MAX_CONDITION_CHARS})")
+    try:
+        body = ast.parse(text.strip(), mode="eval").body
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as exc:
+        reason = exc.msg if isinstance(exc, SyntaxError) else type(exc).__name__
+        raise ValueError(f"{text!r} is not a valid expression ({reason})") from None
+    if not isinstance(body, ast.Compare):
+        raise ValueError(f"{text!r} is not a comparison (EXPR <= EXPR, or <, >=, >)")
+    if len(body.ops) != 1:
+        raise ValueError(f"{text!r} chains comparisons; write one condition per comparison")
+    if type(body.ops[0]) not in DECISION_OPS:
+        raise ValueError(f"{text!r}: compare with <=, <, >= or > only")
+    try:
+        _check_expression(body.left, text, arms)
+        _check_expression(body.comparators[0], text, arms)
+    except RecursionError:
+        raise ValueError(f"{text!r} is nested too deeply") from None
+    return body
+
+
+def check_decision_rules(raw, arms) -> list[dict]:
+    """A protocol's `[[decision_rules]]` validated and normalised to {name, kind, description,
+    any_of}: `all_of = [...]` becomes `any_of = [[...]]`, kind and description default to "".
+
+    Raises:
+        ValueError: one line naming the rule (by name, or by position before its name is
+            known) and the problem: not an array of tables, a bad or duplicate name, an
+            unknown key, neither or both of any_of and all_of, an empty clause or clause list,
+            or a condition `parse_condition` refuses (bad syntax, a disallowed node, an
+            unknown metric or arm).
+    """
+    if not isinstance(raw, (list, tuple)):
+        raise ValueError("decision_rules must be an array of tables ([[decision_rules]]), got "
+                         f"{raw!r}")
+    rules: list[dict] = []
+    for i, rule in enumerate(raw):
+        label = f"decision_rules[{i}]"
+        if not isinstance(rule, dict):
+            raise ValueError(f"{label} must be a table, got {rule!r}")
+        name = rule.get("name")
+        if not isinstance(name, str) or not RULE_NAME.fullmatch(name):
+            raise ValueError(f"{label}: name must be letters, digits, '_' or '-', got {name!r}")
+        label = f"decision rule {name!r}"
+        if any(r["name"] == name for r in rules):
+            raise ValueError(f"{label}: duplicate name (each rule needs its own)")
+        unknown = [key for key in rule if key not in RULE_KEYS]
+        if unknown:
+            raise ValueError(f"{label}: unknown key(s) {', '.join(map(str, unknown))}; known: "
+                             f"{', '.join(RULE_KEYS)}")
+        for key in ("kind", "description"):
+            if not isinstance(rule.get(key, ""), str):
+                raise ValueError(f"{label}: {key} must be a string, got {rule[key]!r}")
+        if ("any_of" in rule) == ("all_of" in rule):
+            raise ValueError(f"{label}: give exactly one of any_of (a list of clauses) or all_of "
+                             "(one clause)")
+        if "any_of" in rule:
+            clauses = rule["any_of"]
+            if not isinstance(clauses, (list, tuple)) or not clauses:
+                raise ValueError(f"{label}: any_of must be a non-empty list of clauses, each a "
+                                 f"list of conditions, got {clauses!r}")
+        else:
+            clauses = [rule["all_of"]]
+        for j, clause in enumerate(clauses, 1):
+            if isinstance(clause, str):
+                raise ValueError(f"{label}: clause {j} is a string, not a list of conditions "
+                                 "(any_of takes a list of clauses; all_of takes one clause)")
+            if not isinstance(clause, (list, tuple)) or not clause:
+                raise ValueError(f"{label}: clause {j} is empty; a clause is a non-empty list "
+                                 f"of conditions, got {clause!r}")
+            for condition in clause:
+                try:
+                    parse_condition(condition, arms)
+                except ValueError as exc:
+                    raise ValueError(f"{label}, clause {j}: {exc}") from None
+        rules.append({"name": name, "kind": rule.get("kind", ""),
+                      "description": rule.get("description", ""),
+                      "any_of": [list(clause) for clause in clauses]})
+    return rules
+
+
+def decision_metrics(runs: list[dict]) -> dict:
+    """One arm's metrics on one model from its done runs (dicts with seed, test_bpb,
+    training_s, update_s and peak_rss_kib, as summary.json records them): {"seeds": [...],
+    metric: value} for every metric of DECISION_METRICS; a metric is None when there is no
+    run or a run lacks a finite number for it."""
+    def column(key: str) -> list[float] | None:
+        values = [r.get(key) for r in runs]
+        ok = bool(values) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                  and math.isfinite(v) for v in values)
+        return values if ok else None
+
+    bpb, training, update, peak = (column(k) for k in ("test_bpb", "training_s", "update_s",
+                                                       "peak_rss_kib"))
+    return {"seeds": [r["seed"] for r in runs],
+            "bpb": None if bpb is None else statistics.fmean(bpb),
+            "training_s": None if training is None else statistics.median(training),
+            "update_s": None if update is None else statistics.median(update),
+            "peak_mib": None if peak is None else statistics.median([v / 1024 for v in peak])}
+
+
+class _Unknown(Exception):
+    """A value a condition needs cannot be computed (the message says why)."""
+
+
+def _value(node: ast.AST, metrics: dict) -> float:
+    """A checked expression's value; _Unknown when a metric is missing or arithmetic fails."""
+    if isinstance(node, ast.Constant):
+        return float(node.value)
+    if isinstance(node, ast.UnaryOp):
+        value = _value(node.operand, metrics)
+        return -value if isinstance(node.op, ast.USub) else value
+    if isinstance(node, ast.BinOp):
+        left, right = _value(node.left, metrics), _value(node.right, metrics)
+        if isinstance(node.op, ast.Div) and right == 0:
+            raise _Unknown(f"division by zero in {ast.unparse(node)}")
+        value = {ast.Add: lambda: left + right, ast.Sub: lambda: left - right,
+                 ast.Mult: lambda: left * right, ast.Div: lambda: left / right}[
+                     type(node.op)]()
+        if not math.isfinite(value):
+            raise _Unknown(f"{ast.unparse(node)} is not finite")
+        return value
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+        if node.func.id in DECISION_FUNCTIONS:
+            values = [_value(arg, metrics) for arg in node.args]
+            return min(values) if node.func.id == "min" else max(values)
+        arm = _arm_of(node)
+        found = metrics[arm]
+        if found[node.func.id] is None:
+            raise _Unknown(f"{node.func.id}({arm}): " + (
+                f"no done run of {arm}" if not found["seeds"] else
+                f"a run of {arm} lacks the record"))
+        return float(found[node.func.id])
+    raise ValueError(f"unchecked node {ast.dump(node)}")  # parse_condition refuses these
+
+
+def _kleene_all(values: list) -> bool | None:
+    return False if False in values else None if None in values else True
+
+
+def evaluate_rule(rule: dict, metrics: dict) -> dict:
+    """Evaluate one normalised rule on metrics {arm: decision_metrics(...)} (every arm of the
+    protocol). Returns {verdict, clauses: [{held, conditions: [{condition, left_expression,
+    left, op, right_expression, right, held[, unknown]}]}]}: a condition whose value cannot be
+    computed has held None (the reason under "unknown"); a clause holds when all its conditions
+    hold and fails when one fails; the verdict is "pass" when a clause holds, "fail" when every
+    clause fails, else "undecided"."""
+    arms = list(metrics)
+    clauses = []
+    for clause in rule["any_of"]:
+        conditions = []
+        for text in clause:
+            tree = parse_condition(text, arms)
+            source = text.strip()
+            entry = {"condition": text, "op": DECISION_OPS[type(tree.ops[0])]}
+            unknown = []
+            for side, node in (("left", tree.left), ("right", tree.comparators[0])):
+                entry[f"{side}_expression"] = ast.get_source_segment(source, node) or \
+                    ast.unparse(node)
+                try:
+                    entry[side] = _value(node, metrics)
+                except _Unknown as exc:
+                    entry[side] = None
+                    unknown.append(str(exc))
+            if unknown:
+                entry.update(held=None, unknown="; ".join(unknown))
+            else:
+                left, right = entry["left"], entry["right"]
+                entry["held"] = {"<": left < right, "<=": left <= right, ">": left > right,
+                                 ">=": left >= right}[entry["op"]]
+            conditions.append(entry)
+        clauses.append({"held": _kleene_all([c["held"] for c in conditions]),
+                        "conditions": conditions})
+    held = [c["held"] for c in clauses]
+    verdict = "pass" if True in held else "fail" if all(h is False for h in held) \
+        else "undecided"
+    return {"verdict": verdict, "clauses": clauses}
+
+
+def rule_references(rule: dict, arms) -> dict[str, list[str]]:
+    """{arm: [metric, ...]} that a normalised rule reads, in the protocol's arm and
+    DECISION_METRICS order."""
+    used = set()
+    for clause in rule["any_of"]:
+        for text in clause:
+            for node in ast.walk(parse_condition(text, arms)):
+                if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) \
+                        and node.func.id in DECISION_METRICS:
+                    used.add((_arm_of(node), node.func.id))
+    return {arm: [m for m in DECISION_METRICS if (arm, m) in used]
+            for arm in arms if any(a == arm for a, _ in used)}
+
+
+def decision_rule_verdicts(rules, models, arms, seeds, done: dict) -> list[dict]:
+    """Every rule evaluated on every model, models outer: {model, name, kind, description,
+    verdict, clauses, metrics: {arm: {seeds, metric: value}} (the arms and metrics the rule
+    reads)}. `done` maps (model, seed, arm) to a done run's facts (see decision_metrics)."""
+    out = []
+    for model in models:
+        metrics = {arm: decision_metrics([done[(model, s, arm)] for s in seeds
+                                          if (model, s, arm) in done]) for arm in arms}
+        for rule in rules:
+            result = evaluate_rule(rule, metrics)
+            used = rule_references(rule, arms)
+            out.append({"model": model, "name": rule["name"], "kind": rule["kind"],
+                        "description": rule["description"], **result,
+                        "metrics": {arm: {"seeds": metrics[arm]["seeds"],
+                                          **{m: metrics[arm][m] for m in names}}
+                                    for arm, names in used.items()}})
+    return out
 
 
 # ----------------------------------------------------------------------------- the audit
@@ -392,7 +715,7 @@ def load_run(a: Audit, job: dict, run_rel: str, protocol: dict, frozen: dict) ->
         "training_s": summary.get("training_s"), "update_s": summary.get("update_s"),
         "update_ms_median": summary.get("update_ms"), "step_ms_median": summary.get("step_ms"),
         "time_to_target_s": ttt, "test_bpb": summary.get("test_bpb"),
-        "val_bpb": summary.get("val_bpb"),
+        "val_bpb": summary.get("val_bpb"), "peak_rss_kib": summary.get("peak_rss_kib"),
         "final_model_sha256": summary.get("final_model_sha256"),
         "init_model_sha256": meta.get("init_model_sha256"),
         "schedule_sha256": meta.get("schedule_sha256"), "metadata": m, "config": cfg,
@@ -593,6 +916,7 @@ def _audit(a: Audit) -> None:
     if results is None:
         return
     check_results_header(a, results, protocol, frozen, runs, done)
+    check_decision_rules_results(a, results, protocol, done)
     if check_comparisons(a, results, protocol, comparisons):
         check_timing_flags(a, results, frozen, runs)
         check_factorial(a, results, protocol["models"], protocol["arms"], protocol["seeds"],
@@ -924,6 +1248,60 @@ def check_factorial(a: Audit, results: dict, models, arms, seeds, done, level) -
                 a.close(x, y, f, f"{where}.{name}.values[{i}]")
             a.check(len(c.get("values", [])) == len(values), f, f"{where}.{name}: value count")
             check_summary(a, c, values, level, f"{where}.{name}")
+
+
+def _agree(a: Audit, recorded, mine, file: str, where: str) -> None:
+    """`recorded` has the shape of `mine`: the same keys and lengths, every number within
+    RTOL (Audit.close), everything else equal."""
+    if isinstance(mine, dict):
+        shown = sorted(recorded) if isinstance(recorded, dict) else recorded
+        if not a.check(isinstance(recorded, dict) and sorted(recorded) == sorted(mine), file,
+                       f"{where}: keys {shown!r}, recomputed {sorted(mine)}"):
+            return
+        for key in mine:
+            _agree(a, recorded[key], mine[key], file, f"{where}.{key}")
+    elif isinstance(mine, list):
+        if not a.check(isinstance(recorded, list) and len(recorded) == len(mine), file,
+                       f"{where} = {recorded!r}, recomputed {mine!r}"):
+            return
+        for i, (x, y) in enumerate(zip(recorded, mine)):
+            _agree(a, x, y, file, f"{where}[{i}]")
+    else:
+        a.close(recorded, mine, file, where)
+
+
+def check_decision_rules_results(a: Audit, results: dict, protocol: dict, done: dict) -> None:
+    """Check 6: protocol.toml's decision rules re-evaluated from the done runs' records with
+    this file's evaluator; results.json's decision_rules must hold the same rules, the standard
+    statement, and per model and rule the same verdicts, clauses, conditions and metric values
+    (numbers within RTOL). Without rules in protocol.toml, results.json must claim none."""
+    f = "analysis/results.json"
+    raw = protocol["toml"].get("decision_rules")
+    recorded = results.get("decision_rules")
+    if raw is None or raw == []:
+        a.check(recorded is None, f, "decision_rules recorded, but protocol.toml declares none")
+        return
+    a.context = "protocol.toml"
+    try:
+        rules = check_decision_rules(raw, protocol["arms"])
+    except ValueError as exc:
+        a.fail("protocol.toml", str(exc))
+        return
+    a.context = f
+    if not a.check(isinstance(recorded, dict), f, "no decision_rules, but protocol.toml "
+                                                  "declares them"):
+        return
+    a.check(recorded.get("rules") == rules, f, "decision_rules.rules are not protocol.toml's")
+    a.check(recorded.get("note") == DECISION_NOTE, f, "decision_rules.note is not the statement "
+            "that these are prospective decision rules, not significance tests")
+    mine = decision_rule_verdicts(rules, protocol["models"], protocol["arms"],
+                                  protocol["seeds"], done)
+    got = recorded.get("verdicts")
+    if not a.check(isinstance(got, list) and len(got) == len(mine), f,
+                   f"decision_rules.verdicts: not one entry per model and rule ({len(mine)})"):
+        return
+    for rec, exp in zip(got, mine):
+        _agree(a, rec, exp, f, f"decision_rules.verdicts[{exp['model']}, {exp['name']}]")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -28,6 +28,14 @@ the four factorial arms, the 2x2 contrasts are computed on the per-seed reductio
 native (native's own reduction is 0): norm-only, packing-only, combined, both main effects and
 the interaction, each with its intervals.
 
+Decision rules (when the protocol declares `[[decision_rules]]`, see
+`cotangent.harness.campaign`): each rule is evaluated per model on the arms' metrics over their
+done seeds (bpb = mean test BPB; training_s, update_s = median seconds; peak_mib = median
+peak_rss_kib / 1024), by `cotangent.audit`'s evaluator. results.json's decision_rules holds the
+rules as frozen, a note, and per model and rule the verdict (pass, fail or undecided), every
+condition's left and right values and outcome, and the metric values used with their seeds.
+They are prospective decision rules fixed before any run, not significance tests.
+
 Outputs, in RUNS/analysis/: results.json, pairs.csv, runs.csv and manifest.json, which lists the
 SHA-256 and size of every file of the campaign (records, logs, statuses, the frozen protocol and
 these outputs) for `cotangent audit`.
@@ -39,6 +47,7 @@ import csv
 import io
 from pathlib import Path
 
+from cotangent import audit
 from cotangent.harness import contention, records, stats
 from cotangent.harness.campaign import (
     Protocol,
@@ -92,6 +101,7 @@ def read_run(campaign: Path, job: dict, protocol: Protocol) -> dict:
                training_s=summary["training_s"], update_s=summary["update_s"],
                update_ms_median=summary["update_ms"], step_ms_median=summary["step_ms"],
                time_to_target_s=ttt, test_bpb=summary["test_bpb"], val_bpb=summary["val_bpb"],
+               peak_rss_kib=summary.get("peak_rss_kib"),
                final_model_sha256=summary["final_model_sha256"],
                init_model_sha256=meta["init_model_sha256"],
                schedule_sha256=meta["schedule_sha256"])
@@ -253,6 +263,8 @@ def _analyze(campaign: Path, protocol: Protocol, frozen: dict, log) -> dict:
         "timing_flags": timing_flags(list(done.values())),
         "definitions": __doc__,
     }
+    if protocol.decision_rules:
+        results["decision_rules"] = decision_rules(protocol, done)
     out = campaign / ANALYSIS
     out.mkdir(exist_ok=True)
     records.write_json(out / "results.json", results)
@@ -261,6 +273,55 @@ def _analyze(campaign: Path, protocol: Protocol, frozen: dict, log) -> dict:
     write_manifest(campaign, out / MANIFEST, exclude_dirs=(REPORT,), exclude_files=(".lock",))
     log(f"analysed {len(done)} runs, {len(pairs)} pairs: {out}")
     return results
+
+
+def decision_rules(protocol: Protocol, done: dict) -> dict:
+    """results.json's `decision_rules`: the statement that these are prospective decision
+    rules, not significance tests; the rules as frozen; and per model and rule its verdict with
+    the numbers that decided it (`cotangent.audit.decision_rule_verdicts`, which the audit
+    re-runs). `done` maps (model, seed, arm) to a done run's row."""
+    rules = [dict(rule) for rule in protocol.decision_rules]
+    return {"note": audit.DECISION_NOTE, "rules": rules,
+            "verdicts": audit.decision_rule_verdicts(rules, protocol.models, protocol.arms,
+                                                     protocol.seeds, done)}
+
+
+def decision_rule_line(entry: dict, seeds: list | None = None, code: bool = False) -> str:
+    """One rule's verdict on one model with the numbers that decided it, e.g.
+    `PASS practical (model): clause 1 holds: bpb(a)=3.412 <= bpb(b) - 0.003=3.413 (yes) and
+    ...; clause 2 fails: ...`; `seeds` (the protocol's) adds which arms had fewer done seeds;
+    `code` puts each expression in backticks (Markdown)."""
+    kind = f" [{entry['kind']}]" if entry["kind"] else ""
+    clauses = []
+    for i, clause in enumerate(entry["clauses"], 1):
+        state = {True: "holds", False: "fails", None: "undecided"}[clause["held"]]
+        clauses.append(f"clause {i} {state}: " + " and ".join(
+            _condition_text(c, code) for c in clause["conditions"]))
+    short = [f"{arm} {len(m['seeds'])} of {len(seeds)}" for arm, m in entry["metrics"].items()
+             if seeds is not None and len(m["seeds"]) < len(seeds)]
+    return (f"{entry['verdict'].upper()} {entry['name']}{kind} ({entry['model']}): "
+            + "; ".join(clauses) + (f" [done seeds: {', '.join(short)}]" if short else ""))
+
+
+def _condition_text(c: dict, code: bool = False) -> str:
+    """`left=value op right=value (yes|NO|unknown: why)`; a number alone is not repeated."""
+    left, right = c["left"], c["right"]
+    digits = 6  # enough significant digits to tell the two sides apart
+    while (left is not None and right is not None and left != right and digits < 17
+           and f"{left:.{digits}g}" == f"{right:.{digits}g}"):
+        digits += 1
+
+    def side(expression: str, value) -> str:
+        shown = f"`{expression}`" if code else expression
+        try:
+            float(expression)
+            return shown
+        except ValueError:
+            return f"{shown}=" + ("?" if value is None else f"{value:.{digits}g}")
+
+    held = {True: "yes", False: "NO", None: f"unknown: {c.get('unknown')}"}[c["held"]]
+    return (f"{side(c['left_expression'], left)} {c['op']} "
+            f"{side(c['right_expression'], right)} ({held})")
 
 
 def timing_flags(done_runs: list[dict]) -> dict:
@@ -350,6 +411,12 @@ def format_results(results: dict) -> str:
         lines.append(f"{f['model']} factorial on {f['metric']} ({len(f['seeds'])} seeds):")
         for name, s in f["contrasts"].items():
             lines.append(f"  {name:<14}{iv(s)}")
+    rules = results.get("decision_rules")
+    if rules:
+        lines.append("decision rules (prospective, fixed before any run; decision rules, not "
+                     "significance tests):")
+        lines += ["  " + decision_rule_line(v, results["protocol"]["seeds"])
+                  for v in rules["verdicts"]]
     return "\n".join(lines)
 
 

@@ -16,6 +16,31 @@ The blocks are shuffled with `shuffle_seed` (`random.Random`), then the orientat
 out so that each model's blocks stay balanced. The job list is computed once, at freeze time,
 and stored in `freeze.json`.
 
+Decision rules (optional): prospective pass/fail rules, declared in the protocol and so frozen
+(hashed with it) before any run, evaluated per model by `cotangent analyze`, re-evaluated by
+`cotangent audit` and shown by `cotangent report`. They are decision rules on point estimates,
+not significance tests.
+
+    [[decision_rules]]
+    name = "practical"          # unique: letters, digits, '_' or '-'
+    kind = "practical"          # a free label (optional)
+    description = "cotangent beats native by 0.003 BPB at <= 1.10x its training time, or ..."
+    any_of = [                  # passes when a clause holds; a clause, when all its conditions do
+      ["bpb(cotangent) <= bpb(native) - 0.003",
+       "training_s(cotangent) <= 1.10 * training_s(native)"],
+      ["bpb(cotangent) <= bpb(native) + 0.001",
+       "training_s(cotangent) <= 0.90 * training_s(native)"],
+    ]
+    # or `all_of = [...]`: one clause
+
+A condition is one comparison (<=, <, >=, >; no chains) of two expressions built from numbers,
++ - * /, unary minus, parentheses, min(...), max(...) and metric(ARM), ARM a protocol arm as a
+bare name or quoted (`bpb("cotangent-zero1")`, since '-' is minus). Metrics per model and arm
+over its done seeds: bpb = mean test BPB, training_s / update_s = median seconds, peak_mib =
+median peak resident memory / 1024 (summary.json `peak_rss_kib`; each job is its own process).
+The parser and evaluator (stdlib `ast`, whitelisted nodes, never `eval`) are in
+`cotangent.audit`, the one implementation that the harness imports and the audit runs.
+
 Campaign directory:
     protocol.toml            the protocol, byte for byte as frozen
     freeze.json              its SHA-256, the code and data fingerprints, the job list
@@ -40,6 +65,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
+from cotangent import audit
 from cotangent.harness import records, schema
 from cotangent.harness.data import DATA_ENV
 from cotangent.harness.model import MODEL_CONFIGS
@@ -94,6 +120,10 @@ class Protocol:
                                        high=10**6)
     train: dict = setting("further TrainConfig settings shared by every job",
                           default_factory=dict, want="a table of cotangent train settings")
+    decision_rules: tuple = setting(
+        "prospective decision rules, evaluated per model by `cotangent analyze` (parse_protocol "
+        "stores them normalised by cotangent.audit.check_decision_rules)", (),
+        want="an array of tables ([[decision_rules]])")
 
     def job_config(self, job: dict, out: str) -> TrainConfig:
         """The `cotangent train` configuration of one job (a single arm)."""
@@ -109,8 +139,9 @@ def parse_protocol(text: str, source: str = "protocol") -> Protocol:
         ValueError: one line naming `source` and the bad key: invalid TOML, a missing or
             unknown key, a value of the wrong type or range (per `Protocol`'s field
             declarations), an arm count the design cannot balance, a probe cadence beyond the
-            steps, a target table without one entry per model, or a `[train]` setting
-            `cotangent train` would refuse.
+            steps, a target table without one entry per model, a `[train]` setting
+            `cotangent train` would refuse, or a decision rule `check_decision_rules` refuses
+            (named, with the problem).
     """
     where = f"{source}: "
     try:
@@ -121,6 +152,11 @@ def parse_protocol(text: str, source: str = "protocol") -> Protocol:
     protocol = Protocol(**values)
     protocol = replace(protocol, target_bpb=_target_per_model(protocol, where),
                        train=_check_train_table(protocol.train, where))
+    try:
+        rules = audit.check_decision_rules(protocol.decision_rules, protocol.arms)
+    except ValueError as exc:
+        raise ValueError(f"{where}{exc}") from None
+    protocol = replace(protocol, decision_rules=tuple(rules))
     _check_protocol_relations(protocol, where)
     _check_job_configs(protocol, where)
     return protocol
@@ -300,6 +336,9 @@ def freeze(protocol_path: str, out: str | None, data_dir: str | None, *, log=pri
         f"{frozen['code']['cotangent_sha256']} (torch {frozen['code']['torch']})\ndata: "
         f"{corpus.name}, " + ", ".join(f"{s} {h[:12]}" for s, h in
                                       frozen["data"]["splits"].items()))
+    if protocol.decision_rules:
+        log("decision rules, frozen with the protocol: "
+            + ", ".join(r["name"] for r in protocol.decision_rules))
     if balance is not None:
         log(f"warning: {balance}")
     return campaign
@@ -406,7 +445,8 @@ def _settle_unfinished(campaign: Path, job: dict, frozen: dict, log) -> None:
             _write_status(attempt, job, n, "done", **base, ended_utc=ended,
                           run_dir=run.relative_to(campaign).as_posix(),
                           note="finished before the runner stopped; recorded on resume")
-            log(f"{job['id']}: attempt {n} had finished before the runner stopped: recorded as done")
+            log(f"{job['id']}: attempt {n} had finished before the runner stopped: recorded as "
+                "done")
         else:
             _write_status(attempt, job, n, "interrupted", **base, ended_utc=ended,
                           reason="the runner stopped before this attempt finished (ended_utc: "

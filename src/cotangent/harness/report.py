@@ -9,7 +9,9 @@ analyze`) and each run's curve.jsonl; writes into RUNS/report/:
     fig-curves.png      probe BPB against training seconds, one line per run, one colour per arm
     fig-factorial.png   2x2 factorial contrasts with their t intervals (when the four arms ran)
     fig-update-ms.png   median update-phase ms per run, per model and arm
-    report.md           the report, linking the figures (renders on GitHub)
+    report.md           the report, linking the figures (renders on GitHub); with decision
+                        rules in the protocol, one line per model and rule: the verdict and the
+                        numbers that decided it
     report.html         the same report with the figures embedded (one self-contained file)
     manifest.json       SHA-256 of each of these files (checked by `cotangent audit`)
 The PNG bytes are deterministic: fixed size and dpi, no timestamp or software metadata.
@@ -28,7 +30,13 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 from cotangent.harness import records  # noqa: E402
-from cotangent.harness.analysis import ANALYSIS, MANIFEST, REPORT, write_manifest  # noqa: E402
+from cotangent.harness.analysis import (  # noqa: E402
+    ANALYSIS,
+    MANIFEST,
+    REPORT,
+    decision_rule_line,
+    write_manifest,
+)
 from cotangent.harness.campaign import sha256_file  # noqa: E402
 from cotangent.harness.stats import CONTRASTS  # noqa: E402
 
@@ -272,6 +280,22 @@ def _timing_blocks(results: dict, runs: list[dict]) -> list[tuple]:
     return blocks
 
 
+def _decision_blocks(results: dict) -> list[tuple]:
+    """The decision-rule section (none without rules): what the rules are and are not, then
+    one paragraph per model and rule: the verdict and the numbers that decided it, and the
+    rule as the protocol describes it."""
+    rules = results.get("decision_rules")
+    if not rules:
+        return []
+    blocks: list[tuple] = [("h2", "Decision rules (prospective, not significance tests)"),
+                           ("p", rules["note"])]
+    for entry in rules["verdicts"]:
+        line = decision_rule_line(entry, results["protocol"]["seeds"], code=True)
+        described = f" Declared as: {entry['description']}" if entry["description"] else ""
+        blocks.append(("p", line + "." + described))
+    return blocks
+
+
 def _report_blocks(results: dict, figures: list[tuple[str, str]],
                    runs: list[dict]) -> list[tuple]:
     p, env, code = results["protocol"], results["environment"], results["code"]
@@ -318,6 +342,7 @@ def _report_blocks(results: dict, figures: list[tuple[str, str]],
                         f"[{level} t interval] (bootstrap interval). Time to target: training "
                         "seconds at the first probe at or below the target BPB; pairs where "
                         "either run never reached it are censored and counted, not dropped."))
+    blocks += _decision_blocks(results)
     blocks += _timing_blocks(results, runs)
     if results["factorial"]:
         blocks.append(("h2", "2x2 factorial (batched norms x packing)"))
