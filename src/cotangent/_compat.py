@@ -249,3 +249,9 @@ def compiled_strictly(active: bool):
         return
     with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
         yield
+
+
+def foreach_copy_(dst: list[Tensor], src: list[Tensor]) -> None:
+    """`torch._foreach_copy_`: the copy back into the parameters that MuonAdamW's published
+    (reference) path makes after stepping its stacks."""
+    torch._foreach_copy_(dst, src)

@@ -340,7 +340,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 fn(stacked_grads, stacked_params, state["momentum_buffer"],
                    state["second_momentum_buffer"], t["momentum"], t["lr"], t["wd"],
                    t["beta2"], group["ns_steps"], red_dim, True)
-                torch._foreach_copy_(params, list(stacked_params.unbind(0)))
+                _compat.foreach_copy_(params, list(stacked_params.unbind(0)))
 
     def compiled_variants(self) -> int:
         """Number of distinct compiled step variants this optimizer needs (compile=True):

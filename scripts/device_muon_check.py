@@ -1,0 +1,155 @@
+"""Device check for the Muon optimizers (run on a CUDA machine; `--small` runs it on CPU).
+
+1. `cotangent.Muon` against `torch.optim.Muon` (same arguments): bytes of every parameter and
+   momentum buffer after each step, the batched-probe verdict per batch, and the median step
+   time of each (arms interleaved, gradients from a real backward before each step).
+2. `cotangent.MuonAdamW` packed against reference (eager, then compiled): bytes after each
+   step and the median update-phase time of each.
+
+Writes one JSON document to the path given by --out (default: stdout only).
+    PYTHONPATH=src python3 scripts/device_muon_check.py --out $OUT/muon-cuda.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+
+import torch
+from torch import nn
+
+import cotangent
+from cotangent.verify import first_difference
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _mats(shapes, device, seed):
+    torch.manual_seed(seed)
+    return nn.ParameterList(nn.Parameter(torch.randn(r, c, device=device) / c ** 0.5)
+                            for r, c in shapes)
+
+
+def _loss(mats, x_by_cols):
+    total = 0.0
+    for w in mats:
+        total = total + (x_by_cols[w.shape[1]] @ w.T).square().mean()
+    return total
+
+
+def muon_rows(groups, device, steps, repeats):
+    out = []
+    for name, shapes in groups.items():
+        native, ours = _mats(shapes, device, 0), _mats(shapes, device, 0)
+        opt_n = torch.optim.Muon(native.parameters(), lr=0.02)
+        opt_o = cotangent.Muon(ours.parameters(), lr=0.02)
+        gen = torch.Generator(device=device).manual_seed(1)
+        cols = sorted({c for _, c in shapes})
+        times = {"native": [], "cotangent": []}
+        problem = None
+        for step in range(steps + repeats):
+            xs = {c: torch.randn(16, c, device=device, generator=gen) for c in cols}
+            order = ((native, opt_n, "native"), (ours, opt_o, "cotangent"))
+            for model, opt, arm in (order if step % 2 == 0 else order[::-1]):
+                _loss(model, xs).backward()
+                _sync(device)
+                t0 = time.perf_counter()
+                opt.step()
+                _sync(device)
+                times[arm].append(time.perf_counter() - t0)
+                opt.zero_grad()
+            for a, b in zip(native.parameters(), ours.parameters()):
+                problem = problem or first_difference(a, b) or first_difference(
+                    opt_n.state[a]["momentum_buffer"], opt_o.state[b]["momentum_buffer"])
+        nat = statistics.median(times["native"][steps:]) * 1e3
+        our = statistics.median(times["cotangent"][steps:]) * 1e3
+        out.append({"batch": name, "shapes": shapes, "native_ms": nat, "cotangent_ms": our,
+                    "ratio": our / nat, "bitwise": problem is None, "first_difference": problem,
+                    "batched": [b["batched"] for b in opt_o.batch_summary()]})
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
+def muon_adamw_rows(width, blocks, device, steps, repeats, compile):
+    shapes = [(width, width)] * 4 * blocks + [(4 * width, width), (width, 4 * width)] * blocks
+
+    def build():
+        torch.manual_seed(0)
+        emb = nn.Parameter(torch.randn(256, width, device=device) * 0.02)
+        mats = _mats(shapes, device, 0)
+        return emb, mats
+
+    arms = {}
+    for packed in (False, True):
+        emb, mats = build()
+        opt = cotangent.MuonAdamW([{"params": [emb], "lr": 0.2}], list(mats), packed=packed,
+                                  compile=compile)
+        arms[packed] = (emb, mats, opt)
+    gen = torch.Generator(device=device).manual_seed(1)
+    times = {False: [], True: []}
+    problem = None
+    for step in range(steps + repeats):
+        idx = torch.randint(0, 256, (16,), device=device, generator=gen)
+        for packed in ((False, True) if step % 2 == 0 else (True, False)):
+            emb, mats, opt = arms[packed]
+            x = emb[idx]
+            for w in mats:
+                x = x + torch.tanh(x @ w.T) if w.shape[0] == w.shape[1] else x
+            (x.square().mean() + _loss(mats, {width: emb[idx], 4 * width: torch.ones(
+                16, 4 * width, device=device)})).backward()
+            _sync(device)
+            t0 = time.perf_counter()
+            opt.step()
+            opt.zero_grad()
+            _sync(device)
+            times[packed].append(time.perf_counter() - t0)
+        for a, b in zip([arms[False][0], *arms[False][1]], [arms[True][0], *arms[True][1]]):
+            problem = problem or first_difference(a, b)
+    ref = statistics.median(times[False][steps:]) * 1e3
+    pk = statistics.median(times[True][steps:]) * 1e3
+    row = {"model": f"{blocks} blocks x width {width}", "compile": compile,
+           "reference_ms": ref, "packed_ms": pk, "ratio": pk / ref,
+           "bitwise": problem is None, "first_difference": problem,
+           "first_step_s": {"reference": times[False][0], "packed": times[True][0]}}
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--small", action="store_true", help="tiny sizes (CPU smoke run)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.small else "cpu")
+    if args.small:
+        groups = {"3x48^2": [(48, 48)] * 3, "2x(32,96)": [(32, 96)] * 2}
+        width, blocks, steps, repeats = 32, 2, 2, 3
+    else:
+        groups = {"8x384^2": [(384, 384)] * 8, "4x(64,256)": [(64, 256)] * 4,
+                  "6x96^2": [(96, 96)] * 6, "12x768^2": [(768, 768)] * 12,
+                  "12x(3072,768)": [(3072, 768)] * 12, "12x(768,3072)": [(768, 3072)] * 12}
+        width, blocks, steps, repeats = 768, 12, 3, 20
+    result = {"torch": torch.__version__, "python": platform.python_version(),
+              "device": torch.cuda.get_device_name() if device.type == "cuda" else
+              platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
+              "muon": muon_rows(groups, device, steps, repeats),
+              "muon_adamw": [muon_adamw_rows(width, blocks, device, steps, repeats, c)
+                             for c in (False, True)]}
+    text = json.dumps(result, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(text)
+    ok = all(r["bitwise"] for r in result["muon"] + result["muon_adamw"])
+    print("all bitwise" if ok else "DIFFERENCES FOUND", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
