@@ -249,7 +249,14 @@ def test_compiled_packed_equals_compiled_reference():
     ref, ours = build(), build()
     opt_r, opt_o = make_opt(ref, False, compile=True), make_opt(ours, True, compile=True)
     assert opt_o.compiled_variants() <= torch._dynamo.config.recompile_limit
-    lockstep(ref, ours, opt_r, opt_o)
+    lockstep(ref, ours, opt_r, opt_o, steps=3)
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    assert graphs > 0
+    for opt in (opt_r, opt_o):  # a scheduler moves every lr: the 0-D tensors keep the graphs
+        for group in opt.param_groups:
+            group["lr"] *= 0.5
+    lockstep(ref, ours, opt_r, opt_o, steps=3)
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == graphs  # no recompile
 
 
 def test_public_names():
