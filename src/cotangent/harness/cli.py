@@ -19,6 +19,7 @@ from cotangent.harness import schema
 from cotangent.harness.data import DATA_ENV, embedded_corpus, load_wikitext2
 from cotangent.harness.model import MODEL_CONFIGS
 from cotangent.harness.train import (
+    OccurrenceSyncError,
     TrainConfig,
     check_data_parallel_device,
     check_device,
@@ -661,6 +662,9 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"cotangent: error: {exc}", file=sys.stderr)
         return 2
+    except OccurrenceSyncError as exc:  # a study arm's replicas diverged: the run failed
+        print(f"cotangent: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """`cotangent train`: the same seed trained with the native and the Cotangent update phase.
 
-Arms (the 2x2 factorial {batched norms} x {packing}; every arm gives native's bits):
+Bitwise arms (the 2x2 factorial {batched norms} x {packing}; every arm gives native's bits):
     native              `torch.nn.utils.clip_grad_norm_(params, max_norm)` (foreach=None) then
                         `torch.optim.AdamW(..., fused=True)` - the fastest native CPU path.
     cotangent           `cotangent.AdamW(..., fused=True, max_norm=max_norm)`: both.
@@ -8,6 +8,19 @@ Arms (the 2x2 factorial {batched norms} x {packing}; every arm gives native's bi
                         tensors, native clip multiply and AdamW.
     packing-only        `cotangent.AdamW(..., batched_norms=False)`: packed buffers, merged
                         AdamW calls, native per-tensor norms.
+
+Study arms (occurrence aggregation of a shared recurrent core; a study, not a bitwise family:
+their final hashes are recorded, never required to agree), each on a `recurrent-*` model and
+trained with `cotangent.MuonAdamW` (packed; Muon for the block matrices, AdamW for the token
+embedding and the head, settings `muon_*`; no gradient clipping; the warmup + cosine schedule
+`lr_factor` on every group):
+    U                   untied core: every occurrence of a core block has its own weights.
+    S                   shared core: one module per core block, reused at each occurrence.
+    P, A, AP, PA        replicated core (one replica leaf per occurrence, identical at init)
+                        kept in sync by `cotangent.occurrence.OccurrenceAggregator` in mode
+                        pooled, averaged, ap, pa; every step must end with the replicas equal
+                        (`sync_error` 0.0), else the run stops (`OccurrenceSyncError`).
+Bitwise arms on a recurrent model train its untied variant.
 
 The arms run interleaved in one process (step i of both before step i + 1, their order
 alternating), each from `torch.manual_seed(seed)` and its own window sampler, so machine drift
@@ -56,8 +69,15 @@ from cotangent.factorial import BatchedNormsOnly
 from cotangent.harness.model import MODEL_CONFIGS, build_model
 from cotangent.harness.schema import setting
 
-TRAIN_ARMS = ("native", "cotangent", "batched-norms-only", "packing-only", "cotangent-zero1")
+BITWISE_ARMS = ("native", "cotangent", "batched-norms-only", "packing-only", "cotangent-zero1")
+# Study arm -> (the recurrent model's sharing, the OccurrenceAggregator mode or None).
+STUDY_ARMS: dict[str, tuple[str, str | None]] = {
+    "U": ("untied", None), "S": ("shared", None), "P": ("replicated", "pooled"),
+    "A": ("replicated", "averaged"), "AP": ("replicated", "ap"), "PA": ("replicated", "pa")}
+TRAIN_ARMS = BITWISE_ARMS + tuple(STUDY_ARMS)
 DEFAULT_ARMS = ("native", "cotangent")
+OCCURRENCE_KEYS = ("pooled_norm", "averaged_norm", "target_norm", "realized_norm",
+                   "relative_norm_mismatch", "cosine", "sync_error")
 NATIVE_PATH = "clip_grad_norm_(foreach=None) + torch.optim.AdamW(fused=True)"
 
 
@@ -97,6 +117,26 @@ class TrainConfig:
     arms: tuple[str, ...] = setting("which arms, trained interleaved; the first is the "
                                     "baseline", DEFAULT_ARMS, choices=TRAIN_ARMS, min_items=1,
                                     distinct=True)
+    # The study arms (U, S, P, A, AP, PA): cotangent.MuonAdamW settings (nanochat's defaults,
+    # without its (width / 768) ** -0.5 scaling of the AdamW lrs); lr, betas, eps,
+    # weight_decay and max_norm above are the bitwise arms' and do not apply to them.
+    muon_lr: float = setting("study arms: peak Muon lr (block matrices)", 0.02, low=0.0)
+    muon_momentum: float = setting("study arms: Muon Nesterov momentum", 0.95, low=0.0,
+                                   high=1.0, high_open=True)
+    muon_ns_steps: int = setting("study arms: Polar Express iterations", 5, low=1, high=5)
+    muon_beta2: float = setting("study arms: Muon (NorMuon) second-moment decay", 0.95, low=0.0,
+                                high=1.0, high_open=True)
+    muon_weight_decay: float = setting("study arms: Muon cautious weight decay", 0.0, low=0.0)
+    muon_embedding_lr: float = setting("study arms: peak AdamW lr of the token embedding", 0.2,
+                                       low=0.0)
+    muon_head_lr: float = setting("study arms: peak AdamW lr of the head", 0.004, low=0.0)
+    muon_adamw_betas: tuple[float, float] = setting("study arms: AdamW betas (embedding, head)",
+                                                    (0.8, 0.95), low=0.0, high=1.0,
+                                                    high_open=True)
+    muon_adamw_eps: float = setting("study arms: AdamW eps", 1e-10, low=0.0)
+    muon_adamw_weight_decay: float = setting("study arms: AdamW decoupled weight decay", 0.0,
+                                             low=0.0)
+    muon_compile: bool = setting("study arms: torch.compile MuonAdamW's step functions", False)
 
     def resolved_precision(self) -> str:
         """fp32 or bf16: `precision`, with auto resolved for `device`."""
@@ -116,8 +156,23 @@ def validate_config(cfg: TrainConfig) -> None:
             `out` path that is a file.
     """
     schema.check(TrainConfig, {f.name: getattr(cfg, f.name) for f in fields(cfg)})
+    check_study_arms(cfg.arms, cfg.model)
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise ValueError(f"out {cfg.out} exists and is not a directory")
+
+
+def check_study_arms(arms, model: str) -> None:
+    """Raise ValueError (one line) when a study arm is asked of a model that is not recurrent."""
+    study = [a for a in arms if a in STUDY_ARMS]
+    family = MODEL_CONFIGS[model].family if model in MODEL_CONFIGS else None
+    if study and family != "recurrent":
+        recurrent = sorted(n for n, c in MODEL_CONFIGS.items() if c.family == "recurrent")
+        raise ValueError(f"arm(s) {', '.join(study)} train a recurrent model ("
+                         f"{' or '.join(recurrent)}), not {model}")
+
+
+class OccurrenceSyncError(RuntimeError):
+    """A replicated-core study arm ended a step with replicas that differ (sync_error != 0)."""
 
 
 def check_device(name: str) -> None:
@@ -134,7 +189,8 @@ def warmup_steps(steps: int) -> int:
 
 
 def lr_factor(step: int, steps: int) -> float:
-    """Multiplier of the peak lr at update `step` (0-based): linear warmup to 1, then cosine to 0.1."""
+    """Multiplier of the peak lr at update `step` (0-based): linear warmup to 1, then cosine to
+    0.1."""
     w = warmup_steps(steps)
     if step < w:
         return (step + 1) / w
@@ -308,6 +364,10 @@ class Arm:
     With `data_parallel`, `forward` is the model wrapped in `DistributedDataParallel` (after
     the optimizer is built over the unwrapped model's parameters); `model` stays the unwrapped
     model, which the clip, the evaluation and the hashes use.
+
+    A study arm (`STUDY_ARMS`) has `aggregator` (P, A, AP, PA; else None) and, after each
+    update phase, its diagnostics in `occurrence` (`OCCURRENCE_KEYS`; None for U and S).
+    `lr_group` is the param group whose lr the curve records (a study arm's first Muon group).
     """
 
     def __init__(self, name: str, cfg: TrainConfig, device: torch.device,
@@ -317,7 +377,21 @@ class Arm:
         if name == "cotangent-zero1" and data_parallel is None:
             raise ValueError("the cotangent-zero1 arm shards the optimizer state over ranks: "
                              "run it data-parallel (--nproc N or torchrun)")
+        check_study_arms([name], cfg.model)
         self.name = name
+        self.update = None
+        self.aggregator = None
+        self.occurrence: dict | None = None
+        self.lr_group = 0
+        if name in STUDY_ARMS:
+            if data_parallel is not None:
+                raise ValueError(f"the study arms ({', '.join(STUDY_ARMS)}) run in one process, "
+                                 "not data-parallel")
+            self._build_study(name, cfg, device)
+            self.forward = self.model
+            if cfg.compile:  # after packing: MuonAdamW moves the matrices' storage
+                self.forward = torch.compile(self.forward)
+            return
         self.model = build_model(cfg.model, cfg.seed).to(device)
         params = list(self.model.parameters())
         self.forward = self.model
@@ -330,7 +404,6 @@ class Arm:
             self.update = BatchedNormsOnly(params, max_norm=cfg.max_norm, **kw)
             self.optimizer = self.update.optimizer
         else:
-            self.update = None
             # cotangent-zero1: each rank keeps the AdamW state of its share (ZeRO-1)
             self.optimizer = cotangent.AdamW(
                 params, max_norm=cfg.max_norm, batched_norms=name != "packing-only",
@@ -343,8 +416,70 @@ class Arm:
         if cfg.compile:  # after packing: cotangent.AdamW moves parameter storage
             self.forward = torch.compile(self.forward)
 
+    def _build_study(self, name: str, cfg: TrainConfig, device: torch.device) -> None:
+        """The study arm's model variant, aggregator, MuonAdamW and schedule."""
+        from cotangent.occurrence import OccurrenceAggregator
+
+        sharing, mode = STUDY_ARMS[name]
+        self.model = build_model(cfg.model, cfg.seed, sharing=sharing).to(device)
+        muon_params = self.model.matrix_parameters()
+        if mode is not None:  # built before the optimizer packs the replicas
+            self.aggregator = OccurrenceAggregator(self.model.occurrence_groups(), mode)
+            muon_params += self.aggregator.pooled_leaves()
+        self.optimizer = cotangent.MuonAdamW(
+            [{"params": [self.model.tok_emb.weight], "lr": cfg.muon_embedding_lr},
+             {"params": [self.model.head.weight], "lr": cfg.muon_head_lr}],
+            muon_params, adamw_betas=cfg.muon_adamw_betas, adamw_eps=cfg.muon_adamw_eps,
+            adamw_weight_decay=cfg.muon_adamw_weight_decay, muon_lr=cfg.muon_lr,
+            muon_momentum=cfg.muon_momentum, muon_ns_steps=cfg.muon_ns_steps,
+            muon_beta2=cfg.muon_beta2, muon_weight_decay=cfg.muon_weight_decay, packed=True,
+            compile=cfg.muon_compile)
+        self.lr_group = next(i for i, g in enumerate(self.optimizer.param_groups)
+                             if g["kind"] == "muon")
+        # every group's lr: its own peak (initial_lr) * lr_factor, as for the bitwise arms
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(
+            self.optimizer, lambda s: lr_factor(s, cfg.steps))
+
+    def study_record(self) -> dict | None:
+        """metadata.json's `study` entry (None for a bitwise arm)."""
+        if self.name not in STUDY_ARMS:
+            return None
+        sharing, mode = STUDY_ARMS[self.name]
+        groups = self.optimizer.param_groups
+        muon = [p for g in groups if g["kind"] == "muon" for p in g["params"]]
+        return {"sharing": sharing, "occurrence_mode": mode,
+                "optimizer": "cotangent.MuonAdamW(packed=True, compile="
+                             f"{bool(self.optimizer.compile)})",
+                "muon_groups": [list(g["params"][0].shape) for g in groups
+                                if g["kind"] == "muon"],
+                "muon_tensors": len(muon), "muon_parameters": sum(p.numel() for p in muon),
+                "pooled_leaves": 0 if self.aggregator is None
+                else len(self.aggregator.pooled_leaves()),
+                "gradient_clipping": None,
+                "update_phase": "gradient norm (recorded, not clipped)"
+                                + (", aggregator.before_step" if self.aggregator else "")
+                                + ", MuonAdamW.step"
+                                + (", aggregator.after_step" if self.aggregator else "")
+                                + ", zero_grad(set_to_none=True)"}
+
     def update_phase(self) -> torch.Tensor:
-        """Clip, step, zero_grad; returns the total gradient norm before clipping."""
+        """Clip, step, zero_grad; returns the total gradient norm before clipping.
+
+        A study arm: the L2 norm of every gradient the backward gave (replicas and shared
+        leaves as they are, before any aggregation; nothing is clipped), then
+        `aggregator.before_step()`, the MuonAdamW step, `aggregator.after_step()` (its
+        diagnostics in `occurrence`) and zero_grad."""
+        if self.name in STUDY_ARMS:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            total = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            if self.aggregator is not None:
+                self.aggregator.before_step()
+            self.optimizer.step()
+            if self.aggregator is not None:
+                self.occurrence = self.aggregator.after_step()
+            self.optimizer.zero_grad(set_to_none=True)
+            return total
         if self.update is not None:
             total = self.update.step()
         else:
@@ -352,6 +487,18 @@ class Arm:
             total = self.optimizer.last_total_norm
         self.optimizer.zero_grad(set_to_none=True)
         return total
+
+    def check_sync(self, row: dict) -> None:
+        """Raise OccurrenceSyncError unless the step of curve row `row` left a replicated
+        core's replicas equal (sync_error exactly 0.0); nothing for the other arms."""
+        if self.aggregator is None:
+            return
+        error = row["sync_error"]
+        if not error == 0.0:
+            raise OccurrenceSyncError(
+                f"arm {self.name}: the replicas of the recurrent core differ after update "
+                f"{row['step']} (sync_error {error!r}, max |replica - replica 0|; must be 0.0): "
+                "the run is stopped, its records stay INCOMPLETE")
 
 
 def evaluate_bpb(model: torch.nn.Module, windows: torch.Tensor, *, batch: int,
@@ -401,9 +548,11 @@ def _nll_sum(model: torch.nn.Module, windows: torch.Tensor, *, batch: int,
     return total_nll, targets
 
 
-def schedule_sha256(cfg: TrainConfig) -> str:
-    """SHA-256 of the learning rate of every update (repr of the floats, in order)."""
-    lrs = [cfg.lr * lr_factor(step, cfg.steps) for step in range(cfg.steps)]
+def schedule_sha256(cfg: TrainConfig, arm: str | None = None) -> str:
+    """SHA-256 of the learning rate of every update (repr of the floats, in order): the
+    curve's `lr` column, `cfg.lr` scaled by `lr_factor`, or `cfg.muon_lr` for a study arm."""
+    peak = cfg.muon_lr if arm in STUDY_ARMS else cfg.lr
+    lrs = [peak * lr_factor(step, cfg.steps) for step in range(cfg.steps)]
     return hashlib.sha256(repr(lrs).encode()).hexdigest()
 
 
@@ -445,11 +594,15 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
     after the summary is written: a killed run stays marked incomplete. A run directory that
     already exists is never reused. In a data-parallel run only rank 0 writes them.
 
-    The dict has `arms`, `identical_final_hash` and, per arm, `update_ms` and `step_ms` (medians
-    over steps), `val_bpb`, `test_bpb`, `final_model_sha256`, `run_dir` and the rest of the
-    summary, including the machine-load record and timing flags of
-    `cotangent.harness.contention` (`cpu_s`, `host_cpu_s`, ..., `step_outliers`, `busy`,
-    `flagged`). A data-parallel run adds `ranks_agree` (every rank ended with the same final
+    The dict has `arms`, `identical_final_hash` (every bitwise arm ended with the same final
+    model SHA-256; vacuously true with fewer than two: the study arms' hashes are recorded,
+    never compared), `study_arms` and, per arm, `update_ms` and `step_ms` (medians over
+    steps), `val_bpb`, `test_bpb`, `final_model_sha256`, `run_dir` and the rest of the summary,
+    including the machine-load record and timing flags of `cotangent.harness.contention`
+    (`cpu_s`, `host_cpu_s`, ..., `step_outliers`, `busy`, `flagged`; replicated-core study
+    arms: `max_sync_error`, `max_relative_norm_mismatch`). A study arm whose replicas differ
+    after a step stops the run (`OccurrenceSyncError`, raised after that step's curve row is
+    written). A data-parallel run adds `ranks_agree` (every rank ended with the same final
     model SHA-256 in every arm) and `data_parallel` (world_size, backend, ...); each arm's
     summary has `data_parallel` with the per-rank hashes.
     """
@@ -476,21 +629,29 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
     samplers = {name: WindowSampler(corpus.splits["train"], seed=seed,
                                     batch_size=cfg.batch_size, context=context)
                 for name in cfg.arms}
-    params = list(arms[cfg.arms[0]].model.parameters())
-    n_params, n_tensors = sum(p.numel() for p in params), len(params)
+    counts = {name: _count(arm.model) for name, arm in arms.items()}
     if writer:
         _start_records(run, arms, corpus, env, precision, config_toml)
     for arm in arms.values():
         arm.optimizer.zero_grad(set_to_none=True)
     setup_s = time.perf_counter() - t_start
-    log(f"training {cfg.model} ({n_params:,} parameters, {n_tensors} tensors) for {cfg.steps} "
+    if len(set(counts.values())) == 1:
+        n_params, n_tensors = counts[cfg.arms[0]]
+        size = f"{n_params:,} parameters, {n_tensors} tensors"
+    else:  # study arms: the sharing variants differ
+        size = "; ".join(f"{name} {n:,} parameters, {t} tensors"
+                         for name, (n, t) in counts.items())
+    log(f"training {cfg.model} ({size}) for {cfg.steps} "
         f"steps per arm on {device.type} in {precision}, arms interleaved: {', '.join(cfg.arms)}"
         + ("" if dp is None else
            f"; data-parallel: {dp.world_size} ranks ({dp.backend}), {dp.threads} torch "
            f"thread(s) and {cfg.batch_size} windows per step on each rank"))
     curves = _Curves(run.root, cfg.arms, write=writer)
-    load = _train_loop(run, arms, samplers, curves, windows["probe"],
-                       show_progress if writer else False, log, progress_every_s)
+    variants = sum(arm.optimizer.compiled_variants() for arm in arms.values()
+                   if arm.name in STUDY_ARMS and cfg.muon_compile)
+    with _recompile_room(variants):
+        load = _train_loop(run, arms, samplers, curves, windows["probe"],
+                           show_progress if writer else False, log, progress_every_s)
     result: dict = {name: _summarize_arm(run, name, arm, curves, windows, load, setup_s)
                     for name, arm in arms.items()}
     if dp is not None:
@@ -498,9 +659,46 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
     if writer:
         _finish_records(run, curves, result)
     result["arms"] = list(cfg.arms)
+    result["study_arms"] = [name for name in cfg.arms if name in STUDY_ARMS]
     result["identical_final_hash"] = len(
-        {result[name]["final_model_sha256"] for name in cfg.arms}) == 1
+        {result[name]["final_model_sha256"] for name in cfg.arms if name not in STUDY_ARMS}) <= 1
     return result
+
+
+@contextmanager
+def _recompile_room(needed: int) -> Iterator[None]:
+    """Dynamo's recompile limit raised to at least `needed` inside the block.
+
+    Why: MuonAdamW's compiled step functions (`muon_compile`) are shared by every optimizer in
+    the process, one compiled variant per Muon group shape and AdamW parameter shape
+    (`MuonAdamW.compiled_variants()`), and MuonAdamW raises rather than run a call eager once
+    the limit (8 by default) is reached: three study arms in one run already need 12."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    if needed <= getattr(config, name):
+        yield
+        return
+    with config.patch(**{name: needed}):
+        yield
+
+
+def _count(model: torch.nn.Module) -> tuple[int, int]:
+    """(parameters, tensors) of `model`."""
+    params = list(model.parameters())
+    return sum(p.numel() for p in params), len(params)
+
+
+def canonical_sha256(model: torch.nn.Module) -> str | None:
+    """A recurrent model's `canonical_state()` hashed as `records.model_sha256` hashes a state
+    dict (the same for every sharing variant of one seed at init); None for other models."""
+    if not hasattr(model, "canonical_state"):
+        return None
+    h = hashlib.sha256()
+    for name, t in model.canonical_state().items():
+        t = t.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\0".encode())
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _finish_records(run: _Run, curves: _Curves, result: dict) -> None:
@@ -563,15 +761,16 @@ def _eval_windows(cfg: TrainConfig, corpus: Corpus, context: int) -> dict:
 def _start_records(run: _Run, arms: dict[str, Arm], corpus: Corpus, env: dict, precision: str,
                    config_toml: str | None) -> None:
     """Create each arm's run directory (never an existing one) with its INCOMPLETE marker,
-    metadata.json and config.toml."""
+    metadata.json and config.toml. A recurrent model's metadata adds
+    `init_canonical_sha256` (`canonical_sha256`: equal for every arm of one seed, whatever the
+    sharing); a study arm's adds `study` (`Arm.study_record`) and has no `native_path`."""
     cfg = run.cfg
-    params = list(arms[cfg.arms[0]].model.parameters())
-    n_params, n_tensors = sum(p.numel() for p in params), len(params)
     dp = run.data_parallel
     for name, arm in arms.items():
         run_dir = run.root / name
         run_dir.mkdir(parents=True, exist_ok=False)  # never reuse or overwrite a run
         records.write_atomic(run_dir / "INCOMPLETE", "this run has not finished\n")
+        n_params, n_tensors = _count(arm.model)
         meta = {
             "arm": name,
             "config": asdict(cfg),
@@ -580,11 +779,11 @@ def _start_records(run: _Run, arms: dict[str, Arm], corpus: Corpus, env: dict, p
             "environment": env,
             "device_name": _device_name(run.device),
             "data": corpus.manifest(),
-            "native_path": NATIVE_PATH,
+            "native_path": None if name in STUDY_ARMS else NATIVE_PATH,
             "parameters": n_params,
             "tensors": n_tensors,
             "init_model_sha256": records.model_sha256(arm.model),
-            "schedule_sha256": schedule_sha256(cfg),
+            "schedule_sha256": schedule_sha256(cfg, name),
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
             "command": sys.argv,
             "data_parallel": SINGLE_PROCESS_RECORD if dp is None else dp.record(),
@@ -592,6 +791,11 @@ def _start_records(run: _Run, arms: dict[str, Arm], corpus: Corpus, env: dict, p
         if isinstance(arm.optimizer, cotangent.AdamW):
             meta["layout"] = arm.optimizer.layout_summary()
             meta["buckets"] = sum(layout["buckets"] for layout in meta["layout"])
+        canonical = canonical_sha256(arm.model)
+        if canonical is not None:
+            meta["init_canonical_sha256"] = canonical
+        if name in STUDY_ARMS:
+            meta["study"] = arm.study_record()
         records.write_json(run_dir / "metadata.json", meta)
         if config_toml is not None:
             records.write_atomic(run_dir / "config.toml", config_toml + "\n")
@@ -649,6 +853,7 @@ def _train_loop(run: _Run, arms: dict[str, Arm], samplers: dict[str, WindowSampl
         for name in order:
             row = _train_step(run, arms[name], samplers[name], step, host)
             curves.add(name, row)
+            arms[name].check_sync(row)  # after the row is on disk (curve.partial.jsonl)
             since_line[name].append(row)
             if probe is not None and (step + 1) % cfg.eval_every == 0:
                 bpb, _ = evaluate_bpb(arms[name].model, probe, batch=cfg.eval_batch,
@@ -672,14 +877,15 @@ def _train_step(run: _Run, arm: Arm, sampler: WindowSampler, step: int,
                 host: contention.HostSampler) -> dict:
     """One timed step of one arm (forward, backward, update phase; then the LR schedule);
     returns its curve row: loss in bits per byte, lr, gradient norm, step_s, update_s and the
-    machine load (cpu_s; host_cpu_s, host_steal_s where measured).
+    machine load (cpu_s; host_cpu_s, host_steal_s where measured); a replicated-core study arm
+    adds the occurrence diagnostics (`OCCURRENCE_KEYS`).
 
     Data parallel (collective): loss_bpb is the mean over ranks of each rank's batch loss and
     cpu_s the CPU seconds of every rank on rank 0's machine (so that the contention rules do
     not count this run's own ranks as other work); step_s and update_s are this rank's."""
     device = run.device
     batch = sampler.next_batch().to(device)
-    lr = arm.optimizer.param_groups[0]["lr"]
+    lr = arm.optimizer.param_groups[arm.lr_group]["lr"]
     sync(device)
     # Machine load around the step, read outside the timed region.
     h0 = host.sample()
@@ -703,6 +909,8 @@ def _train_step(run: _Run, arm: Arm, sampler: WindowSampler, step: int,
     if h0 is not None and h1 is not None:
         row["host_cpu_s"] = h1[0] - h0[0]
         row["host_steal_s"] = h1[1] - h0[1]
+    if arm.occurrence is not None:
+        row.update({key: arm.occurrence[key] for key in OCCURRENCE_KEYS})
     return row
 
 
@@ -723,8 +931,10 @@ def _across_ranks(dp: DataParallel | None, loss: float, cpu_s: float) -> tuple[f
 def _summarize_arm(run: _Run, name: str, arm: Arm, curves: _Curves, windows: dict, load: dict,
                    setup_s: float) -> dict:
     """Evaluate arm `name`'s final model on valid and test, and summarize its steps: medians
-    and sums of the times, BPB, final hash, machine load and timing flags (summary.json).
-    A run whose host load was not measured at every step drops the partial host columns."""
+    and sums of the times, BPB, final hash, machine load and timing flags (summary.json); a
+    replicated-core study arm adds `max_sync_error` and `max_relative_norm_mismatch` over its
+    steps. A run whose host load was not measured at every step drops the partial host
+    columns."""
     cfg, device, dp = run.cfg, run.device, run.data_parallel
     val_bpb, val_targets = evaluate_bpb(arm.model, windows["valid"], batch=cfg.eval_batch,
                                         device=device, autocast=run.autocast, data_parallel=dp)
@@ -744,6 +954,11 @@ def _summarize_arm(run: _Run, name: str, arm: Arm, curves: _Curves, windows: dic
     # Data parallel: cpu_s covers every rank on rank 0's machine, so do the threads.
     threads = load["threads"] * (1 if dp is None else dp.local_world_size)
     flags = contention.assess(step_s, cpu_s, host_cpu_s, host_cpus, threads)
+    occurrence = {}
+    if arm.aggregator is not None:
+        occurrence = {"max_sync_error": max(r["sync_error"] for r in steps),
+                      "max_relative_norm_mismatch": max(r["relative_norm_mismatch"]
+                                                        for r in steps)}
     return {
         "arm": name,
         "steps": cfg.steps,
@@ -773,6 +988,7 @@ def _summarize_arm(run: _Run, name: str, arm: Arm, curves: _Curves, windows: dic
         "load_avg_1m_start": load["load_avg_1m_start"],
         "load_avg_1m_end": load["load_avg_1m_end"],
         **{k: v for k, v in flags.items() if k != "median_step_s"},
+        **occurrence,
     }
 
 
@@ -818,7 +1034,9 @@ def format_config(cfg: TrainConfig) -> str:
 
 def format_comparison(result: dict) -> str:
     """Human-readable comparison table of `run_train`'s result (a data-parallel run adds
-    whether every rank ended with the same hashes)."""
+    whether every rank ended with the same hashes). Only the bitwise arms are compared by
+    hash; the study arms are listed as such, the replicated-core ones with their largest
+    sync_error and relative_norm_mismatch."""
     arms = result["arms"]
     lines = [f"{'arm':<19} {'update_ms':>10} {'step_ms':>9} {'val_bpb':>8} {'test_bpb':>8}  "
              "final_model_sha256"]
@@ -827,11 +1045,23 @@ def format_comparison(result: dict) -> str:
         lines.append(f"{name:<19} {r['update_ms']:>10.2f} {r['step_ms']:>9.1f} "
                      f"{r['val_bpb']:>8.4f} {r['test_bpb']:>8.4f}  {r['final_model_sha256']}")
     base = result[arms[0]]
+    study = [name for name in arms if name in STUDY_ARMS]
+    bitwise = [name for name in arms if name not in STUDY_ARMS]
     if len(arms) == 1:
         lines.append("one arm: no comparison")
-    else:
-        lines.append("identical final model SHA-256: "
+    elif len(bitwise) > 1:
+        which = f" ({', '.join(bitwise)})" if study else ""
+        lines.append(f"identical final model SHA-256{which}: "
                      f"{'yes' if result['identical_final_hash'] else 'NO'}")
+    if study:
+        lines.append(f"study arms {', '.join(study)}: final hashes recorded, not required to "
+                     "agree (an occurrence-aggregation study, not a bitwise family)")
+    for name in study:
+        r = result[name]
+        if "max_sync_error" in r:
+            lines.append(f"{name}: replicas in sync after every step (max sync_error "
+                         f"{r['max_sync_error']!r}), max relative_norm_mismatch "
+                         f"{r['max_relative_norm_mismatch']:.3g}")
     dp = result.get("data_parallel")
     if dp is not None:
         lines.append(f"same final model SHA-256 on all {dp['world_size']} ranks "
@@ -854,10 +1084,15 @@ def format_comparison(result: dict) -> str:
 def result_json(result: dict) -> str:
     """One-line JSON of the comparison (the last line of `cotangent train --json`); a
     data-parallel run adds `ranks_agree` and `data_parallel` (world_size, backend,
-    threads_per_rank)."""
-    keys = ("update_ms", "step_ms", "val_bpb", "test_bpb", "final_model_sha256", "run_dir")
+    threads_per_rank); study arms add `study_arms` and, replicated-core ones,
+    `max_sync_error` and `max_relative_norm_mismatch` in their entries."""
+    keys = ("update_ms", "step_ms", "val_bpb", "test_bpb", "final_model_sha256", "run_dir",
+            "max_sync_error", "max_relative_norm_mismatch")
     obj = {"identical_final_hash": result["identical_final_hash"]}
-    obj.update({name: {k: result[name][k] for k in keys} for name in result["arms"]})
+    obj.update({name: {k: result[name][k] for k in keys if k in result[name]}
+                for name in result["arms"]})
+    if result.get("study_arms"):
+        obj["study_arms"] = result["study_arms"]
     if "data_parallel" in result:
         obj["ranks_agree"] = result["ranks_agree"]
         obj["data_parallel"] = result["data_parallel"]
