@@ -134,3 +134,16 @@ def test_compiled_rows_are_bitwise():
     assert (eager["compile"], compiled["compile"]) == (False, True)
     assert compiled["bitwise"] is True and compiled["packed_update_ms"] > 0
     assert "compiled" in result["table"]
+
+
+def test_cli_bench_muon(capsys):
+    from cotangent.harness import cli
+
+    assert cli.main(["bench", "--muon", "--shapes", "4x64x256", "--repeats", "2",
+                     "--warmup", "0", "--json"]) == 0
+    out = capsys.readouterr().out
+    assert "4x64x256" in out and '"bitwise": true' in out
+    assert cli.main(["bench", "--muon", "--shapes", "nope"]) == 2
+    assert "valid with --muon" in capsys.readouterr().err
+    assert cli.main(["bench", "--compile"]) == 2
+    assert "--compile applies to --muon only" in capsys.readouterr().err

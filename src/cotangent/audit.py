@@ -718,6 +718,7 @@ def load_run(a: Audit, job: dict, run_rel: str, protocol: dict, frozen: dict) ->
         "val_bpb": summary.get("val_bpb"), "peak_rss_kib": summary.get("peak_rss_kib"),
         "final_model_sha256": summary.get("final_model_sha256"),
         "init_model_sha256": meta.get("init_model_sha256"),
+        "init_canonical_sha256": meta.get("init_canonical_sha256"),
         "schedule_sha256": meta.get("schedule_sha256"), "metadata": m, "config": cfg,
     }
 
@@ -977,11 +978,16 @@ def check_shared_settings(a: Audit, done: dict) -> None:
 
 
 def check_blocks(a: Audit, protocol: dict, done: dict) -> None:
-    """Check 4: the arms of a (model, seed) block share the initial model and LR schedule."""
+    """Check 4: the arms of a (model, seed) block share the initial model and LR schedule.
+    Where every run of the block records `init_canonical_sha256` (recurrent models, whose
+    untied, shared and replicated variants hold different tensors by design), that hash of the
+    tensors every variant shares is compared instead of the whole model's."""
     for m in protocol["models"]:
         for s in protocol["seeds"]:
             block = [done[(m, s, arm)] for arm in protocol["arms"] if (m, s, arm) in done]
-            for key in ("init_model_sha256", "schedule_sha256"):
+            init = ("init_canonical_sha256" if block and all(
+                r.get("init_canonical_sha256") for r in block) else "init_model_sha256")
+            for key in (init, "schedule_sha256"):
                 for r in block[1:]:
                     a.check(r[key] == block[0][key], r["metadata"],
                             f"{key} differs from {block[0]['metadata']} (same model and seed)")

@@ -249,12 +249,22 @@ def _bench_parser(sub) -> None:
                         "cotangent ZeRO-1 (default shapes: "
                         "many-small,transformer-small,causal-conv,gated-gqa; --impls default "
                         "fused)")
+    p.add_argument("--muon", action="store_true",
+                   help="instead: MuonAdamW (published stack/copy path vs packed) on the "
+                        "recurrent models, and cotangent.Muon vs torch.optim.Muon on batches of "
+                        "equal-shape matrices (--shapes picks from both lists; default all)")
+    p.add_argument("--compile", action="store_true",
+                   help="with --muon: add a torch.compile'd MuonAdamW row after each eager one")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
 def cmd_bench(args) -> int:
     from cotangent.harness import bench
 
+    if args.muon:
+        return _bench_muon(args)
+    if args.compile:
+        raise ValueError("--compile applies to --muon only")
     if args.distributed is not None:
         return _bench_distributed(args)
     shapes, impls = _bench_choices(args, bench.SHAPES, tuple(bench.IMPLS))
@@ -315,6 +325,34 @@ def _bench_distributed(args) -> int:
     if args.json:
         print(bench.result_json(result))
     return 0 if all(r["bitwise"] for r in result["rows"]) else 1
+
+
+def _bench_muon(args) -> int:
+    """`cotangent bench --muon`: the MuonAdamW and Muon rows (harness/bench_muon.py)."""
+    from cotangent.harness import bench_muon
+
+    if args.distributed is not None or args.impls or args.device != "cpu":
+        raise ValueError("--muon runs on cpu in one process; --distributed, --impls and "
+                         "--device do not apply")
+    if args.repeats < 1 or args.warmup < 0:
+        raise ValueError("--repeats must be >= 1 and --warmup >= 0")
+    names = [s for s in (args.shapes or "").split(",") if s]
+    known = (*bench_muon.MUON_ADAMW_MODELS, *bench_muon.MATRIX_SETS)
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise ValueError(f"unknown shape(s) {', '.join(unknown)} in --shapes; valid with "
+                         f"--muon: {', '.join(known)}")
+    models = [n for n in names if n in bench_muon.MUON_ADAMW_MODELS] if names else list(
+        bench_muon.MUON_ADAMW_MODELS)
+    sets = [n for n in names if n in bench_muon.MATRIX_SETS] if names else list(
+        bench_muon.MATRIX_SETS)
+    print(bench_muon.muon_bench_header(models, sets, args.repeats, args.warmup, args.compile))
+    result = bench_muon.run_muon_bench(models, sets, repeats=args.repeats, warmup=args.warmup,
+                                       compile=args.compile)
+    print(result["table"])
+    if args.json:
+        print(bench_muon.muon_result_json(result))
+    return 0 if bench_muon.muon_bench_ok(result) else 1
 
 
 def _calibrate_parser(sub) -> None:

@@ -113,11 +113,16 @@ def cpu_model() -> str:
 
 
 def model_sha256(model: torch.nn.Module) -> str:
-    """SHA-256 over every parameter and buffer in `state_dict` order: name, dtype, shape and the
-    bytes of its values in logical (row-major) order, so the hash does not depend on where or
-    with which strides a tensor is stored."""
+    """SHA-256 over every parameter and buffer in `state_dict` order (`state_sha256`)."""
+    return state_sha256(model.state_dict())
+
+
+def state_sha256(state: dict[str, torch.Tensor]) -> str:
+    """SHA-256 over the tensors of `state` in order: name, dtype, shape and the bytes of its
+    values in logical (row-major) order, so the hash does not depend on where or with which
+    strides a tensor is stored."""
     h = hashlib.sha256()
-    for name, t in model.state_dict().items():
+    for name, t in state.items():
         t = t.detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\0".encode())
         h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())

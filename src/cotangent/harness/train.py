@@ -693,12 +693,7 @@ def canonical_sha256(model: torch.nn.Module) -> str | None:
     dict (the same for every sharing variant of one seed at init); None for other models."""
     if not hasattr(model, "canonical_state"):
         return None
-    h = hashlib.sha256()
-    for name, t in model.canonical_state().items():
-        t = t.detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)}\0".encode())
-        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    return records.state_sha256(model.canonical_state())
 
 
 def _finish_records(run: _Run, curves: _Curves, result: dict) -> None:
