@@ -255,3 +255,19 @@ def foreach_copy_(dst: list[Tensor], src: list[Tensor]) -> None:
     """`torch._foreach_copy_`: the copy back into the parameters that MuonAdamW's published
     (reference) path makes after stepping its stacks."""
     torch._foreach_copy_(dst, src)
+
+
+@contextlib.contextmanager
+def recompile_limit_at_least(needed: int):
+    """Dynamo's recompile limit raised to at least `needed` inside the block. MuonAdamW's
+    compiled step functions are shared by every MuonAdamW in the process (Dynamo counts
+    variants per code object): one variant per Muon group shape and AdamW parameter shape
+    (`MuonAdamW.compiled_variants()`), so several optimizers together can need more than the
+    default 8; past the limit `compiled_strictly` raises instead of running eager."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    if needed <= getattr(config, name):
+        yield
+        return
+    with config.patch(**{name: needed}):
+        yield

@@ -33,7 +33,10 @@ Two paths, bitwise equal (tests/test_muon_adamw.py, eager and compiled):
 With ``compile=True`` both step functions run under ``torch.compile(dynamic=False,
 fullgraph=True)``, one compiled variant per distinct (shape, dtype, reduced dim) Muon group and
 per AdamW parameter shape; a call that would exceed Dynamo's recompile limit raises instead of
-silently falling back to eager (`cotangent._compat.compiled_strictly`).
+silently falling back to eager (`cotangent._compat.compiled_strictly`). The compiled functions
+are shared by every MuonAdamW in the process (Dynamo counts variants per function), so several
+optimizers together can need more than the default limit of 8: run their steps inside
+``with recompile_room(opt_a, opt_b, ...):``.
 """
 
 from __future__ import annotations
@@ -126,6 +129,14 @@ def _compiled(name: str):
         fn = {"muon": muon_step, "adamw": adamw_step}[name]
         _COMPILED[name] = torch.compile(fn, dynamic=False, fullgraph=True)
     return _COMPILED[name]
+
+
+def recompile_room(*optimizers: MuonAdamW):
+    """Context manager: Dynamo's recompile limit raised (inside the block) to at least the
+    compiled variants the given optimizers need together (`MuonAdamW.compiled_variants()` of
+    those built with ``compile=True``)."""
+    needed = sum(o.compiled_variants() for o in optimizers if o.compile)
+    return _compat.recompile_limit_at_least(needed)
 
 
 def muon_groups(muon_params: list[Tensor]) -> list[list[Tensor]]:

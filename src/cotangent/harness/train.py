@@ -57,6 +57,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import cotangent
+from cotangent.muon_adamw import recompile_room
 from cotangent.harness import contention, records, schema
 from cotangent.harness.data import (
     BITS_PER_NAT,
@@ -647,9 +648,8 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
            f"; data-parallel: {dp.world_size} ranks ({dp.backend}), {dp.threads} torch "
            f"thread(s) and {cfg.batch_size} windows per step on each rank"))
     curves = _Curves(run.root, cfg.arms, write=writer)
-    variants = sum(arm.optimizer.compiled_variants() for arm in arms.values()
-                   if arm.name in STUDY_ARMS and cfg.muon_compile)
-    with _recompile_room(variants):
+    with recompile_room(*(arm.optimizer for arm in arms.values()
+                          if isinstance(arm.optimizer, cotangent.MuonAdamW))):
         load = _train_loop(run, arms, samplers, curves, windows["probe"],
                            show_progress if writer else False, log, progress_every_s)
     result: dict = {name: _summarize_arm(run, name, arm, curves, windows, load, setup_s)
@@ -663,23 +663,6 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
     result["identical_final_hash"] = len(
         {result[name]["final_model_sha256"] for name in cfg.arms if name not in STUDY_ARMS}) <= 1
     return result
-
-
-@contextmanager
-def _recompile_room(needed: int) -> Iterator[None]:
-    """Dynamo's recompile limit raised to at least `needed` inside the block.
-
-    Why: MuonAdamW's compiled step functions (`muon_compile`) are shared by every optimizer in
-    the process, one compiled variant per Muon group shape and AdamW parameter shape
-    (`MuonAdamW.compiled_variants()`), and MuonAdamW raises rather than run a call eager once
-    the limit (8 by default) is reached: three study arms in one run already need 12."""
-    config = torch._dynamo.config
-    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
-    if needed <= getattr(config, name):
-        yield
-        return
-    with config.patch(**{name: needed}):
-        yield
 
 
 def _count(model: torch.nn.Module) -> tuple[int, int]:
