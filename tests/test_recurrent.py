@@ -292,7 +292,7 @@ muon_lr = 0.02
 
 def test_compiled_muon_steps_of_several_arms_get_room_under_the_recompile_limit():
     """MuonAdamW's compiled step functions are shared by all arms of a run; three
-    replicated arms need 15 variants); the run raises Dynamo's limit for the loop, then restores it."""
+    replicated arms need 15 variants: the run raises Dynamo's limit for the loop, then restores it."""
     import torch._dynamo.config as config
 
     from cotangent.muon_adamw import recompile_room

@@ -320,11 +320,8 @@ class RotaryAttention(nn.Module):
         return self.out(y)
 
 
-class ReluSquaredMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
-        self.up = nn.Linear(cfg.width, cfg.hidden, bias=False)
-        self.down = nn.Linear(cfg.hidden, cfg.width, bias=False)
+class ReluSquaredMLP(MLP):
+    """`MLP` with relu(x)^2 in place of GELU."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down(F.relu(self.up(x)).square())  # (B, T, C)
