@@ -261,3 +261,57 @@ def test_compiled_packed_equals_compiled_reference():
 
 def test_public_names():
     assert cotangent.MuonAdamW is MuonAdamW
+
+
+def test_add_param_group_fills_the_constructor_settings():
+    for packed in (False, True):
+        model = build()
+        opt = MuonAdamW([{"params": [model.emb.weight]}], [model.up.weight, model.down.weight],
+                        adamw_betas=(0.8, 0.95), muon_momentum=0.9, packed=packed)
+        opt.add_param_group({"params": [model.head.weight]})
+        opt.add_param_group({"params": [model.core[0].weight, model.core[1].weight],
+                             "kind": "muon"})
+        assert opt.param_groups[-2]["betas"] == (0.8, 0.95)
+        assert opt.param_groups[-1]["momentum"] == 0.9
+        with pytest.raises(ValueError, match="one shape"):
+            opt.add_param_group({"params": [nn.Parameter(torch.zeros(3, 3)),
+                                            nn.Parameter(torch.zeros(4, 4))], "kind": "muon"})
+        with pytest.raises(ValueError, match="kind"):
+            opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))], "kind": "sgd"})
+        lm_loss(model, 0, torch.Generator().manual_seed(1)).backward()
+        opt.step()  # every group steps (a late group used to fail here: KeyError 'betas')
+        assert set(opt.state[model.head.weight]) == {"step", "exp_avg", "exp_avg_sq"}
+
+
+def test_packed_add_param_group_equals_reference():
+    ref, ours = build(), build()
+    opts = []
+    for model, packed in ((ref, False), (ours, True)):
+        opt = MuonAdamW([{"params": [model.emb.weight]}, {"params": [model.head.weight]}],
+                        [model.up.weight, model.down.weight], packed=packed)
+        opt.add_param_group({"params": [model.core[0].weight, model.core[1].weight],
+                             "kind": "muon"})
+        opts.append(opt)
+    lockstep(ref, ours, *opts, steps=3)
+
+
+def test_copies_are_refused_clearly():
+    import copy
+    import pickle
+
+    opt = make_opt(build(), True)
+    for copier in (copy.deepcopy, pickle.dumps):
+        with pytest.raises(TypeError, match="state_dict"):
+            copier(opt)
+
+
+def test_before_step_twice_is_refused():
+    model = build(3, True)
+    agg = OccurrenceAggregator(model.occurrence_groups(), "pooled")
+    lm_loss(model, 0, torch.Generator().manual_seed(1)).backward()
+    agg.before_step()
+    grads = [t.grad.clone() for g in model.occurrence_groups() for t in g]
+    with pytest.raises(RuntimeError, match="twice"):
+        agg.before_step()
+    assert all(same_bits(a, t.grad) for a, t in zip(
+        grads, [t for g in model.occurrence_groups() for t in g]))

@@ -101,11 +101,14 @@ def batched_step_is_exact(device: torch.device, dtype: torch.dtype, n: int, rows
                           group: dict) -> bool:
     """Calibration probe: does `batched_muon_step` on packed (n, rows, cols) views give
     torch.optim.Muon's bits (its `_single_tensor_muon` on n separate tensors) for the group's
-    hyperparameters? Two trials (random values; then NaN/inf/signed zeros/subnormals sprinkled
-    into gradients, parameters and buffers), each with the group's lr and a second lr; bytes of
-    parameters, momentum buffers and gradients compared. Cached (`cotangent.calibration`)."""
+    hyperparameters? First the Newton-Schulz products alone (`_gemm_probe`: about 2^20 output
+    elements of each product on random batches of this shape, since a GEMM kernel can differ
+    from the per-matrix one in rare elements only), then two whole steps (random values; then
+    NaN/inf/signed zeros/subnormals sprinkled into gradients, parameters and buffers), each with
+    the group's lr and a second lr; bytes of parameters, momentum buffers and gradients
+    compared. Cached (`cotangent.calibration`, key kind "muon-batched-v2")."""
     hyper = _hyper(group)
-    key = calibration.full_key("muon-batched", device.type,
+    key = calibration.full_key("muon-batched-v2", device.type,
                                (dtype, n, rows, cols, *sorted(hyper.items())))
     verdict = calibration.lookup(key)
     if verdict is None:
@@ -114,8 +117,50 @@ def batched_step_is_exact(device: torch.device, dtype: torch.dtype, n: int, rows
     return verdict
 
 
+# Output elements the op-level probe compares per Newton-Schulz product (at least
+# GEMM_PROBE_MIN_TRIALS and at most GEMM_PROBE_MAX_TRIALS random batches of the real shape).
+# Measured on CPU (AMD EPYC, AVX512, torch 2.13, bf16): `baddbmm` differs from per-matrix
+# `addmm` in 51 of 576,000 output elements for (3, 6, 10) batches and 33 of 2.9 million for
+# (2, 16, 48) - rarely enough that one random step agreed - and in none of 1.1-2.6 million for
+# (3, 48, 48), (8, 64, 64) and (6, 96, 96).
+GEMM_PROBE_ELEMENTS = 1 << 20
+GEMM_PROBE_MIN_TRIALS = 8
+GEMM_PROBE_MAX_TRIALS = 1024
+
+
+def _gemm_probe(device, n, rows, cols, ns_coefficients, gen) -> bool:
+    """The batched Newton-Schulz products against torch's per-matrix ones, byte for byte, on
+    random bfloat16 batches of the real shape (orientation and strides as the step uses them)
+    until about `GEMM_PROBE_ELEMENTS` output elements of each product were compared: `bmm`
+    against ``x @ x.T``, and each `baddbmm` against `addmm` with the step's coefficients."""
+    a, b, c = ns_coefficients
+    small = min(rows, cols)
+    trials = min(GEMM_PROBE_MAX_TRIALS,
+                 max(GEMM_PROBE_MIN_TRIALS, -(-GEMM_PROBE_ELEMENTS // (n * small * small))))
+    for _ in range(trials):
+        g = (torch.randn(n, rows, cols, generator=gen) / max(rows, cols) ** 0.5).to(
+            device=device, dtype=torch.bfloat16)
+        x = g.mT if rows > cols else g
+        xs = [m.T if rows > cols else m for m in g]  # the per-matrix step's views
+        gram = torch.bmm(x, x.mT)
+        grams = [m @ m.T for m in xs]
+        if not all(_bytes_equal(gram[i], grams[i]) for i in range(n)):
+            return False
+        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+        polys = [torch.addmm(m, m, m, beta=b, alpha=c) for m in grams]
+        if not all(_bytes_equal(poly[i], polys[i]) for i in range(n)):
+            return False
+        out = torch.baddbmm(x, poly, x, beta=a)
+        if not all(_bytes_equal(out[i], torch.addmm(xs[i], polys[i], xs[i], beta=a))
+                   for i in range(n)):
+            return False
+    return True
+
+
 def _probe(device, dtype, n, rows, cols, lr, hyper) -> bool:
     gen = torch.Generator().manual_seed(20261130 + n * 7919 + rows * 31 + cols)
+    if not _gemm_probe(device, n, rows, cols, hyper["ns_coefficients"], gen):
+        return False
     stride = _round_up(rows * cols, align_elements(dtype))
     lr_values = [lr, 0.0123] if not isinstance(lr, Tensor) else [lr]
     for trial in range(2):
@@ -235,6 +280,10 @@ class Muon(torch.optim.Muon):
         if self._packed_ids is not None:  # not during __init__
             self._pack()
 
+    def __getstate__(self):
+        raise TypeError("cotangent.Muon cannot be pickled or copied (its parameters live in "
+                        "flat buffers); save and load optimizer.state_dict() instead")
+
     def load_state_dict(self, state_dict: dict) -> None:
         super().load_state_dict(state_dict)
         self._refresh()
@@ -300,7 +349,7 @@ class Muon(torch.optim.Muon):
             bucket = layout.buckets[0]
             group = self.param_groups[self._layout_group[li]]
             rows, cols = bucket.segments[0].shape
-            key = calibration.full_key("muon-batched", layout.device.type,
+            key = calibration.full_key("muon-batched-v2", layout.device.type,
                                        (layout.dtype, bucket.rows, rows, cols,
                                         *sorted(_hyper(group).items())))
             out.append({"group": self._layout_group[li], "shape": [rows, cols],

@@ -199,6 +199,11 @@ class MuonAdamW(torch.optim.Optimizer):
                                weight_decay=muon_weight_decay))
         self.packed = packed
         self.compile = compile
+        self._group_defaults = {
+            "adamw": dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
+                          weight_decay=adamw_weight_decay),
+            "muon": dict(lr=muon_lr, momentum=muon_momentum, ns_steps=muon_ns_steps,
+                         beta2=muon_beta2, weight_decay=muon_weight_decay)}
         self._packed_ids: list[int] | None = None
         super().__init__(groups, dict(lr=adamw_lr))
         f32 = dict(dtype=torch.float32, device="cpu")
@@ -251,8 +256,34 @@ class MuonAdamW(torch.optim.Optimizer):
             self._pack()
 
     def add_param_group(self, param_group: dict) -> None:
-        param_group.setdefault("kind", "adamw")
+        """Add a group: ``kind`` "adamw" (default) or "muon" (2-D parameters of one shape),
+        its missing settings taken from the constructor's (`adamw_*` or `muon_*`); a packed
+        optimizer repacks its Muon groups.
+
+        Raises:
+            ValueError: an unknown kind, or a Muon group whose parameters are not 2-D
+                matrices of one shape (nothing added)."""
+        kind = param_group.setdefault("kind", "adamw")
+        if kind not in ("adamw", "muon"):
+            raise ValueError(f"param group kind must be 'adamw' or 'muon', got {kind!r}")
+        if hasattr(self, "_group_defaults"):  # after __init__
+            if kind == "muon":
+                params = param_group["params"]
+                params = [params] if isinstance(params, Tensor) else list(params)
+                if not params or any(p.ndim != 2 or p.shape != params[0].shape
+                                     for p in params):
+                    raise ValueError("a Muon param group takes 2-D matrices of one shape")
+                param_group["params"] = params
+            for key, value in self._group_defaults[kind].items():
+                param_group.setdefault(key, value)
         super().add_param_group(param_group)
+        if self._packed_ids is not None:
+            self._pack()
+
+    def __getstate__(self):
+        raise TypeError("cotangent.MuonAdamW cannot be pickled or copied (its parameters and "
+                        "hyperparameter tensors are not in the optimizer's pickled state); "
+                        "save and load optimizer.state_dict() instead")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """As `Optimizer.zero_grad`; packed Muon gradients stay in their buffer (-0.0 filled,

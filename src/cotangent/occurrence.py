@@ -114,8 +114,12 @@ class OccurrenceAggregator:
         set the gradients the mode steps on.
 
         Raises:
-            RuntimeError: a replica without a gradient (nothing modified).
+            RuntimeError: a replica without a gradient, or a second call before `after_step`
+                (it would pool the pooled gradients again); nothing modified.
         """
+        if self._before is not None:
+            raise RuntimeError("before_step() called twice without after_step(): the "
+                               "gradients are already aggregated for this step")
         for j, occ in enumerate(self.occurrences):
             for k, t in enumerate(occ):
                 if t.grad is None:
