@@ -210,11 +210,15 @@ def test_sync_check_reports_a_desynchronized_replica():
 
 
 @pytest.mark.parametrize("packed", [False, True], ids=["reference", "packed"])
-def test_pooled_versus_native_sharing(packed):
-    """Measured fact (CPU, float32, torch 2.13): the pooled mode with its default backward-order
+@pytest.mark.parametrize("backwards", [1, 3], ids=["one-backward", "accumulate-3"])
+def test_pooled_versus_native_sharing(packed, backwards):
+    """Measured fact (CPU, float32, torch 2.13): the pooled mode with its default autograd-order
     sum gives a natively shared module's bits (the shared core against every replica, and every
-    other parameter) for 6 steps, though the Muon batches differ (2 shared matrices against 6
-    replicas); summed in forward order the pooled gradient already differs from autograd's."""
+    other parameter) for 6 steps, with one backward per step or gradients accumulated over 3
+    (an adversarial review found the plain backward-order sum of the replicas' accumulated
+    gradients differing there: (g2+h2)+(g1+h1) is not (g2+g1)+(h2+h1)), though the Muon
+    batches differ (2 shared matrices against 6 replicas); summed in forward order the pooled
+    gradient already differs from autograd's."""
     shared, replicated = build(3, False), build(3, True)
     idx = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(5))
     assert same_bits(shared(idx).detach(), replicated(idx).detach())
@@ -222,9 +226,10 @@ def test_pooled_versus_native_sharing(packed):
     opt_s, opt_p = make_opt(shared, packed), make_opt(replicated, packed)
     gens = [torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)]
     for step in range(6):
-        lm_loss(shared, step, gens[0]).backward()
-        lm_loss(replicated, step, gens[1]).backward()
-        if step == 0:  # the forward-order sum differs from autograd's accumulation
+        for _ in range(backwards):
+            lm_loss(shared, step, gens[0]).backward()
+            lm_loss(replicated, step, gens[1]).backward()
+        if step == 0 and backwards == 1:  # the forward-order sum differs from autograd's
             forward = [g[0].grad + g[1].grad + g[2].grad for g in replicated.occurrence_groups()]
             assert not all(same_bits(a, shared.core[i].weight.grad)
                            for i, a in enumerate(forward))
@@ -233,7 +238,8 @@ def test_pooled_versus_native_sharing(packed):
             assert same_bits(group[0].grad, shared.core[i].weight.grad), f"step {step}"
         opt_s.step()
         opt_p.step()
-        assert agg.after_step()["sync_error"] == 0.0
+        diag = agg.after_step()
+        assert diag["sync_error"] == 0.0 and diag["autograd_order"] is True
         for i, group in enumerate(replicated.occurrence_groups()):
             for replica in group:
                 assert same_bits(replica.detach(), shared.core[i].weight.detach()), f"step {step}"
@@ -315,3 +321,23 @@ def test_before_step_twice_is_refused():
         agg.before_step()
     assert all(same_bits(a, t.grad) for a, t in zip(
         grads, [t for g in model.occurrence_groups() for t in g]))
+
+
+def test_gradients_changed_outside_a_backward_fall_back_to_the_plain_sum():
+    model = build(3, True)
+    agg = OccurrenceAggregator(model.occurrence_groups(), "pooled")
+    opt = make_opt(model, True)
+    for step, edit in enumerate((False, True, False)):
+        lm_loss(model, step, torch.Generator().manual_seed(step)).backward()
+        if edit:  # e.g. a scaled gradient: the tracked accumulation no longer matches
+            with torch.no_grad():
+                model.replicas[0][0].weight.grad.mul_(0.5)
+        groups = model.occurrence_groups()
+        expect = [g[2].grad + g[1].grad + g[0].grad for g in groups]  # backward order
+        agg.before_step()
+        if edit:
+            assert all(same_bits(e, g[0].grad) for e, g in zip(expect, groups))
+        opt.step()
+        diag = agg.after_step()
+        assert diag["autograd_order"] is (not edit) and diag["sync_error"] == 0.0
+        opt.zero_grad()

@@ -24,29 +24,41 @@ Per step, `after_step()` returns the diagnostics (float): ``pooled_norm`` and ``
 not compute one), ``target_norm`` (the norm the applied displacement should have),
 ``realized_norm`` (the norm of new - old parameters actually written), ``relative_norm_mismatch``
 (max over tensors of |realized - target| / target), ``cosine`` (between the pooled and mean
-displacements; None unless both exist) and ``sync_error`` (max |replica - replica 0| over all
-replicas after the step: 0.0 when they are in sync).
+displacements; None unless both exist), ``sync_error`` (max |replica - replica 0| over all
+replicas after the step: 0.0 when they are in sync) and ``autograd_order`` (pooling modes:
+whether the pooled gradient followed autograd's accumulation; None for "averaged").
 
-The pooled gradient is summed in the gradients' dtype in *backward order* by default: last
-occurrence first, ``(g_k + g_(k-1)) + ... + g_1``, the order in which autograd accumulates the
-gradients of a module applied k times in sequence (the backward reaches the last application
-first). Measured (CPU, float32, torch 2.13, tests/test_muon_adamw.py): with that order the
-pooled mode gives a natively shared module's bits, parameters and state, step after step, on
-both MuonAdamW paths; with ``sum_order="forward"`` (g_1 + g_2 + ... ) the gradients already
-differ in the last bits (float addition is not associative). A shared module used in parallel
-branches is accumulated in whatever order autograd's engine runs the branches, which this
-order need not match. Norms, dot products and rescale factors are computed in float32 (float64
-for the sums of squares).
+The pooled gradient follows autograd's own accumulation by default (``sum_order="autograd"``):
+a gradient hook on every replica sees each backward's contribution as it arrives, so that
+within one backward the contributions are summed in arrival order - the last occurrence first,
+``(g_k + g_(k-1)) + ... + g_1`` for a block applied k times in sequence, as the engine sums
+the inputs of a shared leaf - and the sums of successive backwards (gradient accumulation)
+are added to the running total, as a shared leaf's ``.grad`` accumulates them. Measured (CPU,
+float32, torch 2.13, tests/test_muon_adamw.py): the pooled mode then gives a natively shared
+module's bits, parameters and state, step after step, on both MuonAdamW paths, with one or
+several backwards per step. If the replicas' gradients were changed other than by backwards
+since the last step (zeroed, assigned, scaled), or a backward ran through
+``torch.autograd.grad``, the tracked sums no longer match them; the pooled gradient is then the
+sum of the replicas' current gradients in backward order and `after_step` reports
+``autograd_order: False``. ``sum_order="backward"`` always sums the current gradients last
+replica first, ``"forward"`` first replica first (float addition is not associative: these
+differ in the last bits). A module shared across parallel branches is accumulated in the
+engine's order of the branches, which none of these need match. Norms, dot products and
+rescale factors are computed in float32 (float64 for the sums of squares).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
+from cotangent import _compat
+
 MODES = ("pooled", "averaged", "ap", "pa")
+SUM_ORDERS = ("autograd", "backward", "forward")
 
 
 def _sq(t: Tensor) -> float:
@@ -60,8 +72,9 @@ class OccurrenceAggregator:
         occurrences: one sequence per shared tensor: its k >= 2 replica leaves (distinct
             tensors of one shape, dtype and device, with identical bytes).
         mode: one of `MODES`.
-        sum_order: "backward" (default: last occurrence first, autograd's order for sequential
-            use) or "forward" (first occurrence first): the order of the pooled gradient's sum.
+        sum_order: "autograd" (default: as autograd accumulates a shared leaf, tracked by
+            gradient hooks), "backward" (current gradients, last replica first) or "forward"
+            (first replica first): how the pooled gradient is summed.
 
     Raises:
         ValueError: an unknown mode or sum order, fewer than 2 replicas, replicas that differ
@@ -69,11 +82,12 @@ class OccurrenceAggregator:
     """
 
     def __init__(self, occurrences: Sequence[Sequence[Tensor]], mode: str,
-                 sum_order: str = "backward") -> None:
+                 sum_order: str = "autograd") -> None:
         if mode not in MODES:
             raise ValueError(f"unknown occurrence mode {mode!r}; known: {', '.join(MODES)}")
-        if sum_order not in ("backward", "forward"):
-            raise ValueError(f"sum_order must be 'backward' or 'forward', got {sum_order!r}")
+        if sum_order not in SUM_ORDERS:
+            raise ValueError(f"sum_order must be one of {', '.join(SUM_ORDERS)}, got "
+                             f"{sum_order!r}")
         self.sum_order = sum_order
         seen: set[int] = set()
         groups = []
@@ -101,6 +115,9 @@ class OccurrenceAggregator:
             self._pooled = [occ[0].detach().clone().requires_grad_(occ[0].requires_grad)
                             for occ in groups]
         self._before: list[Tensor] | None = None
+        self._autograd_order: bool | None = None
+        if mode != "averaged" and sum_order == "autograd":
+            self._tracker = _AccumulationTracker(groups)
 
     def pooled_leaves(self) -> list[Tensor]:
         """The extra leaves the optimizer must hold (modes "ap" and "pa"; else empty), one per
@@ -127,11 +144,18 @@ class OccurrenceAggregator:
         self._before = [occ[0].detach().clone() for occ in self.occurrences]
         if self.mode == "averaged":
             return
+        tracked = None
+        if self.sum_order == "autograd":
+            tracked = self._tracker.take()
+        self._autograd_order = tracked is not None
         for j, occ in enumerate(self.occurrences):
-            order = occ[::-1] if self.sum_order == "backward" else occ
-            pooled = order[0].grad.clone()
-            for t in order[1:]:
-                pooled.add_(t.grad)
+            if tracked is not None:
+                pooled = tracked[j]
+            else:
+                order = occ if self.sum_order == "forward" else occ[::-1]
+                pooled = order[0].grad.clone()
+                for t in order[1:]:
+                    pooled.add_(t.grad)
             if self.mode == "pooled":
                 for t in occ:
                     t.grad.copy_(pooled)
@@ -193,6 +217,7 @@ class OccurrenceAggregator:
             "relative_norm_mismatch": mismatch,
             "cosine": (sums["dot"] / denom if denom > 0 else None) if both else None,
             "sync_error": self.sync_error(),
+            "autograd_order": None if self.mode == "averaged" else self._autograd_order,
         }
 
     @torch.no_grad()
@@ -221,3 +246,71 @@ def _rescale(direction: Tensor, norm_of: Tensor) -> tuple[Tensor, Tensor]:
 def _same_bytes(a: Tensor, b: Tensor) -> bool:
     return bool(torch.equal(a.detach().reshape(-1).view(torch.uint8),
                             b.detach().reshape(-1).view(torch.uint8)))
+
+
+class _AccumulationTracker:
+    """Gradient hooks on replica leaves that reproduce autograd's accumulation of a shared leaf:
+    per backward, the contributions summed in arrival order; across backwards, those sums added
+    to a running total; and per replica the same accumulation of its own contributions, to
+    confirm at `take()` that the replicas' gradients came from exactly these backwards."""
+
+    def __init__(self, groups: list[list[Tensor]]) -> None:
+        self.groups = groups
+        self.reset()
+        ref = weakref.ref(self)
+        handles = []
+        for j, occ in enumerate(groups):
+            for k, t in enumerate(occ):
+                if t.requires_grad:
+                    handles.append(t.register_hook(_make_hook(ref, j, k)))
+        self._finalizer = weakref.finalize(self, _remove_handles, handles)
+
+    def reset(self) -> None:
+        n = len(self.groups)
+        self.backward_sum: list[Tensor | None] = [None] * n  # this backward, arrival order
+        self.total: list[Tensor | None] = [None] * n  # across backwards
+        self.own: list[list[Tensor | None]] = [[None] * len(occ) for occ in self.groups]
+        self.queued = False
+
+    def incoming(self, j: int, k: int, grad: Tensor) -> None:
+        if not self.queued:
+            self.queued = True
+            ref = weakref.ref(self)
+            _compat.queue_backward_callback(lambda: (t := ref()) is not None and t.end())
+        grad = grad.detach()
+        s = self.backward_sum[j]
+        self.backward_sum[j] = grad.clone() if s is None else s + grad
+        mine = self.own[j][k]
+        self.own[j][k] = grad.clone() if mine is None else mine + grad
+
+    def end(self) -> None:
+        """End of a backward: add its sums to the totals."""
+        self.queued = False
+        for j, s in enumerate(self.backward_sum):
+            if s is not None:
+                self.total[j] = s if self.total[j] is None else self.total[j] + s
+        self.backward_sum = [None] * len(self.groups)
+
+    def take(self) -> list[Tensor] | None:
+        """The tracked pooled gradients, if every replica's `.grad` is exactly its tracked
+        accumulation (else None); the tracker starts over either way."""
+        ok = all(t is not None for t in self.total) and all(
+            own is not None and t.grad is not None and own.dtype == t.grad.dtype
+            and _same_bytes(own, t.grad)
+            for occ, owns in zip(self.groups, self.own) for t, own in zip(occ, owns))
+        totals = self.total
+        self.reset()
+        return totals if ok else None
+
+
+def _make_hook(ref, j: int, k: int):
+    def hook(grad: Tensor) -> None:
+        tracker = ref()
+        if tracker is not None:
+            tracker.incoming(j, k, grad)
+    return hook
+
+
+def _remove_handles(handles) -> None:
+    for h in handles:
+        h.remove()

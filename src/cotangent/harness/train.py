@@ -78,7 +78,7 @@ STUDY_ARMS: dict[str, tuple[str, str | None]] = {
 TRAIN_ARMS = BITWISE_ARMS + tuple(STUDY_ARMS)
 DEFAULT_ARMS = ("native", "cotangent")
 OCCURRENCE_KEYS = ("pooled_norm", "averaged_norm", "target_norm", "realized_norm",
-                   "relative_norm_mismatch", "cosine", "sync_error")
+                   "relative_norm_mismatch", "cosine", "sync_error", "autograd_order")
 NATIVE_PATH = "clip_grad_norm_(foreach=None) + torch.optim.AdamW(fused=True)"
 
 
