@@ -341,3 +341,16 @@ def test_gradients_changed_outside_a_backward_fall_back_to_the_plain_sum():
         diag = agg.after_step()
         assert diag["autograd_order"] is (not edit) and diag["sync_error"] == 0.0
         opt.zero_grad()
+
+
+def test_ap_without_the_pooled_leaves_in_the_optimizer_is_refused():
+    """Newcomer's trap: the pooled leaves left out of the optimizer would freeze the shared
+    weights silently (pooled displacement 0, so AP's target norm 0)."""
+    model = build(3, True)
+    agg = OccurrenceAggregator(model.occurrence_groups(), "ap")
+    opt = make_opt(model, True)  # agg.pooled_leaves() forgotten
+    lm_loss(model, 0, torch.Generator().manual_seed(1)).backward()
+    agg.before_step()
+    opt.step()
+    with pytest.raises(RuntimeError, match="pooled_leaves"):
+        agg.after_step()

@@ -13,12 +13,13 @@ Public API:
 """
 
 from cotangent.clip import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
+from cotangent import occurrence
 from cotangent.muon import Muon
 from cotangent.muon_adamw import MuonAdamW
 from cotangent.optim import AdamW
 from cotangent.reference import ReferenceUpdate
 from cotangent.verify import verify
 
-__all__ = ["AdamW", "Muon", "MuonAdamW", "ReferenceUpdate", "clip_grad_norm_",
+__all__ = ["AdamW", "Muon", "MuonAdamW", "ReferenceUpdate", "clip_grad_norm_", "occurrence",
            "clip_grads_with_norm_", "get_total_norm", "verify", "__version__"]
 __version__ = "0.1.0"

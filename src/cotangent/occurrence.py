@@ -182,6 +182,12 @@ class OccurrenceAggregator:
                 averaged = torch.stack([t - base for t in occ]).mean(dim=0)
             if self.mode in ("ap", "pa"):
                 pooled = self._pooled[j] - base
+                if not pooled.any() and averaged.any():
+                    self._before = None
+                    raise RuntimeError(
+                        f"shared tensor {j}: the replicas moved but its pooled leaf did not; "
+                        "the optimizer must hold agg.pooled_leaves() too (mode "
+                        f"{self.mode!r} needs the pooled displacement)")
             if self.mode == "ap":
                 move, target = _rescale(averaged, pooled)
             elif self.mode == "pa":

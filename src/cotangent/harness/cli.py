@@ -252,7 +252,9 @@ def _bench_parser(sub) -> None:
     p.add_argument("--muon", action="store_true",
                    help="instead: MuonAdamW (published stack/copy path vs packed) on the "
                         "recurrent models, and cotangent.Muon vs torch.optim.Muon on batches of "
-                        "equal-shape matrices (--shapes picks from both lists; default all)")
+                        "equal-shape matrices (--shapes picks from recurrent-mini, "
+                        "recurrent-small, 8x384x384, 4x64x256, 6x96x96, transformer-mix; "
+                        "default all)")
     p.add_argument("--compile", action="store_true",
                    help="with --muon: add a torch.compile'd MuonAdamW row after each eager one")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
