@@ -94,6 +94,7 @@ def muon_adamw_rows(width, blocks, device, steps, repeats, compile):
         arms[packed] = (emb, mats, opt)
     gen = torch.Generator(device=device).manual_seed(1)
     times = {False: [], True: []}
+    parts = {(packed, k): [] for packed in (False, True) for k in ("backward", "step", "zero")}
     problem = None
     for step in range(steps + repeats):
         idx = torch.randint(0, 256, (16,), device=device, generator=gen)
@@ -102,14 +103,22 @@ def muon_adamw_rows(width, blocks, device, steps, repeats, compile):
             x = emb[idx]
             for w in mats:
                 x = x + torch.tanh(x @ w.T) if w.shape[0] == w.shape[1] else x
-            (x.square().mean() + _loss(mats, {width: emb[idx], 4 * width: torch.ones(
-                16, 4 * width, device=device)})).backward()
+            loss = x.square().mean() + _loss(mats, {width: emb[idx], 4 * width: torch.ones(
+                16, 4 * width, device=device)})
+            _sync(device)
+            tb = time.perf_counter()
+            loss.backward()
             _sync(device)
             t0 = time.perf_counter()
             opt.step()
+            _sync(device)
+            t1 = time.perf_counter()
             opt.zero_grad()
             _sync(device)
-            times[packed].append(time.perf_counter() - t0)
+            t2 = time.perf_counter()
+            times[packed].append(t2 - t0)
+            for k, v in (("backward", t0 - tb), ("step", t1 - t0), ("zero", t2 - t1)):
+                parts[(packed, k)].append(v)
         for a, b in zip([arms[False][0], *arms[False][1]], [arms[True][0], *arms[True][1]]):
             problem = problem or first_difference(a, b)
     ref = statistics.median(times[False][steps:]) * 1e3
@@ -117,7 +126,9 @@ def muon_adamw_rows(width, blocks, device, steps, repeats, compile):
     row = {"model": f"{blocks} blocks x width {width}", "compile": compile,
            "reference_ms": ref, "packed_ms": pk, "ratio": pk / ref,
            "bitwise": problem is None, "first_difference": problem,
-           "first_step_s": {"reference": times[False][0], "packed": times[True][0]}}
+           "first_step_s": {"reference": times[False][0], "packed": times[True][0]},
+           "median_ms": {("packed" if p else "reference") + "_" + k:
+                         statistics.median(v[steps:]) * 1e3 for (p, k), v in parts.items()}}
     print(json.dumps(row), flush=True)
     return row
 
