@@ -11,7 +11,7 @@ from torch import nn
 
 import cotangent
 from bitwise import assert_same_update, same_bits
-from cotangent.muon_adamw import MuonAdamW, muon_groups
+from cotangent.muon_adamw import MuonAdamW, muon_groups, recompile_room
 from cotangent.occurrence import MODES, OccurrenceAggregator
 
 W = 64
@@ -252,6 +252,7 @@ def test_pooled_versus_native_sharing(packed, backwards):
 
 @pytest.mark.e2e
 def test_compiled_packed_equals_compiled_reference():
+    torch._dynamo.reset()  # variants compiled by other tests in this process count too
     ref, ours = build(), build()
     opt_r, opt_o = make_opt(ref, False, compile=True), make_opt(ours, True, compile=True)
     assert opt_o.compiled_variants() <= torch._dynamo.config.recompile_limit
@@ -354,3 +355,24 @@ def test_ap_without_the_pooled_leaves_in_the_optimizer_is_refused():
     opt.step()
     with pytest.raises(RuntimeError, match="pooled_leaves"):
         agg.after_step()
+
+
+@pytest.mark.e2e
+def test_recompile_limit_is_a_clear_error_not_an_eager_fallback():
+    config = torch._dynamo.config
+    torch._dynamo.reset()
+    with config.patch(recompile_limit=3), pytest.raises(ValueError, match="recompile limit"):
+        make_opt(build(), True, compile=True)  # 3 Muon + 1 AdamW shape > 3: before any step
+    a, b = build(), build()
+    with config.patch(recompile_limit=4):
+        opt_a, opt_b = make_opt(a, True, compile=True), make_opt(b, False, compile=True)
+        for model in (a, b):
+            lm_loss(model, 0, torch.Generator().manual_seed(1)).backward()
+        opt_a.step()
+        with pytest.raises(RuntimeError, match="recompile_room"):  # they share the functions
+            opt_b.step()
+        torch._dynamo.reset()
+        with recompile_room(opt_a, opt_b):
+            opt_a.step()
+            opt_b.step()
+    torch._dynamo.reset()

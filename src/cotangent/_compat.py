@@ -247,14 +247,31 @@ def compiled_strictly(active: bool):
     if not active:
         yield
         return
-    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
-        yield
+    try:
+        with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+            yield
+    except torch._dynamo.exc.FailOnRecompileLimitHit as exc:
+        raise RuntimeError(
+            "MuonAdamW(compile=True): Dynamo's recompile limit "
+            f"({torch._dynamo.config.recompile_limit}) is reached by the compiled step "
+            "functions, which every MuonAdamW in this process shares (one variant per Muon "
+            "group shape and AdamW parameter shape); step inside "
+            "`with cotangent.muon_adamw.recompile_room(*optimizers):`, raise "
+            "torch._dynamo.config.recompile_limit, or call torch._dynamo.reset() between "
+            "models. Nothing ran eagerly; the groups before this one were already updated "
+            "in this step, so restore a checkpoint before continuing.") from exc
 
 
 def foreach_copy_(dst: list[Tensor], src: list[Tensor]) -> None:
     """`torch._foreach_copy_`: the copy back into the parameters that MuonAdamW's published
     (reference) path makes after stepping its stacks."""
     torch._foreach_copy_(dst, src)
+
+
+def recompile_limit() -> int:
+    """Dynamo's current recompile limit (variants per code object)."""
+    config = torch._dynamo.config
+    return getattr(config, "recompile_limit", getattr(config, "cache_size_limit", 8))
 
 
 @contextlib.contextmanager

@@ -166,8 +166,9 @@ class MuonAdamW(torch.optim.Optimizer):
 
     Raises:
         ValueError: a Muon parameter that is not 2-D, an AdamW group without "params", a
-            parameter listed twice, `muon_ns_steps` outside 1..5, or (packed) a parameter that
-            cannot be packed.
+            parameter listed twice, `muon_ns_steps` outside 1..5, (packed) a parameter that
+            cannot be packed, or (compile) more compiled variants than Dynamo's recompile
+            limit.
         RuntimeError (at `step`): a Muon parameter without a gradient (the published code
             stacks every member's gradient); raised before anything is updated.
     """
@@ -212,6 +213,12 @@ class MuonAdamW(torch.optim.Optimizer):
         self._muon_t = {k: torch.tensor(0.0, **f32) for k in ("momentum", "lr", "wd", "beta2")}
         if packed:
             self._pack()
+        if compile and self.compiled_variants() > _compat.recompile_limit():
+            raise ValueError(
+                f"compile=True needs {self.compiled_variants()} compiled variants (Muon group "
+                "shapes + AdamW parameter shapes), more than Dynamo's recompile limit "
+                f"({_compat.recompile_limit()}): raise torch._dynamo.config.recompile_limit "
+                "first, or step inside cotangent.muon_adamw.recompile_room(optimizer)")
 
     # ------------------------------------------------------------------ packing
 
