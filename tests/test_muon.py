@@ -263,3 +263,42 @@ def test_copies_are_refused_clearly():
     for copier in (copy.deepcopy, lambda o: __import__("pickle").dumps(o)):
         with pytest.raises(TypeError, match="state_dict"):
             copier(opt)
+
+
+def _scripted_lockstep(kw, n, shape, dtype, steps, seed, scales=(1.0,)):
+    g = torch.Generator().manual_seed(seed)
+    base = [(torch.randn(*shape, generator=g) * 0.1).to(dtype) for _ in range(n)]
+    pn = [nn.Parameter(b.clone()) for b in base]
+    po = [nn.Parameter(b.clone()) for b in base]
+    opt_n, opt_o = torch.optim.Muon(pn, **kw), cotangent.Muon(po, **kw)
+    for step in range(steps):
+        scale = scales[int(torch.randint(len(scales), (1,), generator=g))] if len(
+            scales) > 1 else scales[0]
+        grads = [(torch.randn(*shape, generator=g) * scale).to(dtype) for _ in range(n)]
+        for p, q, grad in zip(pn, po, grads):
+            p.grad, q.grad = grad.clone(), grad.clone()
+        opt_n.step()
+        opt_o.step()
+        assert_same_update(pn, opt_n.state, po, opt_o.state, f"step {step}")
+
+
+@pytest.mark.parametrize("case", ["fp16-nan-sign", "fp32-large-values"])
+def test_diverging_custom_coefficients_keep_native_bits(monkeypatch, case):
+    """Second adversarial review: Newton-Schulz coefficients that diverge drive the update to
+    huge values, infinities and NaN; the batched path then differed (an inf - inf NaN stored
+    as 0xfe00 by the batched add, 0x7fff by torch's per-matrix add, float16 parameters; 1 ULP
+    at values near 4790 in float32). The probe now iterates the products through every
+    Newton-Schulz step and feeds the decay/update infinities of both signs where the update
+    holds one, in the packed layout."""
+    monkeypatch.setenv("COTANGENT_CACHE_DIR", "off")
+    monkeypatch.setattr(cm.calibration, "_MEMORY", {})
+    if case == "fp16-nan-sign":
+        kw = dict(lr=0.1, momentum=0.5, nesterov=True, ns_steps=10, weight_decay=0.1,
+                  eps=1e-3, adjust_lr_fn="original", ns_coefficients=(-3.35, -4.106, -3.227))
+        _scripted_lockstep(kw, 2, (22, 5), torch.float16, steps=5, seed=0)
+    else:
+        kw = dict(lr=0.1, momentum=0.95, nesterov=True, ns_steps=5, weight_decay=0.0,
+                  eps=1e-7, adjust_lr_fn="match_rms_adamw",
+                  ns_coefficients=(-0.451, -3.475, 0.067))
+        _scripted_lockstep(kw, 14, (27, 14), torch.float32, steps=12, seed=5,
+                           scales=(1.0, 1e-3, 10.0))

@@ -102,13 +102,14 @@ def batched_step_is_exact(device: torch.device, dtype: torch.dtype, n: int, rows
     """Calibration probe: does `batched_muon_step` on packed (n, rows, cols) views give
     torch.optim.Muon's bits (its `_single_tensor_muon` on n separate tensors) for the group's
     hyperparameters? First the Newton-Schulz products alone (`_gemm_probe`: about 2^20 output
-    elements of each product on random batches of this shape, since a GEMM kernel can differ
-    from the per-matrix one in rare elements only), then two whole steps (random values; then
+    elements of each product on random batches of this shape, through every iteration, since a
+    GEMM kernel can differ from the per-matrix one in rare elements or only at large values),
+    then two whole steps (random values; then
     NaN/inf/signed zeros/subnormals sprinkled into gradients, parameters and buffers), each with
     the group's lr and a second lr; bytes of parameters, momentum buffers and gradients
-    compared. Cached (`cotangent.calibration`, key kind "muon-batched-v2")."""
+    compared. Cached (`cotangent.calibration`, key kind "muon-batched-v3")."""
     hyper = _hyper(group)
-    key = calibration.full_key("muon-batched-v2", device.type,
+    key = calibration.full_key("muon-batched-v3", device.type,
                                (dtype, n, rows, cols, *sorted(hyper.items())))
     verdict = calibration.lookup(key)
     if verdict is None:
@@ -128,38 +129,77 @@ GEMM_PROBE_MIN_TRIALS = 8
 GEMM_PROBE_MAX_TRIALS = 1024
 
 
-def _gemm_probe(device, n, rows, cols, ns_coefficients, gen) -> bool:
+def _gemm_probe(device, n, rows, cols, ns_coefficients, ns_steps, gen) -> bool:
     """The batched Newton-Schulz products against torch's per-matrix ones, byte for byte, on
-    random bfloat16 batches of the real shape (orientation and strides as the step uses them)
-    until about `GEMM_PROBE_ELEMENTS` output elements of each product were compared: `bmm`
-    against ``x @ x.T``, and each `baddbmm` against `addmm` with the step's coefficients."""
+    random bfloat16 batches of the real shape (orientation and strides as the step uses them),
+    through all `ns_steps` iterations with the step's coefficients (so that the values reach
+    the range the real iteration reaches: growing without bound, inf and NaN, for coefficients
+    that diverge), until about `GEMM_PROBE_ELEMENTS` output elements of each product were
+    compared: `bmm` against ``x @ x.T``, each `baddbmm` against `addmm`. The per-matrix chain
+    continues from its own results, as torch's does."""
     a, b, c = ns_coefficients
     small = min(rows, cols)
+    per_trial = n * small * small * max(1, ns_steps)
     trials = min(GEMM_PROBE_MAX_TRIALS,
-                 max(GEMM_PROBE_MIN_TRIALS, -(-GEMM_PROBE_ELEMENTS // (n * small * small))))
+                 max(GEMM_PROBE_MIN_TRIALS, -(-GEMM_PROBE_ELEMENTS // per_trial)))
     for _ in range(trials):
-        g = (torch.randn(n, rows, cols, generator=gen) / max(rows, cols) ** 0.5).to(
-            device=device, dtype=torch.bfloat16)
+        g = torch.randn(n, rows, cols, generator=gen).to(device=device, dtype=torch.bfloat16)
         x = g.mT if rows > cols else g
         xs = [m.T if rows > cols else m for m in g]  # the per-matrix step's views
-        gram = torch.bmm(x, x.mT)
-        grams = [m @ m.T for m in xs]
-        if not all(_bytes_equal(gram[i], grams[i]) for i in range(n)):
-            return False
-        poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
-        polys = [torch.addmm(m, m, m, beta=b, alpha=c) for m in grams]
-        if not all(_bytes_equal(poly[i], polys[i]) for i in range(n)):
-            return False
-        out = torch.baddbmm(x, poly, x, beta=a)
-        if not all(_bytes_equal(out[i], torch.addmm(xs[i], polys[i], xs[i], beta=a))
-                   for i in range(n)):
-            return False
+        norms = torch.stack([m.norm() for m in x]).view(-1, 1, 1)
+        x = x / norms
+        xs = [m / m.norm() for m in xs]
+        for _ in range(ns_steps):
+            gram = torch.bmm(x, x.mT)
+            grams = [m @ m.T for m in xs]
+            poly = torch.baddbmm(gram, gram, gram, beta=b, alpha=c)
+            polys = [torch.addmm(m, m, m, beta=b, alpha=c) for m in grams]
+            x = torch.baddbmm(x, poly, x, beta=a)
+            xs = [torch.addmm(m, p, m, beta=a) for m, p in zip(xs, polys)]
+            for batched, single in ((gram, grams), (poly, polys), (x, xs)):
+                if not all(_bytes_equal(batched[i], single[i]) for i in range(n)):
+                    return False
+    return True
+
+
+def _update_probe(device, dtype, n, rows, cols, gen) -> bool:
+    """The batched decay and update (``params.mul_``, ``params.add_(update, alpha)``) against
+    per-matrix ones, with the bfloat16 update laid out as the Newton-Schulz output is (the
+    transpose of a wide result for tall matrices) and holding NaNs of both signs and payloads,
+    infinities, signed zeros and subnormals: a diverging iteration produces such values, and
+    their encoding after a mixed-dtype add depends on the kernel path."""
+    wide = (n, cols, rows) if rows > cols else (n, rows, cols)
+    for shift in range(4):
+        raw = torch.randn(*wide, generator=gen).to(torch.bfloat16)
+        sprinkle_special_values(list(raw.view(n, -1)), shift=shift)
+        sprinkle_special_values(list(raw.view(n * wide[1], -1)), shift=shift + 5)
+        raw = raw.to(device)
+        update = raw.mT if rows > cols else raw
+        stride = _round_up(rows * cols, align_elements(dtype))  # the packed layout's rows
+        flat = torch.zeros(stride * n, dtype=dtype, device=device)
+        params = flat.as_strided((n, rows, cols), (stride, cols, 1))
+        params.copy_(torch.randn(n, rows, cols, generator=gen).to(dtype))
+        for i in range(n):  # specials of their own, and infinities of both signs where the
+            # update holds one (inf - inf: a NaN whose encoding depends on the path)
+            sprinkle_special_values([params[i].reshape(-1)], shift=shift + 2 * i)
+        signs = torch.randint(0, 2, (n, rows, cols), generator=gen).to(device) * 2 - 1
+        params.copy_(torch.where(update.isinf(), signs * float("inf"), params))
+        single = [p.clone() for p in params]
+        params.mul_(1 - 0.02 * 0.1)
+        params.add_(update, alpha=-0.0315)
+        for i, p in enumerate(single):
+            p.mul_(1 - 0.02 * 0.1)
+            p.add_(update[i], alpha=-0.0315)
+            if not _bytes_equal(p, params[i]):
+                return False
     return True
 
 
 def _probe(device, dtype, n, rows, cols, lr, hyper) -> bool:
     gen = torch.Generator().manual_seed(20261130 + n * 7919 + rows * 31 + cols)
-    if not _gemm_probe(device, n, rows, cols, hyper["ns_coefficients"], gen):
+    if not _gemm_probe(device, n, rows, cols, hyper["ns_coefficients"], hyper["ns_steps"], gen):
+        return False
+    if not _update_probe(device, dtype, n, rows, cols, gen):
         return False
     stride = _round_up(rows * cols, align_elements(dtype))
     lr_values = [lr, 0.0123] if not isinstance(lr, Tensor) else [lr]
@@ -349,7 +389,7 @@ class Muon(torch.optim.Muon):
             bucket = layout.buckets[0]
             group = self.param_groups[self._layout_group[li]]
             rows, cols = bucket.segments[0].shape
-            key = calibration.full_key("muon-batched-v2", layout.device.type,
+            key = calibration.full_key("muon-batched-v3", layout.device.type,
                                        (layout.dtype, bucket.rows, rows, cols,
                                         *sorted(_hyper(group).items())))
             out.append({"group": self._layout_group[li], "shape": [rows, cols],
