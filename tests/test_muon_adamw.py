@@ -368,6 +368,11 @@ def test_recompile_limit_is_a_clear_error_not_an_eager_fallback():
         opt_a, opt_b = make_opt(a, True, compile=True), make_opt(b, False, compile=True)
         for model in (a, b):
             lm_loss(model, 0, torch.Generator().manual_seed(1)).backward()
+        groups = len(opt_a.param_groups)
+        with pytest.raises(ValueError, match="recompile limit"):  # a 5th variant, refused
+            opt_a.add_param_group({"params": [nn.Parameter(torch.zeros(5, 7))],
+                                   "kind": "muon"})
+        assert len(opt_a.param_groups) == groups
         opt_a.step()
         with pytest.raises(RuntimeError, match="recompile_room"):  # they share the functions
             opt_b.step()
@@ -376,3 +381,33 @@ def test_recompile_limit_is_a_clear_error_not_an_eager_fallback():
             opt_a.step()
             opt_b.step()
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_a_refused_param_group_leaves_the_optimizer_as_it_was(packed):
+    """Second adversarial review: a Muon group mixing float32 and float64 stayed in
+    param_groups after its error, and every later step failed."""
+    ref, model = build(), build()
+    opt_r = make_opt(ref, packed)
+    opt = make_opt(model, packed)
+    groups = len(opt.param_groups)
+    mixed = [nn.Parameter(torch.zeros(6, 6)),
+             nn.Parameter(torch.zeros(6, 6, dtype=torch.float64))]
+    with pytest.raises(ValueError, match="one shape, dtype"):
+        opt.add_param_group({"params": mixed, "kind": "muon"})
+    with pytest.raises(ValueError, match="ns_steps"):
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(6, 6))], "kind": "muon",
+                             "ns_steps": 9})
+    assert len(opt.param_groups) == groups
+    lockstep(ref, model, opt_r, opt, steps=2)  # still steps, still the reference's bits
+
+
+def test_muon_refused_param_group_is_removed_again():
+    model = nn.Linear(8, 8, bias=False)
+    opt = cotangent.Muon(model.parameters())
+    bad = nn.Parameter(torch.zeros(8, 8)[:, ::2])  # not dense: cannot be packed
+    with pytest.raises(ValueError):
+        opt.add_param_group({"params": [bad]})
+    assert len(opt.param_groups) == 1
+    model(torch.ones(2, 8)).sum().backward()
+    opt.step()

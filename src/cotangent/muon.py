@@ -262,21 +262,22 @@ class Muon(torch.optim.Muon):
         grads = gradients_to_carry(old_tracker, params)
         carried = {id(p): self.state[p][_KEY].detach().clone() for p in params
                    if p in self.state and _KEY in self.state[p]}
-        if old_tracker is not None:
-            old_tracker.remove_hooks()
-        batches, self._group_of = [], []
+        batches, group_of = [], []
         start = 0
         for gi, group in enumerate(self.param_groups):
             keys: dict[tuple, list[int]] = {}
             for i, p in enumerate(group["params"]):
                 keys.setdefault((tuple(p.shape), p.dtype, p.device), []).append(start + i)
             batches += keys.values()
-            self._group_of += [gi] * len(keys)
+            group_of += [gi] * len(keys)
             start += len(group["params"])
-        layouts = plan_matrix_layouts(params, batches)
+        layouts = plan_matrix_layouts(params, batches)  # raises before anything is changed
+        if old_tracker is not None:
+            old_tracker.remove_hooks()
         # plan_matrix_layouts splits a batch with non-contiguous members into lone layouts
+        self._group_of = group_of
         self._layout_group = []
-        for batch, gi in zip(batches, self._group_of):
+        for batch, gi in zip(batches, group_of):
             contiguous = all(params[s].is_contiguous() for s in batch)
             self._layout_group += [gi] * (1 if contiguous else len(batch))
         self._store = FlatStore.pack(params, layouts, grads, {})
@@ -316,9 +317,15 @@ class Muon(torch.optim.Muon):
                 state[_KEY] = self._buffer_views[slot]
 
     def add_param_group(self, param_group: dict) -> None:
+        """`torch.optim.Muon.add_param_group`, then a repack; a group that cannot be packed is
+        removed again (ValueError from the packing, nothing else changed)."""
         super().add_param_group(param_group)
         if self._packed_ids is not None:  # not during __init__
-            self._pack()
+            try:
+                self._pack()
+            except Exception:
+                self.param_groups.pop()
+                raise
 
     def __getstate__(self):
         raise TypeError("cotangent.Muon cannot be pickled or copied (its parameters live in "

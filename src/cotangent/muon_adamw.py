@@ -219,6 +219,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 "shapes + AdamW parameter shapes), more than Dynamo's recompile limit "
                 f"({_compat.recompile_limit()}): raise torch._dynamo.config.recompile_limit "
                 "first, or step inside cotangent.muon_adamw.recompile_room(optimizer)")
+        self._initialized = True
 
     # ------------------------------------------------------------------ packing
 
@@ -232,14 +233,14 @@ class MuonAdamW(torch.optim.Optimizer):
         validate_params(params)
         old = getattr(self, "_tracker", None)
         grads = gradients_to_carry(old, params)
-        if old is not None:
-            old.remove_hooks()
         batches, start = [], 0
         for g in self.param_groups:
             if g["kind"] == "muon":
                 batches.append(list(range(start, start + len(g["params"]))))
                 start += len(g["params"])
-        layouts = plan_matrix_layouts(params, batches)
+        layouts = plan_matrix_layouts(params, batches)  # raises before anything is changed
+        if old is not None:
+            old.remove_hooks()
         self._store = FlatStore.pack(params, layouts, grads, {})
         self._tracker = GradientTracker(self._store)
         # a group whose members are not all contiguous is split into lone layouts: it keeps
@@ -277,15 +278,35 @@ class MuonAdamW(torch.optim.Optimizer):
             if kind == "muon":
                 params = param_group["params"]
                 params = [params] if isinstance(params, Tensor) else list(params)
-                if not params or any(p.ndim != 2 or p.shape != params[0].shape
-                                     for p in params):
-                    raise ValueError("a Muon param group takes 2-D matrices of one shape")
+                if not params or any(
+                        p.ndim != 2 or (p.shape, p.dtype, p.device)
+                        != (params[0].shape, params[0].dtype, params[0].device) for p in params):
+                    raise ValueError("a Muon param group takes 2-D matrices of one shape, dtype "
+                                     "and device")
+                steps = param_group.get("ns_steps", self._group_defaults["muon"]["ns_steps"])
+                if not 1 <= steps <= len(POLAR_EXPRESS_COEFFICIENTS):
+                    raise ValueError(f"ns_steps must be in 1..{len(POLAR_EXPRESS_COEFFICIENTS)}"
+                                     f" (Polar Express coefficients), got {steps}")
                 param_group["params"] = params
             for key, value in self._group_defaults[kind].items():
                 param_group.setdefault(key, value)
         super().add_param_group(param_group)
-        if self._packed_ids is not None:
-            self._pack()
+        if not getattr(self, "_initialized", False):
+            return  # during __init__: packed and checked at its end
+        try:
+            if self._packed_ids is not None:
+                self._pack()
+            if self.compile and self.compiled_variants() > _compat.recompile_limit():
+                raise ValueError(
+                    f"with this group compile=True needs {self.compiled_variants()} compiled "
+                    f"variants, more than Dynamo's recompile limit "
+                    f"({_compat.recompile_limit()}); raise "
+                    "torch._dynamo.config.recompile_limit first")
+        except Exception:
+            self.param_groups.pop()
+            if self._packed_ids is not None:
+                self._pack()
+            raise
 
     def __getstate__(self):
         raise TypeError("cotangent.MuonAdamW cannot be pickled or copied (its parameters and "
@@ -395,7 +416,7 @@ class MuonAdamW(torch.optim.Optimizer):
         """Number of distinct compiled step variants this optimizer needs (compile=True):
         one per Muon group (shape, dtype, device, path) and per AdamW parameter shape/dtype."""
         muon = {(tuple(g["params"][0].shape), g["params"][0].dtype, g["params"][0].device,
-                 self.packed and gi in self._group_layout)
+                 g["ns_steps"], self.packed and gi in self._group_layout)
                 for gi, g in enumerate(self.param_groups) if g["kind"] == "muon" and g["params"]}
         adamw = {(tuple(p.shape), p.dtype, p.device) for g in self.param_groups
                  if g["kind"] == "adamw" for p in g["params"]}
