@@ -411,3 +411,28 @@ def test_muon_refused_param_group_is_removed_again():
     assert len(opt.param_groups) == 1
     model(torch.ones(2, 8)).sum().backward()
     opt.step()
+
+
+def test_ap_with_a_pooled_gradient_of_zero_is_not_an_error():
+    """Second adversarial review: replica gradients g, g, -2g pool to zero, so the pooled leaf
+    legitimately stays put; that used to raise "must hold pooled_leaves" after the replicas had
+    moved, leaving them out of sync."""
+    w = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
+    reps = [nn.Parameter(w.clone()) for _ in range(3)]
+    for mode in ("ap", "pa"):
+        agg = OccurrenceAggregator([reps], mode)
+        opt = torch.optim.Adam(reps + agg.pooled_leaves(), lr=1e-2)
+        g = torch.randn(8, 8, generator=torch.Generator().manual_seed(1))
+        for r, scale in zip(reps, (1.0, 1.0, -2.0)):
+            r.grad = g * scale
+        agg.before_step()
+        opt.step()
+        diag = agg.after_step()
+        assert diag["sync_error"] == 0.0
+        opt.zero_grad()
+
+
+def test_occurrences_must_be_a_list_of_lists():
+    a, b = nn.Parameter(torch.zeros(3, 3)), nn.Parameter(torch.zeros(3, 3))
+    with pytest.raises(ValueError, match="one list of replica leaves"):
+        OccurrenceAggregator([a, b], "pooled")

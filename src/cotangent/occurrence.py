@@ -26,24 +26,34 @@ not compute one), ``target_norm`` (the norm the applied displacement should have
 (max over tensors of |realized - target| / target), ``cosine`` (between the pooled and mean
 displacements; None unless both exist), ``sync_error`` (max |replica - replica 0| over all
 replicas after the step: 0.0 when they are in sync) and ``autograd_order`` (pooling modes:
-whether the pooled gradient followed autograd's accumulation; None for "averaged").
+whether the pooled gradient was built from the hook-tracked per-backward sums, every replica's
+``.grad`` matching its tracked accumulation; None for "averaged"; see above for when that
+equals native sharing).
 
 The pooled gradient follows autograd's own accumulation by default (``sum_order="autograd"``):
-a gradient hook on every replica sees each backward's contribution as it arrives, so that
-within one backward the contributions are summed in arrival order - the last occurrence first,
-``(g_k + g_(k-1)) + ... + g_1`` for a block applied k times in sequence, as the engine sums
-the inputs of a shared leaf - and the sums of successive backwards (gradient accumulation)
-are added to the running total, as a shared leaf's ``.grad`` accumulates them. Measured (CPU,
-float32, torch 2.13, tests/test_muon_adamw.py): the pooled mode then gives a natively shared
-module's bits, parameters and state, step after step, on both MuonAdamW paths, with one or
-several backwards per step. If the replicas' gradients were changed other than by backwards
+a gradient hook on every replica sees each backward's gradient of that replica as it arrives,
+so that within one backward the replicas' gradients are summed in arrival order - the last
+occurrence first, ``(g_k + g_(k-1)) + ... + g_1`` for a block applied k times in sequence, as
+the engine sums the inputs of a shared leaf - and the sums of successive backwards (gradient
+accumulation) are added to the running total, as a shared leaf's ``.grad`` accumulates them.
+Measured (CPU, float32, torch 2.13, tests/test_muon_adamw.py): the pooled mode then gives a
+natively shared module's bits, parameters and state, step after step, on both MuonAdamW paths,
+with one or several backwards per step; an adversarial review found the same for parallel
+branches, residual reuse, activation checkpointing, retain_graph double backward and
+``backward(inputs=...)``. That equality needs each replica to receive one gradient per
+backward: where one occurrence uses its weight more than once (the same matrix twice inside a
+block, a gradient penalty backpropagated through the weights), the engine sums the
+contributions in an interleaved order the replicas' hooks cannot see; under autocast a shared
+weight is cast once and its gradients are summed in the low precision; and a compiled backward
+sums inside the graph. In those cases ``autograd_order`` still reads True (the tracking it
+certifies held) while the pooled gradient differs from native sharing's in the last bits.
+If the replicas' gradients were changed other than by backwards
 since the last step (zeroed, assigned, scaled), or a backward ran through
 ``torch.autograd.grad``, the tracked sums no longer match them; the pooled gradient is then the
 sum of the replicas' current gradients in backward order and `after_step` reports
 ``autograd_order: False``. ``sum_order="backward"`` always sums the current gradients last
 replica first, ``"forward"`` first replica first (float addition is not associative: these
-differ in the last bits). A module shared across parallel branches is accumulated in the
-engine's order of the branches, which none of these need match. Norms, dot products and
+differ in the last bits). Norms, dot products and
 rescale factors are computed in float32 (float64 for the sums of squares).
 """
 
@@ -54,6 +64,8 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from cotangent import _compat
 
@@ -91,7 +103,14 @@ class OccurrenceAggregator:
         self.sum_order = sum_order
         seen: set[int] = set()
         groups = []
+        if isinstance(occurrences, Tensor):
+            raise ValueError("occurrences must be a list with one list of replica leaves per "
+                             "shared tensor, not a tensor")
         for j, occ in enumerate(occurrences):
+            if isinstance(occ, Tensor):
+                raise ValueError(f"occurrences[{j}] is a tensor; occurrences must be a list "
+                                 "with one list of replica leaves per shared tensor "
+                                 "([[w_1, w_2, w_3], ...])")
             occ = list(occ)
             if len(occ) < 2:
                 raise ValueError(f"shared tensor {j} has {len(occ)} replica(s); need at least 2")
@@ -142,6 +161,14 @@ class OccurrenceAggregator:
                 if t.grad is None:
                     raise RuntimeError(f"shared tensor {j}, replica {k} has no gradient")
         self._before = [occ[0].detach().clone() for occ in self.occurrences]
+        if self._pooled:  # which parameters the optimizer steps until after_step hold
+            self._stepped: set[int] = set()
+            stepped = self._stepped
+
+            def record(optimizer, args, kwargs) -> None:
+                stepped.update(id(p) for g in optimizer.param_groups for p in g["params"])
+
+            self._step_hook = register_optimizer_step_post_hook(record)
         if self.mode == "averaged":
             return
         tracked = None
@@ -172,6 +199,16 @@ class OccurrenceAggregator:
         """
         if self._before is None:
             raise RuntimeError("after_step() without before_step() since the last step")
+        if self._pooled:
+            self._step_hook.remove()
+            missing = [j for j, t in enumerate(self._pooled) if id(t) not in self._stepped]
+            if missing:
+                self._before = None
+                raise RuntimeError(
+                    f"no optimizer step since before_step() held the pooled leaves of shared "
+                    f"tensor(s) {missing}: put agg.pooled_leaves() in the optimizer too (mode "
+                    f"{self.mode!r} needs the pooled displacement); the replicas were not "
+                    "written and may now differ")
         sums = {"pooled": 0.0, "averaged": 0.0, "target": 0.0, "realized": 0.0, "dot": 0.0}
         mismatch = 0.0
         for j, (occ, base) in enumerate(zip(self.occurrences, self._before)):
@@ -182,12 +219,6 @@ class OccurrenceAggregator:
                 averaged = torch.stack([t - base for t in occ]).mean(dim=0)
             if self.mode in ("ap", "pa"):
                 pooled = self._pooled[j] - base
-                if not pooled.any() and averaged.any():
-                    self._before = None
-                    raise RuntimeError(
-                        f"shared tensor {j}: the replicas moved but its pooled leaf did not; "
-                        "the optimizer must hold agg.pooled_leaves() too (mode "
-                        f"{self.mode!r} needs the pooled displacement)")
             if self.mode == "ap":
                 move, target = _rescale(averaged, pooled)
             elif self.mode == "pa":
