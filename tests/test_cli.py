@@ -64,3 +64,19 @@ def test_bench_help_names_the_shapes(capsys):
         cli.main(["bench", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     assert all(shape in text for shape in SHAPES)
+
+
+def test_command_without_the_harness_extra_names_it_in_one_line():
+    """A core-only install (`pip install cotangent`): the `cotangent` command's entry point
+    says which extra to install (exit 2, no traceback). Simulated by blocking numpy."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['numpy'] = None; "
+            "from cotangent.harness.entry import main; sys.exit(main(['train']))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 2, out
+    assert out.stderr.strip().splitlines()[-1] == (
+        "cotangent: the command needs the harness extra (numpy is not installed): "
+        "pip install 'cotangent[harness]'")
+    assert "Traceback" not in out.stderr
