@@ -567,20 +567,34 @@ def test_saving_part_of_a_packed_model_writes_only_that_part():
     assert_same_bits(alias, packed[3].weight, "copy.copy alias")
 
 
-def test_safetensors_saves_a_packed_model(tmp_path):
+def _matrices(m):
+    return [p for p in m.parameters() if p.ndim == 2]
+
+
+PACKERS = {
+    "AdamW": lambda m: cotangent.AdamW(m.parameters()),
+    "Muon": lambda m: cotangent.Muon(_matrices(m)),
+    "MuonAdamW": lambda m: cotangent.MuonAdamW(
+        [{"params": [p for p in m.parameters() if p.ndim != 2]}], _matrices(m)),
+}
+
+
+@pytest.mark.parametrize("packer", list(PACKERS))
+def test_safetensors_saves_a_packed_model(tmp_path, packer):
     """`safetensors.torch.save_model` refuses parameters that share one storage ("None is
     covering the entire storage"); packed parameters each have their own, so it saves, and the
-    file holds exactly the bytes a native model's holds."""
+    file holds exactly the bytes a native model's holds (for every packing optimizer)."""
     safetensors_torch = pytest.importorskip("safetensors.torch")
     torch.manual_seed(0)
-    native = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    native = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
     packed = copy.deepcopy(native)
-    cotangent.AdamW(packed.parameters())
+    opt = PACKERS[packer](packed)
+    assert opt is not None
     for name, m in (("native", native), ("packed", packed)):
         safetensors_torch.save_model(m, str(tmp_path / f"{name}.safetensors"))
     assert ((tmp_path / "packed.safetensors").read_bytes()
             == (tmp_path / "native.safetensors").read_bytes())
-    restored = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    restored = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 4))
     safetensors_torch.load_model(restored, str(tmp_path / "packed.safetensors"))
     for a, b in zip(restored.parameters(), packed.parameters()):
         assert_same_bits(a, b, "restored parameter")
