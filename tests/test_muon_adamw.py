@@ -436,3 +436,18 @@ def test_occurrences_must_be_a_list_of_lists():
     a, b = nn.Parameter(torch.zeros(3, 3)), nn.Parameter(torch.zeros(3, 3))
     with pytest.raises(ValueError, match="one list of replica leaves"):
         OccurrenceAggregator([a, b], "pooled")
+
+
+def test_a_group_with_a_transposed_matrix_keeps_the_published_path():
+    """A Muon group with a non-contiguous member cannot be one (n, rows, cols) view: it is
+    stacked and copied back as published, and still gives the reference's bits."""
+    ref, ours = build(), build()
+    opts = []
+    for model, packed in ((ref, False), (ours, True)):
+        with torch.no_grad():
+            model.up.weight.data = model.up.weight.data.t().contiguous().t()  # column-major
+        opts.append(make_opt(model, packed))
+    up_group = next(gi for gi, g in enumerate(opts[1].param_groups)
+                    if g["kind"] == "muon" and any(p is ours.up.weight for p in g["params"]))
+    assert up_group not in opts[1]._group_layout and opts[1]._group_layout  # others packed
+    lockstep(ref, ours, *opts, steps=3)

@@ -162,6 +162,18 @@ def _gemm_probe(device, n, rows, cols, ns_coefficients, ns_steps, gen) -> bool:
     return True
 
 
+def _packed_copy(values: Tensor) -> Tensor:
+    """`values` (n, rows, cols) copied into a fresh flat buffer laid out as a packed batch
+    (members `_round_up(rows * cols, 64 bytes)` elements apart); returns the (n, rows, cols)
+    view."""
+    n, rows, cols = values.shape
+    stride = _round_up(rows * cols, align_elements(values.dtype))
+    flat = torch.zeros(stride * n, dtype=values.dtype, device=values.device)
+    view = flat.as_strided((n, rows, cols), (stride, cols, 1))
+    view.copy_(values)
+    return view
+
+
 def _update_probe(device, dtype, n, rows, cols, gen) -> bool:
     """The batched decay and update (``params.mul_``, ``params.add_(update, alpha)``) against
     per-matrix ones, with the bfloat16 update laid out as the Newton-Schulz output is (the
@@ -175,10 +187,8 @@ def _update_probe(device, dtype, n, rows, cols, gen) -> bool:
         sprinkle_special_values(list(raw.view(n * wide[1], -1)), shift=shift + 5)
         raw = raw.to(device)
         update = raw.mT if rows > cols else raw
-        stride = _round_up(rows * cols, align_elements(dtype))  # the packed layout's rows
-        flat = torch.zeros(stride * n, dtype=dtype, device=device)
-        params = flat.as_strided((n, rows, cols), (stride, cols, 1))
-        params.copy_(torch.randn(n, rows, cols, generator=gen).to(dtype))
+        params = _packed_copy(torch.randn(n, rows, cols, generator=gen).to(device=device,
+                                                                           dtype=dtype))
         for i in range(n):  # specials of their own, and infinities of both signs where the
             # update holds one (inf - inf: a NaN whose encoding depends on the path)
             sprinkle_special_values([params[i].reshape(-1)], shift=shift + 2 * i)
@@ -201,7 +211,6 @@ def _probe(device, dtype, n, rows, cols, lr, hyper) -> bool:
         return False
     if not _update_probe(device, dtype, n, rows, cols, gen):
         return False
-    stride = _round_up(rows * cols, align_elements(dtype))
     lr_values = [lr, 0.0123] if not isinstance(lr, Tensor) else [lr]
     for trial in range(2):
         for probe_lr in lr_values:
@@ -212,12 +221,7 @@ def _probe(device, dtype, n, rows, cols, lr, hyper) -> bool:
                     sprinkle_special_values(list(v.view(n, -1)), shift=3 * j)
             values = [v.to(device) for v in values]
             native = [[v[i].clone() for i in range(n)] for v in values]
-            flats = []
-            for v in values:
-                flat = torch.zeros(stride * n, dtype=dtype, device=device)
-                flat.as_strided((n, rows, cols), (stride, cols, 1)).copy_(v)
-                flats.append(flat)
-            views = [f.as_strided((n, rows, cols), (stride, cols, 1)) for f in flats]
+            views = [_packed_copy(v) for v in values]
             _compat.muon_single_tensor(native[0], native[1], native[2], lr=probe_lr, **hyper)
             batched_muon_step(views[0], views[1], views[2], lr=probe_lr, **hyper)
             for i in range(n):
@@ -262,24 +266,18 @@ class Muon(torch.optim.Muon):
         grads = gradients_to_carry(old_tracker, params)
         carried = {id(p): self.state[p][_KEY].detach().clone() for p in params
                    if p in self.state and _KEY in self.state[p]}
-        batches, group_of = [], []
-        start = 0
+        batches, slot_group = [], []
         for gi, group in enumerate(self.param_groups):
             keys: dict[tuple, list[int]] = {}
-            for i, p in enumerate(group["params"]):
-                keys.setdefault((tuple(p.shape), p.dtype, p.device), []).append(start + i)
+            for p in group["params"]:
+                keys.setdefault((tuple(p.shape), p.dtype, p.device), []).append(len(slot_group))
+                slot_group.append(gi)
             batches += keys.values()
-            group_of += [gi] * len(keys)
-            start += len(group["params"])
         layouts = plan_matrix_layouts(params, batches)  # raises before anything is changed
         if old_tracker is not None:
             old_tracker.remove_hooks()
-        # plan_matrix_layouts splits a batch with non-contiguous members into lone layouts
-        self._group_of = group_of
-        self._layout_group = []
-        for batch, gi in zip(batches, group_of):
-            contiguous = all(params[s].is_contiguous() for s in batch)
-            self._layout_group += [gi] * (1 if contiguous else len(batch))
+        # each layout is one batch (or one member of a batch split for a non-contiguous member)
+        self._layout_group = [slot_group[layout.segments[0].slot] for layout in layouts]
         self._store = FlatStore.pack(params, layouts, grads, {})
         self._tracker = GradientTracker(self._store)
         self._buffers = [layout.new_buffer(0.0) for layout in layouts]

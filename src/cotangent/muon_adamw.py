@@ -243,18 +243,13 @@ class MuonAdamW(torch.optim.Optimizer):
             old.remove_hooks()
         self._store = FlatStore.pack(params, layouts, grads, {})
         self._tracker = GradientTracker(self._store)
-        # a group whose members are not all contiguous is split into lone layouts: it keeps
-        # the reference path (stack + copy back); the others map group -> layout index
-        self._group_layout: dict[int, int] = {}
-        li = 0
-        for gi, g in enumerate(self.param_groups):
-            if g["kind"] != "muon":
-                continue
-            if all(p.is_contiguous() for p in g["params"]):
-                self._group_layout[gi] = li
-                li += 1
-            else:
-                li += len(g["params"])
+        # group -> its layout; a group with a non-contiguous member is split into lone
+        # layouts and keeps the reference path (stack + copy back)
+        muon = [gi for gi, g in enumerate(self.param_groups) if g["kind"] == "muon"]
+        self._group_layout = {muon[bi]: li for li, layout in enumerate(layouts)
+                              for bi, batch in enumerate(batches)
+                              if layout.segments[0].contiguous
+                              and [seg.slot for seg in layout.segments] == batch}
         self._packed_ids = [id(p) for p in params]
 
     def _refresh(self) -> None:
