@@ -2,8 +2,8 @@
 
 Run with the core-only environment's Python: the library imports; cotangent.AdamW (with its
 built-in clip) and cotangent.Muon give native's bytes for a few steps on a small model; the
-harness is not importable without its extra, and the `cotangent` command says which extra to
-install in one line (exit status 2, no traceback)."""
+harness (every module of cotangent.harness) is not importable without its extra, and the
+`cotangent` command says which extra to install in one line (exit status 2, no traceback)."""
 
 import importlib.util
 import os
@@ -17,12 +17,18 @@ from cotangent.verify import first_difference
 
 for name in ("numpy", "scipy", "matplotlib", "tqdm"):
     assert importlib.util.find_spec(name) is None, f"{name} is installed in the core-only env"
-try:
-    import cotangent.harness.cli  # noqa: F401
-except ModuleNotFoundError as exc:
-    assert exc.name in ("numpy", "scipy", "matplotlib", "tqdm"), exc
-else:
-    raise AssertionError("the harness imported without its extra")
+harness_dir = os.path.join(os.path.dirname(cotangent.__file__), "harness")
+modules = sorted(f[:-3] for f in os.listdir(harness_dir) if f.endswith(".py"))
+assert "cli" in modules and "audit" in modules, modules
+for module in modules:
+    name = "cotangent.harness" + ("" if module == "__init__" else "." + module)
+    try:
+        importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        assert exc.name in ("numpy", "scipy", "matplotlib", "tqdm"), (name, exc)
+        assert "pip install 'cotangent[harness]'" in str(exc), (name, exc)
+    else:
+        raise AssertionError(f"{name} imported without the harness extra")
 
 
 def model():
@@ -60,3 +66,10 @@ assert out.returncode == 2, out
 assert "pip install 'cotangent[harness]'" in out.stderr and "Traceback" not in out.stderr, out
 print(f"core-only install: torch {torch.__version__}; AdamW and Muon bitwise over {n} steps; "
       "harness refused with one line")
+# the campaign audit runs as a bare file on the standard library alone (here: no numpy at all)
+audit_py = os.path.join(harness_dir, "audit.py")
+results = os.path.join(os.path.dirname(__file__), "..", "results", "occurrence-cpu")
+out = subprocess.run([sys.executable, "-I", "-S", audit_py, results], capture_output=True,
+                     text=True)
+assert out.returncode == 0 and "clean (Python" in out.stdout, out
+print("core-only: the audit ran as a bare file:", out.stdout.strip().splitlines()[-1])

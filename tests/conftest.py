@@ -14,6 +14,33 @@ def pytest_configure(config):
     os.environ["COTANGENT_CACHE_DIR"] = tempfile.mkdtemp(prefix="cotangent-cache-")
 
 
+INTEGRATIONS = ("transformers", "accelerate", "pytorch_lightning", "safetensors", "tensorboard")
+
+
+def _versions() -> str:
+    import importlib.metadata
+
+    import torch
+
+    found = []
+    for name in INTEGRATIONS:
+        try:
+            found.append(f"{name} {importlib.metadata.version(name.replace('_', '-'))}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{name} absent (its tests skip)")
+    return f"torch {torch.__version__}; integrations: " + ", ".join(found)
+
+
+def pytest_report_header(config):
+    """The versions the integration tests ran against (or that a framework is absent and its
+    tests skip), at the top of the output and (since `-q` hides the header) at the end."""
+    return [_versions()]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config):
+    terminalreporter.write_line(_versions())
+
+
 @pytest.fixture
 def single_rank_group(tmp_path):
     """A one-process gloo group (file rendezvous), for ZeroRedundancyOptimizer / FSDP2 tests."""

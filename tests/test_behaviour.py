@@ -278,7 +278,7 @@ def test_plan_cache_is_bounded():
 
 
 def test_batched_norms_only_cell_matches_native():
-    from cotangent.factorial import BatchedNormsOnly
+    from cotangent.harness.factorial import BatchedNormsOnly
 
     def make():
         torch.manual_seed(5)

@@ -18,11 +18,11 @@ from pathlib import Path
 import pytest
 from scipy import stats as scipy_stats
 
-from cotangent import audit
+from cotangent.harness import audit
 from cotangent.harness import analysis, campaign, report, stats
 
 ROOT = Path(__file__).resolve().parents[1]
-AUDIT_PY = ROOT / "src" / "cotangent" / "audit.py"
+AUDIT_PY = ROOT / "src" / "cotangent" / "harness" / "audit.py"
 
 TINY = """
 name = "tiny"

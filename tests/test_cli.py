@@ -73,7 +73,7 @@ def test_command_without_the_harness_extra_names_it_in_one_line():
     import sys
 
     code = ("import sys; sys.modules['numpy'] = None; "
-            "from cotangent.harness.entry import main; sys.exit(main(['train']))")
+            "from cotangent._entry import main; sys.exit(main(['train']))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.returncode == 2, out
     assert out.stderr.strip().splitlines()[-1] == (

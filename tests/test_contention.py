@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from cotangent import audit
+from cotangent.harness import audit
 from cotangent.harness import contention
 from cotangent.harness.train import progress_line
 

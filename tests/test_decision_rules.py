@@ -27,7 +27,7 @@ from test_campaign import (
     write_protocol,
 )
 
-from cotangent import audit
+from cotangent.harness import audit
 from cotangent.harness import analysis, campaign, report
 
 PRACTICAL = """

@@ -12,8 +12,8 @@ import torch
 import cotangent
 from cotangent import norms
 from cotangent.harness import cli
-from cotangent.harness.verify_suite import VERIFY_MODELS, lm_loss, run_suite, suite_model
-from cotangent.verify import ARMS, ulp_distance
+from cotangent.harness.verify_suite import ARMS, VERIFY_MODELS, lm_loss, run_suite, suite_model
+from cotangent.verify import ulp_distance
 
 
 def _batches(n=3):
@@ -97,3 +97,23 @@ def test_ulp_distance():
     assert ulp_distance(neg, torch.nextafter(neg, torch.tensor([-2.0]))).tolist() == [1]
     with pytest.raises(ValueError, match="unknown arm"):
         cotangent.verify(suite_model("causal-conv", False), lm_loss, [], arm="nope")
+    with pytest.raises(ValueError, match="verify_batched_norms_only"):
+        cotangent.verify(suite_model("causal-conv", False), lm_loss, [], arm="batched-norms-only")
+
+
+def test_batched_norms_only_verify_lives_in_the_harness_and_can_fail(monkeypatch):
+    """The harness's batched-norms-only verify reports native's bits on a tiny model, and the
+    first difference when the cell's total norm is one ULP off (the comparison is not vacuous)."""
+    from cotangent.harness import factorial
+    from cotangent.harness.factorial import verify_batched_norms_only
+
+    model = suite_model("causal-conv", False)
+    report = verify_batched_norms_only(model, lm_loss, _batches(2), max_norm=0.1, lr=1e-3)
+    assert report.passed and report.steps == 2 and report.arm == "batched-norms-only"
+    exact = factorial.total_norm
+    monkeypatch.setattr(factorial, "total_norm", lambda parts, norm_type: torch.nextafter(
+        exact(parts, norm_type), torch.tensor(float("inf"))))
+    report = verify_batched_norms_only(model, lm_loss, _batches(2), max_norm=0.1, lr=1e-3)
+    assert not report.passed and report.failures[0].startswith("step 0: total norm")
+    with pytest.raises(ValueError, match="needs max_norm"):
+        verify_batched_norms_only(model, lm_loss, _batches(1), max_norm=None)

@@ -18,11 +18,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from cotangent.factorial import BatchedNormsOnly
 from cotangent.optim import AdamW
 from cotangent.reference import ReferenceUpdate
 
-ARMS = ("cotangent", "packing-only", "batched-norms-only")
+ARMS = ("cotangent", "packing-only")
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -109,7 +108,8 @@ def verify(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], 
         loss_fn: ``loss_fn(model, batch) -> 0-dim loss``, called once per batch per side.
         batches: one batch per update step (at least one).
         max_norm: clipping threshold (None: no clipping).
-        arm: "cotangent" (batched norms + packing), "packing-only" or "batched-norms-only".
+        arm: "cotangent" (batched norms + packing) or "packing-only" (the research harness adds
+            "batched-norms-only": `cotangent.harness.factorial.verify_batched_norms_only`).
         autocast_dtype: run forward passes under `torch.autocast` with this dtype.
         compile: `torch.compile` both copies (after the optimizers are built), under
             `torch.use_deterministic_algorithms(True)` for the duration of the call.
@@ -123,14 +123,44 @@ def verify(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], 
         **adamw_kwargs: `torch.optim.AdamW` arguments (lr, betas, weight_decay, fused, ...).
     Raises:
         ValueError: unknown `arm`; no batches; `params` or `clip_order` holding a tensor that is
-            not a parameter of `model`; param groups with the batched-norms-only arm.
+            not a parameter of `model`.
     """
     if arm not in ARMS:
-        raise ValueError(f"unknown arm {arm!r}; known: {', '.join(ARMS)}")
+        raise ValueError(f"unknown arm {arm!r}; known: {', '.join(ARMS)}" + (
+            " (batched-norms-only is the harness's: "
+            "cotangent.harness.factorial.verify_batched_norms_only)"
+            if arm == "batched-norms-only" else ""))
+    return _verify_with(_build_cotangent(arm), model, loss_fn, batches, max_norm=max_norm,
+                        autocast_dtype=autocast_dtype, compile=compile,
+                        stop_at_first=stop_at_first, params=params, clip_order=clip_order,
+                        norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
+                        **adamw_kwargs)
+
+
+def _build_cotangent(arm: str):
+    def build(our_spec, our_order, *, max_norm, norm_type, error_if_nonfinite, **adamw_kwargs):
+        opt = AdamW(our_spec, max_norm=max_norm, batched_norms=arm == "cotangent",
+                    norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
+                    clip_order=our_order, **adamw_kwargs)
+
+        def step():
+            opt.step()
+            return opt.last_total_norm
+        return opt, step
+    build.arm = arm
+    return build
+
+
+def _verify_with(build, model, loss_fn, batches, *, max_norm, autocast_dtype, compile,
+                 stop_at_first, params, clip_order, norm_type, error_if_nonfinite,
+                 **adamw_kwargs) -> VerifyReport:
+    """`verify` with the side under test built by ``build(params_or_groups, clip_order, *,
+    max_norm, norm_type, error_if_nonfinite, **adamw_kwargs) -> (optimizer, step)``, where
+    ``step()`` updates and returns the total norm; ``build.arm`` names it in the report."""
     batches = list(batches)
     if not batches:
         raise ValueError("verify needs at least one batch (one per update step to compare)")
-    options = dict(max_norm=max_norm, arm=arm, autocast_dtype=autocast_dtype,
+    options = dict(max_norm=max_norm, build=build, autocast_dtype=autocast_dtype,
                    stop_at_first=stop_at_first, params=params, clip_order=clip_order,
                    norm_type=norm_type, error_if_nonfinite=error_if_nonfinite, **adamw_kwargs)
     if compile:
@@ -166,7 +196,7 @@ def _map_params(spec, model: torch.nn.Module, copy_params: list[Tensor], what: s
     return mapped(spec)
 
 
-def _verify(model, loss_fn, batches, *, max_norm, arm, autocast_dtype, compile, stop_at_first,
+def _verify(model, loss_fn, batches, *, max_norm, build, autocast_dtype, compile, stop_at_first,
             params, clip_order, norm_type, error_if_nonfinite, **adamw_kwargs) -> VerifyReport:
     native_model, our_model = copy.deepcopy(model), copy.deepcopy(model)
     native_params, our_params = list(native_model.parameters()), list(our_model.parameters())
@@ -182,32 +212,14 @@ def _verify(model, loss_fn, batches, *, max_norm, arm, autocast_dtype, compile, 
     native = ReferenceUpdate(native_spec, max_norm=max_norm, norm_type=norm_type,
                              error_if_nonfinite=error_if_nonfinite, clip_order=native_order,
                              **adamw_kwargs)
-    if arm == "batched-norms-only":
-        if max_norm is None:
-            raise ValueError("batched-norms-only needs max_norm")
-        if params is not None or clip_order is not None or error_if_nonfinite:
-            raise ValueError("the batched-norms-only arm takes one param group in model order")
-        ours = BatchedNormsOnly(our_params, max_norm=max_norm, norm_type=norm_type,
-                                **adamw_kwargs)
-        our_opt = ours.optimizer
-
-        def our_step():
-            return ours.step()
-    else:
-        our_opt = AdamW(our_spec, max_norm=max_norm, batched_norms=arm == "cotangent",
-                        norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
-                        clip_order=our_order, **adamw_kwargs)
-
-        def our_step():
-            our_opt.step()
-            return our_opt.last_total_norm
-
+    our_opt, our_step = build(our_spec, our_order, max_norm=max_norm, norm_type=norm_type,
+                              error_if_nonfinite=error_if_nonfinite, **adamw_kwargs)
     run_native, run_ours = native_model, our_model
     if compile:
         run_native, run_ours = torch.compile(native_model), torch.compile(our_model)
     device_type = native_params[0].device.type if native_params else "cpu"
     names = [name for name, _ in native_model.named_parameters()]
-    report = VerifyReport(arm)
+    report = VerifyReport(build.arm)
 
     def check(what: str, problem: str | None) -> None:
         report.checks += 1

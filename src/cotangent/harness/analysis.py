@@ -31,7 +31,7 @@ the interaction, each with its intervals.
 Decision rules (when the protocol declares `[[decision_rules]]`, see
 `cotangent.harness.campaign`): each rule is evaluated per model on the arms' metrics over their
 done seeds (bpb = mean test BPB; training_s, update_s = median seconds; peak_mib = median
-peak_rss_kib / 1024), by `cotangent.audit`'s evaluator. results.json's decision_rules holds the
+peak_rss_kib / 1024), by `cotangent.harness.audit`'s evaluator. results.json's decision_rules holds the
 rules as frozen, a note, and per model and rule the verdict (pass, fail or undecided), every
 condition's left and right values and outcome, and the metric values used with their seeds.
 They are prospective decision rules fixed before any run, not significance tests.
@@ -47,7 +47,7 @@ import csv
 import io
 from pathlib import Path
 
-from cotangent import audit
+from cotangent.harness import audit
 from cotangent.harness import contention, records, stats
 from cotangent.harness.campaign import (
     Protocol,
@@ -278,7 +278,7 @@ def _analyze(campaign: Path, protocol: Protocol, frozen: dict, log) -> dict:
 def decision_rules(protocol: Protocol, done: dict) -> dict:
     """results.json's `decision_rules`: the statement that these are prospective decision
     rules, not significance tests; the rules as frozen; and per model and rule its verdict with
-    the numbers that decided it (`cotangent.audit.decision_rule_verdicts`, which the audit
+    the numbers that decided it (`cotangent.harness.audit.decision_rule_verdicts`, which the audit
     re-runs). `done` maps (model, seed, arm) to a done run's row."""
     rules = [dict(rule) for rule in protocol.decision_rules]
     return {"note": audit.DECISION_NOTE, "rules": rules,

@@ -39,7 +39,7 @@ bare name or quoted (`bpb("cotangent-zero1")`, since '-' is minus). Metrics per 
 over its done seeds: bpb = mean test BPB, training_s / update_s = median seconds, peak_mib =
 median peak resident memory / 1024 (summary.json `peak_rss_kib`; each job is its own process).
 The parser and evaluator (stdlib `ast`, whitelisted nodes, never `eval`) are in
-`cotangent.audit`, the one implementation that the harness imports and the audit runs.
+`cotangent.harness.audit`, the one implementation that the harness imports and the audit runs.
 
 Campaign directory:
     protocol.toml            the protocol, byte for byte as frozen
@@ -65,7 +65,7 @@ from dataclasses import dataclass, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
-from cotangent import audit
+from cotangent.harness import audit
 from cotangent.harness import records, schema
 from cotangent.harness.data import DATA_ENV
 from cotangent.harness.model import MODEL_CONFIGS
@@ -122,7 +122,7 @@ class Protocol:
                           default_factory=dict, want="a table of cotangent train settings")
     decision_rules: tuple = setting(
         "prospective decision rules, evaluated per model by `cotangent analyze` (parse_protocol "
-        "stores them normalised by cotangent.audit.check_decision_rules)", (),
+        "stores them normalised by cotangent.harness.audit.check_decision_rules)", (),
         want="an array of tables ([[decision_rules]])")
 
     def job_config(self, job: dict, out: str) -> TrainConfig:

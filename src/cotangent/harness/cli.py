@@ -568,12 +568,13 @@ def _audit_parser(sub) -> None:
         "audit", help="re-check a campaign's records and statistics (standard library only)",
         description="Verify every record's SHA-256 against the manifests, the job set against "
                     "the frozen protocol, shared init/schedule hashes, step-time sums, and "
-                    "recompute every interval; the same as `python3 src/cotangent/audit.py RUNS`.")
+                    "recompute every interval; the same as "
+                    "`python3 src/cotangent/harness/audit.py RUNS`.")
     p.add_argument("runs", metavar="RUNS", help="campaign directory (after `cotangent analyze`)")
 
 
 def cmd_audit(args) -> int:
-    from cotangent import audit
+    from cotangent.harness import audit
 
     return audit.main([args.runs])
 

@@ -4,8 +4,8 @@ Bitwise arms (the 2x2 factorial {batched norms} x {packing}; every arm gives nat
     native              `torch.nn.utils.clip_grad_norm_(params, max_norm)` (foreach=None) then
                         `torch.optim.AdamW(..., fused=True)` - the fastest native CPU path.
     cotangent           `cotangent.AdamW(..., fused=True, max_norm=max_norm)`: both.
-    batched-norms-only  `cotangent.factorial.BatchedNormsOnly`: stacked batched norms, native
-                        tensors, native clip multiply and AdamW.
+    batched-norms-only  `cotangent.harness.factorial.BatchedNormsOnly`: stacked batched norms,
+                        native tensors, native clip multiply and AdamW.
     packing-only        `cotangent.AdamW(..., batched_norms=False)`: packed buffers, merged
                         AdamW calls, native per-tensor norms.
 
@@ -66,7 +66,7 @@ from cotangent.harness.data import (
     WindowSampler,
     eval_windows,
 )
-from cotangent.factorial import BatchedNormsOnly
+from cotangent.harness.factorial import BatchedNormsOnly
 from cotangent.harness.model import MODEL_CONFIGS, build_model
 from cotangent.harness.schema import setting
 

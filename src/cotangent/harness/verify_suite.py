@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -9,9 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from cotangent.harness.model import TINY, Transformer, build_model
-from cotangent.verify import ARMS, verify
+from cotangent.harness.factorial import verify_batched_norms_only
+from cotangent.verify import ARMS as LIBRARY_ARMS
+from cotangent.verify import verify
 
 VERIFY_MODELS = ("transformer-small", "transformer-medium", "gated-gqa", "causal-conv")
+ARMS = (*LIBRARY_ARMS, "batched-norms-only")
 VERIFY_ADAMW_ARGS = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
 
 
@@ -40,9 +44,11 @@ def run_suite(*, models=VERIFY_MODELS, precisions=("fp32", "bf16"), arms=ARMS,
         gen = torch.Generator().manual_seed(1)
         context = model.cfg.context
         batches = [torch.randint(0, 256, (2, context + 1), generator=gen) for _ in range(steps)]
-        report = verify(model, lm_loss, batches, max_norm=max_norm, arm=arm,
-                        autocast_dtype=torch.bfloat16 if precision == "bf16" else None,
-                        compile=compiled, **VERIFY_ADAMW_ARGS)
+        run = (verify_batched_norms_only if arm == "batched-norms-only"
+               else functools.partial(verify, arm=arm))
+        report = run(model, lm_loss, batches, max_norm=max_norm,
+                     autocast_dtype=torch.bfloat16 if precision == "bf16" else None,
+                     compile=compiled, **VERIFY_ADAMW_ARGS)
         case = dict(model=name, precision=precision, compiled=compiled, **report.as_dict())
         cases.append(case)
         log(f"  {name:<19} {precision:<5} {arm:<19}{' compiled' if compiled else '':<9} "

@@ -16,6 +16,7 @@ from torch import Tensor
 from cotangent import _compat
 from cotangent.clip import clip_grads_with_norm_
 from cotangent.norms import bucket_norm_is_exact, native_tensor_norms, total_norm
+from cotangent.verify import _verify_with
 
 
 def stacked_group_norms(grads: list[Tensor], norm_type: float) -> Tensor:
@@ -73,3 +74,27 @@ class BatchedNormsOnly:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+def verify_batched_norms_only(model: torch.nn.Module, loss_fn, batches, *,
+                              max_norm: float | None = 1.0, norm_type: float = 2.0,
+                              autocast_dtype: torch.dtype | None = None, compile: bool = False,
+                              stop_at_first: bool = True, **adamw_kwargs):
+    """`cotangent.verify` for the batched-norms-only cell: native clip + AdamW against
+    `BatchedNormsOnly`, byte for byte after every step; returns a `cotangent.verify.VerifyReport`
+    whose arm is "batched-norms-only".
+
+    Raises:
+        ValueError: `max_norm` is None (the cell is a clip); no batches.
+    """
+    if max_norm is None:
+        raise ValueError("batched-norms-only needs max_norm")
+
+    def build(our_params, our_order, *, max_norm, norm_type, error_if_nonfinite, **kwargs):
+        cell = BatchedNormsOnly(our_params, max_norm=max_norm, norm_type=norm_type, **kwargs)
+        return cell.optimizer, cell.step
+    build.arm = "batched-norms-only"
+    return _verify_with(build, model, loss_fn, batches, max_norm=max_norm,
+                        autocast_dtype=autocast_dtype, compile=compile,
+                        stop_at_first=stop_at_first, params=None, clip_order=None,
+                        norm_type=norm_type, error_if_nonfinite=False, **adamw_kwargs)

@@ -1,6 +1,6 @@
 """Audit a Cotangent campaign from its records alone, with the Python standard library only.
 
-    python3 src/cotangent/audit.py RUNS        (no install, no torch/numpy/scipy)
+    python3 src/cotangent/harness/audit.py RUNS        (no install, no torch/numpy/scipy)
     cotangent audit RUNS                       (the same code)
 
 Exit status 0 only when every check passes; 1 when any fails (each failure names the file);

@@ -1,5 +1,8 @@
 """The `cotangent` command's entry point: the harness CLI, or one line naming the extra to
-install when the harness's dependencies are missing (a core-only ``pip install cotangent``)."""
+install when the harness's dependencies are missing (a core-only ``pip install cotangent``).
+
+Standard library only until the harness imports; it lives outside `cotangent.harness` because
+importing anything in that package without the extra fails by design."""
 
 from __future__ import annotations
 
