@@ -75,6 +75,7 @@ from cotangent.harness.train import (
     TrainConfig,
     check_device,
     format_config,
+    tensorboard_writer_class,
     validate_config,
 )
 
@@ -462,7 +463,7 @@ def _format_s(seconds: float) -> str:
 
 
 def run_campaign(campaign: Path, *, data_dir: str | None = None, retry_failed: bool = False,
-                 max_jobs: int | None = None, log=print) -> dict:
+                 max_jobs: int | None = None, log=print, tensorboard: str | None = None) -> dict:
     """`cotangent campaign run`: run every pending job in the frozen order, one at a time, each
     in a fresh process (`python -m cotangent.harness.cli train --config job.toml`).
 
@@ -470,14 +471,21 @@ def run_campaign(campaign: Path, *, data_dir: str | None = None, retry_failed: b
     Resumable: finished jobs (done or failed) are never re-run (failed ones only with
     `retry_failed`, as a new attempt); an attempt cut short by Ctrl-C or a dead runner is
     recorded as interrupted and the job gets a new attempt. `max_jobs` stops after that many
-    jobs (for tests and partial sessions). Returns counts {total, done, failed, pending}.
+    jobs (for tests and partial sessions). `tensorboard`: a directory; every job also writes
+    its curve as TensorBoard scalars there (`cotangent train --tensorboard DIR`, DIR made
+    absolute here; an extra output, not a record: the campaign's records, fingerprints and
+    audit do not depend on it). Returns counts {total, done, failed, pending}.
 
     Raises:
-        ValueError: not a frozen campaign, or a fingerprint mismatch (the message says which).
+        ValueError: not a frozen campaign, or a fingerprint mismatch (the message says which),
+            or `tensorboard` given without the tensorboard package (before any job starts).
         KeyboardInterrupt: after recording the running attempt as interrupted.
     """
     # The real path: a job starts in it, so relative paths must be computed from it.
     campaign = Path(campaign).resolve()
+    if tensorboard is not None:
+        tensorboard_writer_class()  # the jobs would each fail on it
+        tensorboard = os.path.abspath(tensorboard)  # the jobs run in the campaign directory
     protocol, frozen = load_frozen(campaign)
     code = build_fingerprint()
     if code != frozen["code"]:
@@ -500,7 +508,7 @@ def run_campaign(campaign: Path, *, data_dir: str | None = None, retry_failed: b
     (campaign / "jobs").mkdir(exist_ok=True)
     with campaign_lock(campaign) as lock_fd:
         return _run_jobs(campaign, protocol, frozen, data_dir, retry_failed, max_jobs,
-                         lock_fd, log)
+                         lock_fd, log, tensorboard)
 
 
 @contextlib.contextmanager
@@ -521,7 +529,8 @@ def campaign_lock(campaign: Path):
 
 
 def _run_jobs(campaign: Path, protocol: Protocol, frozen: dict, data_dir: str | None,
-              retry_failed: bool, max_jobs: int | None, lock_fd: int, log) -> dict:
+              retry_failed: bool, max_jobs: int | None, lock_fd: int, log,
+              tensorboard: str | None = None) -> dict:
     jobs = frozen["jobs"]
     for job in jobs:
         _settle_unfinished(campaign, job, frozen, log)
@@ -545,7 +554,8 @@ def _run_jobs(campaign: Path, protocol: Protocol, frozen: dict, data_dir: str | 
             continue
         if max_jobs is not None and ran >= max_jobs:
             break
-        state, wall_s = _run_one(campaign, protocol, job, data_dir, frozen, lock_fd, log)
+        state, wall_s = _run_one(campaign, protocol, job, data_dir, frozen, lock_fd, log,
+                                 tensorboard)
         states[job["id"]] = state
         ran += 1
         finished += 1
@@ -594,7 +604,8 @@ def _die_with_parent() -> None:  # pragma: no cover - runs in the child before e
 
 
 def _run_one(campaign: Path, protocol: Protocol, job: dict, data_dir: str | None,
-             frozen: dict, lock_fd: int, log) -> tuple[str, float]:
+             frozen: dict, lock_fd: int, log,
+             tensorboard: str | None = None) -> tuple[str, float]:
     job_dir = campaign / "jobs" / job["id"]
     n = len(attempt_dirs(job_dir)) + 1
     attempt = job_dir / f"attempt-{n}"
@@ -603,6 +614,8 @@ def _run_one(campaign: Path, protocol: Protocol, job: dict, data_dir: str | None
     records.write_atomic(attempt / "job.toml",
                          format_config(protocol.job_config(job, rel)) + "\n")
     command = job_command(campaign, rel, data_dir)
+    if tensorboard is not None:
+        command += ["--tensorboard", tensorboard]
     started = _utc()
     _write_status(attempt, job, n, "running", started_utc=started, command=command)
     t0 = time.perf_counter()

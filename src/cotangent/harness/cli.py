@@ -30,10 +30,17 @@ from cotangent.harness.train import (
     process_group,
     result_json,
     run_train,
+    tensorboard_writer_class,
     validate_config,
 )
 
 PROGRESS_EVERY_S = 20.0  # plain progress lines of `cotangent train` without a terminal
+TENSORBOARD_HELP = (
+    "also write every curve.jsonl row as TensorBoard scalars (tags: the curve's metric names, "
+    "e.g. loss_bpb, lr, grad_norm, step_s, probe_bpb; global step: the row's step; float32) "
+    "in DIR/<run directory name>/<arm>, one run per arm; needs the tensorboard extra: pip "
+    "install 'cotangent[tensorboard]'. The records stay the evidence; the event files are "
+    "never read back")
 
 
 
@@ -76,7 +83,9 @@ def _train_parser(sub) -> None:
     p.add_argument("--progress-every", type=float, default=None, metavar="SECONDS",
                    help="print a plain progress line at most every SECONDS of training, and "
                         f"after the last step (default: {PROGRESS_EVERY_S:g} when stdout is not a "
-                        "terminal; on a terminal a progress bar instead; 0 = no lines)")
+                        "terminal; when stdout and stderr are both terminals a progress bar on "
+                        "stderr instead; 0 = no lines)")
+    p.add_argument("--tensorboard", default=None, metavar="DIR", help=TENSORBOARD_HELP)
     p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="data-parallel ranks on this machine: start N processes through "
                         "torch.distributed's elastic launcher (as torchrun --standalone "
@@ -122,7 +131,20 @@ def resolve_train_config(args) -> TrainConfig:
     return TrainConfig(**schema.check(TrainConfig, values))
 
 
+def check_tensorboard_dir(path: str | None) -> None:
+    """Before anything is trained or written: raise ValueError (one line) when `--tensorboard`
+    is given and the tensorboard package is missing, or its DIR is empty or a file."""
+    if path is None:
+        return
+    tensorboard_writer_class()
+    if not path.strip():
+        raise ValueError("--tensorboard needs a directory, got an empty string")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise ValueError(f"--tensorboard {path} exists and is not a directory")
+
+
 def cmd_train(args) -> int:
+    check_tensorboard_dir(args.tensorboard)
     cfg = resolve_train_config(args)
     validate_config(cfg)
     check_device(cfg.device)
@@ -165,7 +187,8 @@ def _train(args, cfg: TrainConfig, *, rank0: bool, data_parallel) -> int:
     say("config:\n  " + format_config(cfg).replace("\n", "\n  "))
     result = run_train(cfg, corpus, config_toml=format_config(cfg),
                        show_progress=rank0 and interactive and sys.stderr.isatty() and every == 0,
-                       progress_every_s=every, log=say, data_parallel=data_parallel)
+                       progress_every_s=every, log=say, data_parallel=data_parallel,
+                       tensorboard=args.tensorboard)
     say(format_comparison(result))
     if args.json:
         say(result_json(result))
@@ -511,7 +534,8 @@ def _campaign_parser(sub) -> None:
     f.add_argument("protocol", help="protocol TOML file")
     f.add_argument("--out", default=None, help="campaign directory (default campaigns/<name>)")
     f.add_argument("--data-dir", default=None,
-                   help=f"WikiText-2 directory (default ${DATA_ENV}; if unset, the embedded corpus)")
+                   help=f"WikiText-2 directory (default ${DATA_ENV}; if unset, the embedded "
+                        "corpus)")
     r = csub.add_parser("run", help="run (or resume) every unfinished job of a campaign")
     r.add_argument("campaign", help="campaign directory written by `campaign freeze`")
     r.add_argument("--data-dir", default=None,
@@ -519,6 +543,10 @@ def _campaign_parser(sub) -> None:
     r.add_argument("--retry-failed", action="store_true",
                    help="run failed jobs again as new attempts (their failures stay recorded)")
     r.add_argument("--max-jobs", type=int, default=None, help="stop after this many jobs")
+    r.add_argument("--tensorboard", default=None, metavar="DIR",
+                   help="every job also writes its curve as TensorBoard scalars under DIR "
+                        "(`cotangent train --tensorboard DIR`: DIR/<run directory name>/<arm>); "
+                        "needs the tensorboard extra: pip install 'cotangent[tensorboard]'")
     s = csub.add_parser("status", help="count done, failed and pending jobs")
     s.add_argument("campaign")
 
@@ -536,8 +564,10 @@ def cmd_campaign(args) -> int:
         return 0
     if args.max_jobs is not None and args.max_jobs < 1:
         raise ValueError("--max-jobs must be >= 1")
+    check_tensorboard_dir(args.tensorboard)
     counts = campaign.run_campaign(Path(args.campaign), data_dir=args.data_dir,
-                                   retry_failed=args.retry_failed, max_jobs=args.max_jobs)
+                                   retry_failed=args.retry_failed, max_jobs=args.max_jobs,
+                                   tensorboard=args.tensorboard)
     if counts["pending"] == 0:
         print(f"next: cotangent analyze {args.campaign}")
     return 0 if counts["failed"] == 0 else 1

@@ -559,7 +559,8 @@ def schedule_sha256(cfg: TrainConfig, arm: str | None = None) -> str:
 
 def run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None = None,
               log=print, config_toml: str | None = None, progress_every_s: float = 0.0,
-              data_parallel: DataParallel | None = None) -> dict:
+              data_parallel: DataParallel | None = None,
+              tensorboard: str | os.PathLike | None = None) -> dict:
     """Run `_run_train`; with `compile`, under `torch.use_deterministic_algorithms(True)`.
 
     Why: inductor's CPU code for the embedding backward accumulates in an order that depends
@@ -567,12 +568,22 @@ def run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None = 
     gradients here (2 threads); deterministic mode makes it reproducible, so the arms can be
     compared bit for bit.
 
-    `show_progress`: a tqdm bar on stderr (default: when stderr is a terminal).
+    `show_progress`: a tqdm bar on stderr (default None: tqdm's `disable=None`, a bar only
+    when stderr is a terminal).
     `progress_every_s`: when > 0, one plain progress line through `log` at most every this
     many seconds of the training loop, and one after the last step (`progress_line`); the
     CLI turns it on when stdout is not a terminal.
     `data_parallel`: this rank's place in a data-parallel run (`process_group`); every rank
     calls `run_train` with the same arguments; only rank 0 writes records.
+    `tensorboard`: a directory; every curve row (steps and probes) is also written as
+    TensorBoard scalars (`TensorBoardCurves`), one run subdirectory per arm,
+    `tensorboard/<run directory name>/<arm>` (rank 0 only). An extra output: the records
+    stay the evidence, and nothing reads the event files back.
+
+    Raises:
+        ValueError: `tensorboard` given and the tensorboard package not installed (one line
+            naming the extra; checked before anything is built or written), and the errors of
+            `_run_train`.
     """
     previous = torch.are_deterministic_algorithms_enabled()
     try:
@@ -580,14 +591,15 @@ def run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None = 
             torch.use_deterministic_algorithms(True)
         return _run_train(cfg, corpus, show_progress=show_progress, log=log,
                           config_toml=config_toml, progress_every_s=progress_every_s,
-                          data_parallel=data_parallel)
+                          data_parallel=data_parallel, tensorboard=tensorboard)
     finally:
         torch.use_deterministic_algorithms(previous)
 
 
 def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, log,
                config_toml: str | None, progress_every_s: float = 0.0,
-               data_parallel: DataParallel | None = None) -> dict:
+               data_parallel: DataParallel | None = None,
+               tensorboard: str | os.PathLike | None = None) -> dict:
     """Train the arms interleaved, probe, evaluate, write records; returns the comparison dict.
 
     Each arm's run directory holds `metadata.json` (written first), `curve.jsonl` and
@@ -610,6 +622,7 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
     t_start = time.perf_counter()
     dp = data_parallel
     writer = dp is None or dp.rank == 0
+    summary_writer = tensorboard_writer_class() if tensorboard is not None else None
     device = torch.device(cfg.device)
     if dp is not None and device.type == "cuda":
         device = torch.device("cuda", dp.local_rank)
@@ -647,11 +660,19 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
         + ("" if dp is None else
            f"; data-parallel: {dp.world_size} ranks ({dp.backend}), {dp.threads} torch "
            f"thread(s) and {cfg.batch_size} windows per step on each rank"))
-    curves = _Curves(run.root, cfg.arms, write=writer)
-    with recompile_room(*(arm.optimizer for arm in arms.values()
-                          if isinstance(arm.optimizer, cotangent.MuonAdamW))):
-        load = _train_loop(run, arms, samplers, curves, windows["probe"],
-                           show_progress if writer else False, log, progress_every_s)
+    tb = None
+    if summary_writer is not None and writer:
+        tb = TensorBoardCurves(Path(tensorboard) / run.root.name, cfg.arms, summary_writer)
+        log(f"tensorboard: {tb.root}")
+    curves = _Curves(run.root, cfg.arms, write=writer, tensorboard=tb)
+    try:
+        with recompile_room(*(arm.optimizer for arm in arms.values()
+                              if isinstance(arm.optimizer, cotangent.MuonAdamW))):
+            load = _train_loop(run, arms, samplers, curves, windows["probe"],
+                               show_progress if writer else False, log, progress_every_s)
+    finally:  # also on Ctrl-C or an error: the event files hold every row written so far
+        if tb is not None:
+            tb.close()
     result: dict = {name: _summarize_arm(run, name, arm, curves, windows, load, setup_s)
                     for name, arm in arms.items()}
     if dp is not None:
@@ -779,14 +800,80 @@ def _start_records(run: _Run, arms: dict[str, Arm], corpus: Corpus, env: dict, p
             records.write_atomic(run_dir / "config.toml", config_toml + "\n")
 
 
+TENSORBOARD_EXTRA = "pip install 'cotangent[tensorboard]'"
+# Curve-row keys that are not TensorBoard scalars: `step` is the global step, `probe` the
+# probe's index; non-numbers (autograd_order: true, false or null) are left out too.
+TENSORBOARD_SKIP = ("step", "probe")
+
+
+def tensorboard_writer_class() -> type:
+    """`torch.utils.tensorboard.SummaryWriter`, imported now.
+
+    Raises:
+        ValueError: one line naming the `tensorboard` extra when the tensorboard package is
+            not installed (or too old for torch).
+    """
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError as exc:
+        why = (f"{exc.name} is not installed" if isinstance(exc, ModuleNotFoundError)
+               and exc.name else str(exc).splitlines()[0])
+        raise ValueError(f"--tensorboard needs the tensorboard extra ({why}): "
+                         f"{TENSORBOARD_EXTRA}") from None
+    return SummaryWriter
+
+
+class TensorBoardCurves:
+    """Curve rows as TensorBoard scalars: one `SummaryWriter` (event file) per arm, in
+    `root/<arm>`.
+
+    Each row's numbers (int or float, not bool) become scalars whose tag is the curve key
+    itself, with its unit (`loss_bpb`: bits per byte, `lr`, `grad_norm`, `step_s`, `update_s`,
+    `cpu_s`, `host_cpu_s`, `host_steal_s` in seconds; probes: `probe_bpb`, `training_s`,
+    `elapsed_s`; study arms: the `OCCURRENCE_KEYS` numbers), at global_step = the row's `step`
+    (a step row: the update's 0-based index; a probe row: the updates done). TensorBoard
+    stores float32 (`simple_value`): each scalar is float32(the curve value), rounded to
+    nearest. Written as the rows come, so the event files match curve.partial.jsonl (a run
+    that drops its partial host columns from curve.jsonl keeps them here). Never read back.
+    """
+
+    def __init__(self, root: Path, names: tuple[str, ...], writer_class: type) -> None:
+        self.root = Path(root)
+        self.writers = {name: writer_class(log_dir=str(self.root / name), flush_secs=10)
+                        for name in names}
+
+    def add(self, name: str, row: dict) -> None:
+        """Write the numbers of arm `name`'s curve row `row` at global_step `row["step"]`."""
+        writer = self.writers[name]
+        for key, value in row.items():
+            if (key in TENSORBOARD_SKIP or isinstance(value, bool)
+                    or not isinstance(value, (int, float))):
+                continue
+            writer.add_scalar(key, value, global_step=row["step"])
+
+    def close(self) -> None:
+        """Flush and close every arm's event file (each one, even if another fails)."""
+        errors = []
+        for writer in self.writers.values():
+            try:
+                writer.close()
+            except Exception as exc:  # close the others first
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+
 class _Curves:
     """Each arm's curve rows (steps and probes) in memory and, one flushed line each, in its
     run directory's curve.partial.jsonl, so a killed run keeps its curve; `finish` replaces
     that file by curve.jsonl, written atomically. With `write` False (a data-parallel rank
-    other than 0) the rows stay in memory only."""
+    other than 0) the rows stay in memory only. With `tensorboard`, each row is also given to
+    it as it is written (`TensorBoardCurves.add`)."""
 
-    def __init__(self, root: Path, names: tuple[str, ...], *, write: bool = True) -> None:
+    def __init__(self, root: Path, names: tuple[str, ...], *, write: bool = True,
+                 tensorboard: TensorBoardCurves | None = None) -> None:
         self.root = root
+        self.tensorboard = tensorboard
         self.rows: dict[str, list[dict]] = {name: [] for name in names}
         self.probes: dict[str, list[dict]] = {name: [] for name in names}
         self.trained_s = {name: 0.0 for name in names}  # sum of the arm's step_s so far
@@ -803,6 +890,8 @@ class _Curves:
         if self._partial is not None:
             self._partial[name].write(json.dumps(row, sort_keys=True) + "\n")
             self._partial[name].flush()
+        if self.tensorboard is not None:
+            self.tensorboard.add(name, row)
 
     def finish(self, name: str) -> None:
         """Write arm `name`'s curve.jsonl and remove its curve.partial.jsonl (`write` only)."""
@@ -816,18 +905,20 @@ def _train_loop(run: _Run, arms: dict[str, Arm], samplers: dict[str, WindowSampl
                 curves: _Curves, probe: torch.Tensor | None, show_progress: bool | None, log,
                 progress_every_s: float) -> dict:
     """Step i of every arm before step i + 1 (their order alternating), a probe every
-    eval_every steps, a progress line every `progress_every_s` seconds; returns the load
+    eval_every steps, a progress line every `progress_every_s` seconds, a tqdm bar on stderr
+    when `show_progress` (None: only when stderr is a terminal); returns the load
     record around the loop (`host`: the HostSampler, `threads`, 1-minute load averages)."""
     cfg = run.cfg
-    if show_progress is None:
-        show_progress = sys.stderr.isatty()
     host = contention.HostSampler()
     threads = torch.get_num_threads()
     load_start = contention.load_average_1m()
     loop_start = last_line = time.perf_counter()
     since_line: dict[str, list[dict]] = {name: [] for name in cfg.arms}
     order = list(cfg.arms)
-    for step in tqdm(range(cfg.steps), disable=not show_progress, desc="steps", unit="step"):
+    # show_progress None: tqdm's disable=None, a bar only when its stream (stderr) is a terminal
+    bar = tqdm(range(cfg.steps), disable=None if show_progress is None else not show_progress,
+               desc="steps", unit="step")
+    for step in bar:
         for name in order:
             row = _train_step(run, arms[name], samplers[name], step, host)
             curves.add(name, row)
