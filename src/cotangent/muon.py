@@ -334,13 +334,16 @@ class Muon(torch.optim.Muon):
         self._refresh()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """`Optimizer.zero_grad` over packed gradients: ``set_to_none=True`` leaves every
-        ``.grad`` None until the next backward (the buffer holds -0.0 so that the backward's
-        accumulation reproduces a fresh gradient bit for bit); ``set_to_none=False`` zeroes the
-        existing gradients in place."""
+        """`Optimizer.zero_grad` over packed gradients: ``set_to_none=True``: no gradient counts
+        as present until the next backward (``.grad`` is a view of the buffer filled with -0.0,
+        so that the backward's accumulation reproduces a fresh gradient bit for bit; while
+        ``state`` is empty it reads None, as native, and the step copies the backward's fresh
+        gradient in); ``set_to_none=False`` zeroes the existing gradients in place."""
         _compat.refuse_under_compile("cotangent.Muon.zero_grad()")
         self._refresh()
-        self._tracker.zero_grad(set_to_none)
+        # no state yet (a fresh optimizer): .grad reads None as native, not the -0.0 view
+        # (torch.distributed.checkpoint tells a fresh optimizer by exactly that)
+        self._tracker.zero_grad(set_to_none, prefill=bool(self.state))
 
     # ------------------------------------------------------------------ step
 

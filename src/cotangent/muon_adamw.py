@@ -316,7 +316,9 @@ class MuonAdamW(torch.optim.Optimizer):
         _compat.refuse_under_compile("cotangent.MuonAdamW.zero_grad()")
         self._refresh()
         super().zero_grad(set_to_none)  # the AdamW parameters; Muon views are reset below
-        self._tracker.zero_grad(set_to_none)
+        # no state yet (a fresh optimizer): .grad reads None as native, not the -0.0 view
+        # (torch.distributed.checkpoint tells a fresh optimizer by exactly that)
+        self._tracker.zero_grad(set_to_none, prefill=bool(self.state))
 
     # ------------------------------------------------------------------ step
 

@@ -583,7 +583,10 @@ class AdamW(torch.optim.AdamW):
         ``set_to_none=True`` (default): every parameter counts as having no gradient until the next
         backward; the buffer holds -0.0 so that backward's accumulation reproduces a fresh
         gradient bit for bit. ``set_to_none=False``: gradients that exist become +0.0 in place, as
-        native; those that are ``None`` stay absent.
+        native; those that are ``None`` stay absent. While ``state`` is empty (before the first
+        update, or after it was cleared) ``.grad`` reads None instead of the -0.0 view, as
+        native: `torch.distributed.checkpoint` initialises the state of an optimizer only when
+        it has no state and no gradient.
 
         Raises:
             RuntimeError: a parameter's storage was replaced (e.g. ``model.half()`` after the
@@ -593,7 +596,9 @@ class AdamW(torch.optim.AdamW):
         self._refresh_structure()
         if self._store.sync_params():
             self._planner.invalidate()
-        self._tracker.zero_grad(set_to_none)
+        # no state yet (a fresh optimizer): .grad reads None as native, not the -0.0 view
+        # (torch.distributed.checkpoint tells a fresh optimizer by exactly that)
+        self._tracker.zero_grad(set_to_none, prefill=bool(self.state))
 
     # ------------------------------------------------------------------ introspection
 

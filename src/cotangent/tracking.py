@@ -144,8 +144,14 @@ class GradientTracker:
         return {s: self.store.params[s].grad for s in self.all_slots if self.has_logical_grad(s)}
 
     @torch.no_grad()
-    def zero_grad(self, set_to_none: bool) -> None:
-        """`Optimizer.zero_grad` over packed gradients (see `cotangent.AdamW.zero_grad`)."""
+    def zero_grad(self, set_to_none: bool, prefill: bool = True) -> None:
+        """`Optimizer.zero_grad` over packed gradients (see `cotangent.AdamW.zero_grad`).
+
+        `prefill` False: every gradient not kept reads None, as native, instead of the -0.0
+        view (the optimizers pass it while their ``state`` is empty: code such as
+        `torch.distributed.checkpoint`'s optimizer-state initialisation reads "no state and
+        every ``.grad`` None" as a fresh optimizer); the next step copies the backward's fresh
+        gradients into the buffer."""
         store = self.store
         keep = set() if set_to_none else {
             s for s in self.all_slots if self.tracked[s] and self.has_logical_grad(s)}
@@ -158,8 +164,8 @@ class GradientTracker:
         # do not arrive as DistributedDataParallel bucket views: with gradient_as_bucket_view
         # DDP hands a globally unused parameter whose gradient is defined a zero bucket view
         # instead of leaving it None (without it, DDP writes into the defined gradients).
-        prefill = self.prefilled
-        if not self.prefill_in_process_group and _distributed():
+        allowed, prefill = prefill, self.prefilled
+        if not allowed or (not self.prefill_in_process_group and _distributed()):
             prefill = [False] * n
         # Only gradients that are not their buffer view need a look (none in the usual step).
         for slot, (p, g, view) in enumerate(zip(store.params, map(_GRAD, store.params), views)):
