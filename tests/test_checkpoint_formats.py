@@ -344,3 +344,26 @@ def test_dcp_optimizer_state_of_a_packed_adamw_is_native_bytes(tmp_path):
         files[name] = _dcp_files(tmp_path / name)
     assert files["packed"]["__0_0.distcp"] == files["native"]["__0_0.distcp"]
     assert len(files["packed"][".metadata"]) == len(files["native"][".metadata"])
+
+
+@pytest.mark.parametrize("family", ["AdamW", "Muon"])
+def test_saving_one_parameters_optimizer_state_writes_only_its_bytes(family):
+    """`torch.save(opt.state[p])` of a packed optimizer writes the same bytes as native's (each
+    state tensor has a storage of its own over its segment of the flat buffers), and
+    `torch.save(opt.state_dict())` too."""
+    arms = ({"native": "native AdamW", "packed": "cotangent.AdamW"} if family == "AdamW"
+            else {"native": "native Muon", "packed": "cotangent.Muon"})
+    models = {name: make_model() for name in arms}
+    opts = {name: ARMS[arm][0](models[name], LR[family]) for name, arm in arms.items()}
+    train(models["native"], opts["native"], ARMS[arms["native"]][1], batches()[:2])
+    train(models["packed"], opts["packed"], False, batches()[:2])
+    saved = {}
+    for name, opt in opts.items():
+        p = next(iter(models[name].parameters()))
+        one, whole = io.BytesIO(), io.BytesIO()
+        torch.save(opt.state[p], one)
+        torch.save(opt.state_dict(), whole)
+        saved[name] = one.getvalue(), whole.getvalue()
+    assert saved["packed"][0] == saved["native"][0], (len(saved["packed"][0]),
+                                                      len(saved["native"][0]))
+    assert saved["packed"][1] == saved["native"][1]
