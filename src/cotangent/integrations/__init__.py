@@ -1,0 +1,5 @@
+"""Optional integrations with training frameworks.
+
+Each submodule imports its framework when it is imported itself (``import cotangent`` needs
+torch alone): ``cotangent.integrations.hf`` needs ``pip install 'cotangent[hf]'``.
+"""
