@@ -13,6 +13,7 @@ native functional AdamW calls. The pieces it composes:
 from __future__ import annotations
 
 import operator
+import weakref
 from dataclasses import dataclass
 from itertools import chain
 
@@ -32,6 +33,31 @@ from cotangent.store import (
     validate_params,
 )
 from cotangent.tracking import Gradients, GradientTracker, gradients_to_carry
+
+
+class NotShardedError(AttributeError, RuntimeError):
+    """`AdamW.consolidate_state_dict` read on an optimizer built with ``shard=None``: an
+    AttributeError for ``hasattr`` checks, a RuntimeError for callers."""
+
+
+def _live(opt: AdamW) -> AdamW:
+    """The optimizer `opt` stands for. A wrapper that subclasses the wrapped optimizer's class on
+    the fly and forwards attribute reads to it (pytorch-lightning's `LightningOptimizer`, which
+    `self.optimizers()` returns) runs our methods with itself as `self`: their writes would land
+    on the wrapper, unseen by the optimizer (a clip recorded there would be done again by
+    `step()`). Such calls go to the optimizer whose buffers these are.
+
+    Raises:
+        RuntimeError: `opt` was never initialised and forwards to no optimizer.
+    """
+    if "_store" in vars(opt):
+        return opt
+    ref = getattr(opt, "_live_ref", None)  # forwarded by the wrapper
+    live = ref() if ref is not None else None
+    if live is None:
+        raise RuntimeError(f"{type(opt).__name__} was not initialised (AdamW.__init__ did not "
+                           "run) and forwards to no cotangent.AdamW")
+    return live
 
 
 @dataclass(slots=True)
@@ -159,6 +185,7 @@ class AdamW(torch.optim.AdamW):
                  error_if_nonfinite: bool = False, clip_order=None,
                  batched_norms: bool = True, shard: str | None = None,
                  shard_norms: str = "all", process_group=None) -> None:
+        self._live_ref = weakref.ref(self)  # read through wrappers that forward reads: _live
         self._store: FlatStore | None = None  # None until the first pack
         self._tracker: GradientTracker | None = None
         self._zero = sharding.setup(shard, shard_norms, process_group)
@@ -210,6 +237,8 @@ class AdamW(torch.optim.AdamW):
         Raises:
             See the class docstring; nothing is modified before an error is raised.
         """
+        if (live := _live(self)) is not self:
+            return live.step(closure)
         _compat.refuse_under_compile("cotangent.AdamW.step()")
         self._scale_applied = False
         if closure is None:
@@ -275,6 +304,8 @@ class AdamW(torch.optim.AdamW):
             ValueError: the optimizer was built with ``max_norm=None``.
             RuntimeError: as `step()`.
         """
+        if (live := _live(self)) is not self:
+            return live.clip_grad_norm_()
         _compat.refuse_under_compile("cotangent.AdamW.clip_grad_norm_()")
         if self.max_norm is None:
             raise ValueError("clip_grad_norm_() needs the optimizer built with max_norm=...")
@@ -462,6 +493,8 @@ class AdamW(torch.optim.AdamW):
 
     def add_param_group(self, param_group: dict) -> None:
         """As `torch.optim.Optimizer.add_param_group`; afterwards all buffers are re-packed."""
+        if (live := _live(self)) is not self:
+            return live.add_param_group(param_group)
         super().add_param_group(param_group)
         if self._store is not None:
             try:
@@ -475,6 +508,8 @@ class AdamW(torch.optim.AdamW):
         into the flat buffers. Every moment is checked against its parameter first: a tensor of
         another shape (native would broadcast or fail mid-update) is a ValueError naming the
         parameter, and the optimizer is left exactly as it was."""
+        if (live := _live(self)) is not self:
+            return live.load_state_dict(state_dict)
         check_state_dict(state_dict, self.param_groups)
         before = (self.state, self.param_groups)
         try:
@@ -484,15 +519,29 @@ class AdamW(torch.optim.AdamW):
             self.state, self.param_groups = before
             raise
 
-    def consolidate_state_dict(self, to: int | None = 0) -> None:
-        """ZeRO-1: gather every rank's share of the state onto rank `to` of the process group
-        (None: onto every rank), so that `state_dict()` there returns the whole state in
-        `torch.optim.AdamW`'s unsharded format. A collective: call it on every rank (as
-        `torch.distributed.optim.ZeroRedundancyOptimizer.consolidate_state_dict`).
+    @property
+    def consolidate_state_dict(self):
+        """``consolidate_state_dict(to=0)``, ZeRO-1 only: gather every rank's share of the state
+        onto rank `to` of the process group (None: onto every rank), so that `state_dict()` there
+        returns the whole state in `torch.optim.AdamW`'s unsharded format. A collective: call it
+        on every rank (as `torch.distributed.optim.ZeroRedundancyOptimizer.consolidate_state_dict`).
+
+        An optimizer built with ``shard=None`` has no such method (its `state_dict()` is whole
+        already): reading the attribute raises `NotShardedError`, so that checkpointing code that
+        asks ``hasattr(opt, "consolidate_state_dict")`` (pytorch-lightning, lightning-fabric)
+        saves `state_dict()` as for any unsharded optimizer.
 
         Raises:
-            RuntimeError: the optimizer is not sharded (``shard=None``).
+            NotShardedError (an AttributeError and a RuntimeError): ``shard=None``.
+            ValueError: `to` is not a rank of the group or None.
         """
+        live = _live(self)
+        if live._zero is None:
+            raise NotShardedError("consolidate_state_dict() is for shard='zero1'; this optimizer "
+                                  "is not sharded")
+        return live._consolidate_state_dict
+
+    def _consolidate_state_dict(self, to: int | None = 0) -> None:
         zero = self._require_zero("consolidate_state_dict()")
         if to is not None and not (isinstance(to, int) and 0 <= to < zero.world):
             raise ValueError(f"to must be a rank in 0..{zero.world - 1} or None, got {to!r}")
@@ -569,6 +618,7 @@ class AdamW(torch.optim.AdamW):
         self.state = WatchedState(dict, self.state)
         if live:
             return
+        self._live_ref = weakref.ref(self)
         self._store, self._tracker, self._zero = None, None, None
         self._updates, self._consolidated, self._state_seen = 0, None, None
         self._last_total_norm, self._norm_backwards = None, -1
@@ -592,6 +642,8 @@ class AdamW(torch.optim.AdamW):
             RuntimeError: a parameter's storage was replaced (e.g. ``model.half()`` after the
                 optimizer was built); inside ``torch.compile``.
         """
+        if (live := _live(self)) is not self:
+            return live.zero_grad(set_to_none)
         _compat.refuse_under_compile("cotangent.AdamW.zero_grad()")
         self._refresh_structure()
         if self._store.sync_params():
