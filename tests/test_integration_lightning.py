@@ -494,3 +494,56 @@ def test_calls_through_the_lightning_optimizer_wrapper_reach_the_optimizer():
     wrapper.add_param_group({"params": [extra]})
     assert opt.param_groups[-1]["params"] == [extra]
     assert set(vars(wrapper)) == own, set(vars(wrapper)) - own
+
+
+# ------------------------------------------------- 4. CotangentClipping: Lightning's clip, once
+
+
+def _clipping_net(make_opt):
+    from cotangent.integrations.lightning import CotangentClipping
+
+    class ClippingNet(CotangentClipping, Net):
+        pass
+
+    return lambda: ClippingNet(make_opt)
+
+
+@pytest.mark.parametrize("impl", [pytest.param({}, id="for-loop"),
+                                  pytest.param({"fused": True}, id="fused")])
+def test_cotangent_clipping_mixin_clips_once(impl):
+    """With `CotangentClipping`, `gradient_clip_val=1.0` AND `max_norm=1.0` clip once (the
+    optimizer's batched clip at Lightning's clip point): the single-clip native run's bits,
+    where the plain module clips twice (`test_both_clips_set_clip_twice`)."""
+    reference = fit(native(**impl), gradient_clip_val=1.0)
+    run = fit(None, build=_clipping_net(ours(max_norm=1.0, **impl)), gradient_clip_val=1.0)
+    assert_same_run(reference, run, "CotangentClipping, both set")
+    assert_norms_match(reference, run, "CotangentClipping, both set")
+    # and with the Trainer's clip unset it leaves the clip to step()
+    run = fit(None, build=_clipping_net(ours(max_norm=1.0, **impl)))
+    assert_same_run(reference, run, "CotangentClipping, gradient_clip_val unset")
+
+
+def test_cotangent_clipping_mixin_leaves_other_optimizers_to_lightning():
+    """A native optimizer (or `max_norm=None`) under the mixin: Lightning's own clip."""
+    reference = fit(native(), gradient_clip_val=1.0)
+    for make in (native(), ours(max_norm=None)):
+        run = fit(None, build=_clipping_net(make), gradient_clip_val=1.0)
+        assert_same_run(reference, run, "CotangentClipping, Lightning clips")
+
+
+@pytest.mark.parametrize("trainer_kw", [
+    pytest.param(dict(gradient_clip_val=0.5), id="another-value"),
+    pytest.param(dict(gradient_clip_val=1.0, gradient_clip_algorithm="value"), id="by-value")])
+def test_cotangent_clipping_mixin_refuses_two_different_clips(trainer_kw):
+    """`gradient_clip_val` other than `max_norm`, or value clipping, is a ValueError at the
+    first clip, before the optimizer moved anything."""
+    pl.seed_everything(0, verbose=False)
+    module = _clipping_net(ours(max_norm=1.0))()
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, **trainer_kw)
+    with pytest.raises(ValueError, match="two different clips"):
+        trainer.fit(module, batches(2))
+    for a, b in zip(before, module.parameters()):
+        assert_same_bits(a, b.detach(), "parameter after the refused clip")

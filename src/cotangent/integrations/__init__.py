@@ -1,5 +1,7 @@
 """Optional integrations with training frameworks.
 
 Each submodule imports its framework when it is imported itself (``import cotangent`` needs
-torch alone): ``cotangent.integrations.hf`` needs ``pip install 'cotangent[hf]'``.
+torch alone): ``cotangent.integrations.hf`` (`CotangentTrainer`) needs
+``pip install 'cotangent[hf]'``; ``cotangent.integrations.lightning`` (`CotangentClipping`) is
+for ``pip install 'cotangent[lightning]'``.
 """
