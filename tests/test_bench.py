@@ -1,17 +1,135 @@
-"""`cotangent bench` runs end to end and reports every required field (speed is not asserted:
-benchmarks are measured, not tested)."""
+"""`cotangent bench`: both gradient methods run, are bitwise and say which one ran; the default
+is the training loop's (real forward + backward); every required field is reported (speed is
+not asserted: benchmarks are measured, not tested)."""
 
 from __future__ import annotations
 
 import json
+import weakref
 
 import pytest
 
-from cotangent.harness import cli
+pytest.importorskip("numpy", reason="the bench is part of the harness: pip install "
+                                    "'cotangent[harness]'")
 
-REQUIRED = {"shape", "params", "tensors", "native_impl", "native_ms", "cotangent_ms", "ratio",
-            "floor10_ms", "bitwise", "extra_persistent_bytes", "native_alloc_bytes",
-            "cotangent_alloc_bytes", "native_largest_alloc_bytes", "cotangent_largest_alloc_bytes"}
+import torch  # noqa: E402
+
+import cotangent  # noqa: E402
+from cotangent.harness import bench, cli  # noqa: E402
+
+REQUIRED = {"shape", "params", "tensors", "native_impl", "method", "native_ms", "cotangent_ms",
+            "ratio", "native_step_ms", "cotangent_step_ms", "step_ratio", "native_zero_grad_ms",
+            "cotangent_zero_grad_ms", "native_backward_ms", "cotangent_backward_ms",
+            "native_loop_ms", "cotangent_loop_ms", "loop_ratio", "floor10_ms", "bitwise",
+            "extra_persistent_bytes", "native_alloc_bytes", "cotangent_alloc_bytes",
+            "native_largest_alloc_bytes", "cotangent_largest_alloc_bytes", "batch_size",
+            "seq_len", "others_cpus"}
+PASS_MS = 1e-7  # a made-up pass cost: the floor is not what these tests look at
+
+
+def _row(method: str, impl: str = "fused", shape: str = "tiny-transformer", **kw) -> bench.Row:
+    return bench.bench_row(shape, impl, pass_ms=PASS_MS, repeats=2, warmup=1, method=method,
+                           **kw)
+
+
+def test_the_default_method_is_the_training_loops_real_backward():
+    import inspect
+
+    assert bench.METHODS == ("real-backward", "synthetic-grads")
+    for fn in (bench.bench_row, bench.run_bench):
+        assert inspect.signature(fn).parameters["method"].default == "real-backward"
+    # the CLI's default (METHODS[0]) is checked end to end in test_bench_rows_are_bitwise_*
+
+
+@pytest.mark.parametrize("impl", ["default", "fused"])
+@pytest.mark.parametrize("method", bench.METHODS)
+def test_both_methods_run_bitwise_and_record_the_method(method, impl):
+    row = _row(method, impl)
+    assert row.method == method and row.bitwise is True
+    assert REQUIRED <= row.__dict__.keys()
+    if method == "real-backward":  # 1 sequence of min(64, context 32) tokens
+        assert (row.batch_size, row.seq_len) == (1, 32)
+    else:
+        assert (row.batch_size, row.seq_len) == (None, None)
+    for field in ("native_ms", "cotangent_ms", "native_step_ms", "cotangent_step_ms",
+                  "native_zero_grad_ms", "cotangent_zero_grad_ms", "native_backward_ms",
+                  "cotangent_backward_ms", "native_loop_ms", "cotangent_loop_ms"):
+        assert getattr(row, field) > 0, field
+    # zero_grad is inside the update phase: the median update is not below the median step
+    # alone by more than timer noise could explain
+    assert row.native_ms >= 0.5 * row.native_step_ms
+    assert row.native_loop_ms >= row.native_ms and row.cotangent_loop_ms >= row.cotangent_ms
+
+
+def test_real_backward_on_many_small_and_a_larger_batch_is_bitwise():
+    row = _row("real-backward", "default", "many-small", batch_size=2, seq_len=8)
+    assert row.bitwise is True and row.tensors == 146 and (row.batch_size, row.seq_len) == (2, 8)
+
+
+@pytest.mark.parametrize("method", bench.METHODS)
+def test_the_rows_byte_check_sees_another_learning_rate(method, monkeypatch):
+    """Control: the row's bitwise flag is computed, not assumed. A Cotangent arm with another
+    learning rate must be reported as not bitwise by either method."""
+    real_adamw = cotangent.AdamW
+
+    def other_lr(params, **kw):
+        return real_adamw(params, **{**kw, "lr": kw["lr"] * 2})
+
+    monkeypatch.setattr(cotangent, "AdamW", other_lr)
+    assert _row(method).bitwise is False
+
+
+def test_real_backward_gives_native_fresh_gradients_and_cotangent_the_same_views():
+    """The mechanism the two methods differ in (README, "Update-phase benchmark"): in a real
+    loop native's backward hands AccumulateGrad new gradient tensors after every
+    zero_grad(set_to_none=True), while Cotangent's backward accumulates into the same -0.0
+    views of its flat buffer every step."""
+    model = bench.bench_model("tiny-transformer")
+    ours_model = bench.bench_model("tiny-transformer")
+    native = torch.optim.AdamW(model.parameters(), **bench.BENCH_ADAMW_ARGS, fused=True)
+    ours = cotangent.AdamW(ours_model.parameters(), max_norm=1.0, **bench.BENCH_ADAMW_ARGS,
+                           fused=True)
+    batches = bench.bench_batches(model, 3, batch_size=1, seq_len=16)
+    native_grads, our_ptrs = [], []
+    for batch in batches:
+        for m, opt in ((model, native), (ours_model, ours)):
+            bench.bench_loss(m, batch).backward()
+            if opt is native:
+                torch.nn.utils.clip_grad_norm_(list(m.parameters()), 1.0)
+            opt.step()
+            grads = [p.grad for p in m.parameters()]
+            if opt is native:
+                native_grads.append([weakref.ref(g) for g in grads])
+            else:
+                our_ptrs.append([g.data_ptr() for g in grads])
+            opt.zero_grad()
+    assert all(r() is None for refs in native_grads for r in refs)  # freed by zero_grad
+    assert our_ptrs[0] == our_ptrs[1] == our_ptrs[2]  # the same views every step
+    assert all(p.grad is not None and p.grad.data_ptr() == ptr
+               for p, ptr in zip(ours_model.parameters(), our_ptrs[0]))
+
+
+def test_bench_functions_refuse_bad_methods_and_batches():
+    with pytest.raises(ValueError, match="unknown method 'fake'.*real-backward"):
+        bench.run_bench(["tiny-transformer"], ["fused"], method="fake")
+    with pytest.raises(ValueError, match="batch_size and seq_len must be >= 1"):
+        bench.run_bench(["tiny-transformer"], ["fused"], batch_size=0)
+    with pytest.raises(ValueError, match="unknown method"):
+        _row("fake")
+
+
+def test_cli_method_options_are_checked(capsys):
+    for argv, text in (
+            (["bench", "--muon", "--method", "synthetic-grads"], "plain bench only"),
+            (["bench", "--distributed", "2", "--seq-len", "8"], "plain bench only"),
+            (["bench", "--method", "synthetic-grads", "--batch-size", "4"],
+             "--method real-backward only")):
+        assert cli.main(argv) == 2
+        err = capsys.readouterr().err.strip()
+        assert text in err and "Traceback" not in err and len(err.splitlines()) == 1
+    with pytest.raises(SystemExit):  # argparse: not a method
+        cli.main(["bench", "--method", "fake"])
+    capsys.readouterr()
 
 
 @pytest.mark.e2e
@@ -21,15 +139,32 @@ def test_bench_rows_are_bitwise_and_complete(capsys):
     out = capsys.readouterr().out.strip().splitlines()
     result = json.loads(out[-1])
     assert code == 0
+    assert result["method"] == "real-backward"  # the default
+    assert (result["batch_size"], result["seq_len"]) == (bench.BATCH_SIZE, bench.SEQ_LEN)
+    assert any(line.startswith("method: real-backward") for line in out)
+    assert "loadavg_start" in result and "others_cpus" in result
     assert len(result["rows"]) == 3
     for row in result["rows"]:
         assert REQUIRED <= row.keys()
-        assert row["bitwise"] is True
+        assert row["bitwise"] is True and row["method"] == "real-backward"
         assert row["tensors"] == 146 and row["params"] == 644_817
         assert row["native_ms"] > 0 and row["cotangent_ms"] > 0 and row["floor10_ms"] > 0
         assert row["extra_persistent_bytes"] <= 0  # no more allocator blocks than native
     assert any(t["target"] == "bitwise" for t in result["targets"])
     assert result["pass_ms_per_element"] > 0
+
+
+@pytest.mark.e2e
+def test_bench_synthetic_grads_method_is_recorded(capsys):
+    code = cli.main(["bench", "--shapes", "many-small", "--impls", "fused", "--method",
+                     "synthetic-grads", "--repeats", "2", "--warmup", "1", "--json"])
+    out = capsys.readouterr().out.strip().splitlines()
+    result = json.loads(out[-1])
+    assert code == 0 and result["method"] == "synthetic-grads"
+    assert (result["batch_size"], result["seq_len"]) == (None, None)
+    assert any(line.startswith("method: synthetic-grads") for line in out)
+    (row,) = result["rows"]
+    assert row["bitwise"] is True and row["method"] == "synthetic-grads"
 
 
 def test_bench_rejects_unknown_shapes_and_lists_the_valid_ones(capsys):

@@ -1,15 +1,28 @@
 """`cotangent bench`: update-phase time, native vs Cotangent, with a bandwidth floor.
 
-The update phase is "gradients ready -> parameters updated": native
-`torch.nn.utils.clip_grad_norm_(params, max_norm)` + `torch.optim.AdamW.step()` against
-`cotangent.AdamW(..., max_norm=max_norm).step()` with the same AdamW arguments, for each native
-implementation: `default` (what torch picks with no flag: the for-loop on CPU), `foreach` and
-`fused`. Both arms live in one process and alternate repeat by repeat (their order flips every
-repeat); each repeat first lays down the same gradients through autograd
-(`torch.autograd.backward(params, grads)`, untimed, so Cotangent's hooks and in-buffer
-accumulation run as in training), then times the update between device synchronisations. Medians
-over the repeats after the warm-up ones; every row then checks parameters, gradients, both moments
-and step counts byte for byte.
+The update phase is what a training loop spends between the backward and the next forward:
+native `torch.nn.utils.clip_grad_norm_(params, max_norm)` + `torch.optim.AdamW.step()` +
+`zero_grad()` against `cotangent.AdamW(..., max_norm=max_norm).step()` + `zero_grad()` with the
+same AdamW arguments, for each native implementation: `default` (what torch picks with no flag:
+the for-loop on CPU), `foreach` and `fused`. Both arms live in one process and alternate repeat
+by repeat (their order flips every repeat). Each repeat gets its gradients by one of `METHODS`:
+
+    real-backward    (default) a forward + backward of the arm's model on a small random batch
+                     (`BATCH_SIZE` x `SEQ_LEN` tokens, the same batch for both arms), as in
+                     training: native's backward allocates fresh gradients, Cotangent's
+                     accumulates into its -0.0 gradient views.
+    synthetic-grads  `torch.autograd.backward(params, grads)` with the same fixed random
+                     gradients every repeat (the method before issue #15): no model compute
+                     between updates, so the update starts with the gradients just written and
+                     little else in the caches; it times both arms faster than a training loop
+                     does (measured in the README).
+
+The gradient phase, clip + step and zero_grad are each timed between device synchronisations
+(the gradient phase untimed in `native_ms`/`cotangent_ms`, reported as `*_backward_ms`).
+Medians over the repeats after the warm-up ones; every row then checks every loss of the run,
+the total norm, the clipped gradients, parameters, both moments and step counts byte for byte.
+Each row and the run record how busy the machine was (`others_cpus`), since on a small machine
+other work moves the ratios more than anything in the method.
 
 Floor: a pass over N elements costs what one pass costs in a large elementwise op
 (`torch.add(a, b, out=c)` over 2**25 float32 elements = 3 passes); the update needs at least 10
@@ -29,8 +42,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
 import cotangent
+from cotangent.harness.contention import HostSampler
 from cotangent.harness.model import build_model
 from cotangent.harness.records import environment
 from cotangent.harness.train import sync
@@ -38,6 +53,9 @@ from cotangent.harness.train import sync
 IMPLS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 SHAPES = ("many-small", "transformer-small", "causal-conv", "gated-gqa", "transformer-medium",
           "transformer-50m")
+# How each repeat gets its gradients (see bench_row); the first is the default.
+METHODS = ("real-backward", "synthetic-grads")
+BATCH_SIZE, SEQ_LEN = 1, 64  # real-backward: sequences per forward, tokens per sequence
 BENCH_ADAMW_ARGS = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 ALLOC_ALIGN = 64  # bytes: c10's CPU allocator hands out 64-byte aligned blocks
 
@@ -117,38 +135,113 @@ def _same_bytes(a, b) -> bool:
         a.detach().reshape(-1).view(torch.uint8), b.detach().reshape(-1).view(torch.uint8))
 
 
+def _many_small_batch(gen: torch.Generator, tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(inputs (tokens, 80) float32, targets (tokens,) int64 in [0, 257)) for many-small."""
+    return torch.randn(tokens, 80, generator=gen), torch.randint(0, 257, (tokens,), generator=gen)
+
+
+def bench_batches(model: nn.Module, count: int, *, batch_size: int, seq_len: int,
+                  device: str = "cpu", seed: int = 2) -> list:
+    """`count` random batches for `bench_loss`: for a harness language model, byte ids of shape
+    (batch_size, T + 1) with T = min(seq_len, the model's context); for many-small, inputs
+    (batch_size * seq_len, 80) and targets. Raises ValueError for batch_size or seq_len < 1."""
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
+    gen = torch.Generator().manual_seed(seed)
+    dev = torch.device(device)
+    if isinstance(model, nn.Sequential):
+        return [tuple(t.to(dev) for t in _many_small_batch(gen, batch_size * seq_len))
+                for _ in range(count)]
+    seq = min(seq_len, model.cfg.context)
+    return [torch.randint(0, 256, (batch_size, seq + 1), generator=gen).to(dev)
+            for _ in range(count)]
+
+
+def bench_loss(model: nn.Module, batch) -> torch.Tensor:
+    """Mean cross-entropy of one batch of `bench_batches` (0-d float32 tensor): next-byte
+    prediction for a language model, 257-way classification for many-small."""
+    if isinstance(model, nn.Sequential):
+        x, y = batch
+        return F.cross_entropy(model(x), y)
+    logits = model(batch[:, :-1])  # (B, T, 256)
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1))
+
+
 @dataclass
 class Row:
     shape: str
     params: int
     tensors: int
     native_impl: str
-    native_ms: float
+    method: str  # "real-backward" or "synthetic-grads" (METHODS)
+    native_ms: float  # update phase: clip + step + zero_grad, median over repeats
     cotangent_ms: float
-    ratio: float
+    ratio: float  # cotangent_ms / native_ms
+    native_step_ms: float  # clip + step alone (what this bench timed before #15)
+    cotangent_step_ms: float
+    step_ratio: float
+    native_zero_grad_ms: float
+    cotangent_zero_grad_ms: float
+    native_backward_ms: float  # what ran before the update: forward + backward, or the
+    cotangent_backward_ms: float  # synthetic-grads backward
+    native_loop_ms: float  # backward + update of the same repeat, median
+    cotangent_loop_ms: float
+    loop_ratio: float
     floor10_ms: float
-    cotangent_over_floor: float
+    cotangent_over_floor: float  # cotangent_ms / floor10_ms
     bitwise: bool
     extra_persistent_bytes: int  # allocator blocks (64 B granules): cotangent - native
     padding_bytes: int  # requested bytes: cotangent - native (the 64-byte segment alignment)
-    native_alloc_bytes: int  # temporaries allocated during one update, in total
+    native_alloc_bytes: int  # temporaries allocated during one clip + step, in total
     cotangent_alloc_bytes: int
-    native_largest_alloc_bytes: int  # the largest single temporary of one update
+    native_largest_alloc_bytes: int  # the largest single temporary of one clip + step
     cotangent_largest_alloc_bytes: int
     repeats: int
+    batch_size: int | None  # real-backward: the batch of each forward; None for synthetic
+    seq_len: int | None
+    others_cpus: float | None  # CPUs other work kept busy during the row (see run_bench)
+
+
+def _others_cpus(sampler: HostSampler, host0, cpu0: float, wall0: float) -> float | None:
+    """CPUs that other processes (and the hypervisor) kept busy on average since (host0,
+    cpu0, wall0): host busy seconds minus this process's CPU seconds, per wall second."""
+    host1, cpu1, wall1 = sampler.sample(), time.process_time(), time.perf_counter()
+    if host0 is None or host1 is None or wall1 <= wall0:
+        return None
+    return ((host1[0] - host0[0]) - (cpu1 - cpu0)) / (wall1 - wall0)
 
 
 def bench_row(shape: str, impl: str, *, pass_ms: float, repeats: int, warmup: int,
-              max_norm: float = 1.0, device: str = "cpu") -> Row:
+              method: str = "real-backward", batch_size: int = BATCH_SIZE,
+              seq_len: int = SEQ_LEN, max_norm: float = 1.0, device: str = "cpu") -> Row:
+    """One row: native clip_grad_norm_ + torch.optim.AdamW(**IMPLS[impl]) against
+    cotangent.AdamW(max_norm=max_norm) on two copies of model `shape` (a name of SHAPES, or
+    any harness model name such as "tiny-transformer"), arms interleaved.
+
+    Each repeat, for each arm (the order flips every repeat): the gradients (`method`
+    "real-backward": forward + backward of `bench_loss` on this repeat's batch, the same batch
+    for both arms; "synthetic-grads": `torch.autograd.backward(params, grads)` with the same
+    fixed random gradients every repeat), then clip + step, then zero_grad, each timed between
+    device synchronisations. Medians over the repeats after `warmup`; times in ms. Bitwise:
+    every loss of the run, then after one more gradient + clip + step the total norm, the
+    clipped gradients, parameters, both moments and step counts, byte for byte.
+    Raises ValueError for an unknown method, batch_size or seq_len < 1."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
     dev = torch.device(device)
+    sampler = HostSampler()
+    host0, cpu0, wall0 = sampler.sample(), time.process_time(), time.perf_counter()
     m1 = bench_model(shape).to(dev)
     m2 = copy.deepcopy(m1)
     p1, p2 = list(m1.parameters()), list(m2.parameters())
     gen = torch.Generator().manual_seed(1)
     grads = [(torch.randn(p.shape, generator=gen) * 0.01).to(dev) for p in p1]  # norm > 1
+    batches = bench_batches(m1, warmup + repeats + 1, batch_size=batch_size, seq_len=seq_len,
+                            device=device) if method == "real-backward" else []
     native = torch.optim.AdamW(p1, **BENCH_ADAMW_ARGS, **IMPLS[impl])
     ours = cotangent.AdamW(p2, max_norm=max_norm, **BENCH_ADAMW_ARGS, **IMPLS[impl])
     totals: dict[str, torch.Tensor] = {}
+    losses: dict[str, list[torch.Tensor]] = {"native": [], "cotangent": []}
 
     def native_update():
         totals["native"] = torch.nn.utils.clip_grad_norm_(p1, max_norm)
@@ -158,40 +251,77 @@ def bench_row(shape: str, impl: str, *, pass_ms: float, repeats: int, warmup: in
         ours.step()
         totals["cotangent"] = ours.last_total_norm
 
-    arms = {"native": (native, p1, native_update), "cotangent": (ours, p2, our_update)}
-    times: dict[str, list[float]] = {name: [] for name in arms}
-    order = list(arms)
-    for _ in range(warmup + repeats):
-        for name in order:
-            opt, params, update = arms[name]
-            opt.zero_grad()
+    arms = {"native": (m1, native, p1, native_update), "cotangent": (m2, ours, p2, our_update)}
+
+    def gradients(name: str, i: int) -> None:
+        model, _, params, _ = arms[name]
+        if method == "real-backward":
+            loss = bench_loss(model, batches[i])
+            loss.backward()
+            losses[name].append(loss.detach().clone())
+        else:
             torch.autograd.backward(params, grads)
+
+    phases = ("backward", "step", "zero_grad", "update", "loop")
+    times = {name: {ph: [] for ph in phases} for name in arms}
+    order = list(arms)
+    for i in range(warmup + repeats):
+        for name in order:
+            _, opt, _, update = arms[name]
             sync(dev)
             t0 = time.perf_counter()
+            gradients(name, i)
+            sync(dev)
+            t1 = time.perf_counter()
             update()
             sync(dev)
-            times[name].append(time.perf_counter() - t0)
+            t2 = time.perf_counter()
+            opt.zero_grad()
+            sync(dev)
+            t3 = time.perf_counter()
+            if i >= warmup:
+                for ph, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t3 - t1, t3 - t0)):
+                    times[name][ph].append(dt)
         order.reverse()
     allocs = {}
-    for name, (opt, params, update) in arms.items():  # one more (profiled) step for each
-        opt.zero_grad()
-        torch.autograd.backward(params, grads)
+    for name, (_, _, _, update) in arms.items():  # one more (profiled) step for each
+        gradients(name, warmup + repeats)
         allocs[name] = temp_alloc_bytes(update)
     bitwise = _same_bytes(totals["native"], totals["cotangent"])
+    bitwise &= len(losses["native"]) == len(losses["cotangent"]) and all(
+        _same_bytes(a, b) for a, b in zip(losses["native"], losses["cotangent"]))
     for a, b in zip(p1, p2):
         bitwise &= _same_bytes(a, b) and _same_bytes(a.grad, b.grad)
         for key in native.state[a]:
             bitwise &= _same_bytes(native.state[a][key], ours.state[b][key])
-    native_ms = 1e3 * statistics.median(times["native"][warmup:])
-    ours_ms = 1e3 * statistics.median(times["cotangent"][warmup:])
+    ms = {name: {ph: 1e3 * statistics.median(v) for ph, v in t.items()}
+          for name, t in times.items()}
+    nat, cot = ms["native"], ms["cotangent"]
     n = sum(p.numel() for p in p1)
     floor10 = 10 * n * pass_ms
     native_exact, native_blocks = persistent_bytes(p1, native)
     ours_exact, ours_blocks = persistent_bytes(p2, ours)
-    return Row(shape, n, len(p1), impl, native_ms, ours_ms, ours_ms / native_ms, floor10,
-               ours_ms / floor10, bool(bitwise), ours_blocks - native_blocks,
-               ours_exact - native_exact, *allocs["native"][:1], *allocs["cotangent"][:1],
-               allocs["native"][1], allocs["cotangent"][1], repeats)
+    real = method == "real-backward"
+    return Row(
+        shape=shape, params=n, tensors=len(p1), native_impl=impl, method=method,
+        native_ms=nat["update"], cotangent_ms=cot["update"],
+        ratio=cot["update"] / nat["update"],
+        native_step_ms=nat["step"], cotangent_step_ms=cot["step"],
+        step_ratio=cot["step"] / nat["step"],
+        native_zero_grad_ms=nat["zero_grad"], cotangent_zero_grad_ms=cot["zero_grad"],
+        native_backward_ms=nat["backward"], cotangent_backward_ms=cot["backward"],
+        native_loop_ms=nat["loop"], cotangent_loop_ms=cot["loop"],
+        loop_ratio=cot["loop"] / nat["loop"],
+        floor10_ms=floor10, cotangent_over_floor=cot["update"] / floor10,
+        bitwise=bool(bitwise), extra_persistent_bytes=ours_blocks - native_blocks,
+        padding_bytes=ours_exact - native_exact,
+        native_alloc_bytes=allocs["native"][0], cotangent_alloc_bytes=allocs["cotangent"][0],
+        native_largest_alloc_bytes=allocs["native"][1],
+        cotangent_largest_alloc_bytes=allocs["cotangent"][1], repeats=repeats,
+        batch_size=batch_size if real else None,
+        seq_len=(seq_len if isinstance(m1, nn.Sequential) else batches[0].shape[1] - 1)
+        if real else None,
+        others_cpus=_others_cpus(sampler, host0, cpu0, wall0))
 
 
 # The project's update-phase goals, checked on every run: (native implementation, shape
@@ -226,30 +356,68 @@ def check_targets(rows: list[Row]) -> list[dict]:
     return out
 
 
-def format_table(rows: list[Row], pass_ms: float) -> str:
+def method_line(method: str, batch_size: int = BATCH_SIZE, seq_len: int = SEQ_LEN) -> str:
+    """One line saying how each repeat got its gradients."""
+    if method == "real-backward":
+        return (f"method: real-backward (before each update, forward + backward of the model on "
+                f"{batch_size} x {seq_len} tokens, the same batch for both arms)")
+    return ("method: synthetic-grads (before each update, torch.autograd.backward(params, grads)"
+            " with the same fixed random gradients every repeat)")
+
+
+def format_table(rows: list[Row], pass_ms: float, method: str = "real-backward",
+                 batch_size: int = BATCH_SIZE, seq_len: int = SEQ_LEN,
+                 others_cpus: float | None = None, host_cpus: int | None = None) -> str:
     head = (f"{'shape':<19}{'params':>11}{'tensors':>8}  {'native':<8}{'native_ms':>10}"
-            f"{'cotangent_ms':>13}{'ratio':>7}{'floor10_ms':>11}{'/floor':>7}  bitwise  "
-            f"{'extra_B':>7}{'largest temp native/cot (KiB)':>31}")
-    lines = [f"pass cost: {pass_ms * 1e6:.3f} ns per element (large float32 add, 3 passes)",
+            f"{'cotangent_ms':>13}{'ratio':>7}{'step':>7}{'zero_grad n/c':>14}"
+            f"{'bwd n/c':>16}{'loop':>7}{'floor10_ms':>11}{'/floor':>7}  bitwise  "
+            f"{'extra_B':>7}{'largest temp n/c (KiB)':>24}{'others':>8}")
+    lines = [method_line(method, batch_size, seq_len),
+             "update = clip + step + zero_grad (native_ms, cotangent_ms, ratio = cotangent / "
+             "native); step: the ratio of clip + step alone; bwd: the gradient phase before it "
+             "(ms); loop: the ratio of gradient phase + update",
+             f"pass cost: {pass_ms * 1e6:.3f} ns per element (large float32 add, 3 passes)",
              head]
     for r in rows:
+        others = "-" if r.others_cpus is None else f"{r.others_cpus:.2f}"
         lines.append(
             f"{r.shape:<19}{r.params:>11,}{r.tensors:>8}  {r.native_impl:<8}{r.native_ms:>10.2f}"
-            f"{r.cotangent_ms:>13.2f}{r.ratio:>7.3f}{r.floor10_ms:>11.2f}"
-            f"{r.cotangent_over_floor:>7.2f}  {'yes' if r.bitwise else 'NO':<7}"
-            f"{r.extra_persistent_bytes:>8}{r.native_largest_alloc_bytes / 1024:>14.0f} / "
-            f"{r.cotangent_largest_alloc_bytes / 1024:<9.0f}")
+            f"{r.cotangent_ms:>13.2f}{r.ratio:>7.3f}{r.step_ratio:>7.3f}"
+            f"{r.native_zero_grad_ms:>8.2f} /{r.cotangent_zero_grad_ms:>5.2f}"
+            f"{r.native_backward_ms:>9.2f} /{r.cotangent_backward_ms:>6.2f}{r.loop_ratio:>7.3f}"
+            f"{r.floor10_ms:>11.2f}{r.cotangent_over_floor:>7.2f}  "
+            f"{'yes' if r.bitwise else 'NO':<7}"
+            f"{r.extra_persistent_bytes:>8}{r.native_largest_alloc_bytes / 1024:>13.0f} / "
+            f"{r.cotangent_largest_alloc_bytes / 1024:<8.0f}{others:>8}")
+    if others_cpus is not None:
+        lines.append(f"load: other work kept {others_cpus:.2f} of {host_cpus} CPUs busy on average "
+                     f"during the run (others: per row); ratios move with it on a small machine")
     return "\n".join(lines)
 
 
 def run_bench(shapes=SHAPES, impls=tuple(IMPLS), *, repeats: int = 20, warmup: int = 3,
+              method: str = "real-backward", batch_size: int = BATCH_SIZE, seq_len: int = SEQ_LEN,
               device: str = "cpu", log=print) -> dict:
-    """Run every (shape, impl) row; returns {environment, pass_ms_per_element, rows, targets}."""
+    """Run every (shape, impl) row with `method` (METHODS; see bench_row).
+
+    Returns {environment, device, method, batch_size, seq_len (None for synthetic-grads),
+    pass_ms_per_element, loadavg_start, loadavg_end, host_cpus, others_cpus (CPUs other work
+    kept busy on average during the run, from /proc/stat as `cotangent.harness.contention`;
+    None where unreadable), wall_s, rows, targets, table}. Raises ValueError for an unknown
+    method, batch_size or seq_len < 1."""
+    if method not in METHODS:
+        raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
+    if batch_size < 1 or seq_len < 1:
+        raise ValueError(f"batch_size and seq_len must be >= 1, got {batch_size}, {seq_len}")
+    load_start = os.getloadavg()
+    sampler = HostSampler()
+    host0, cpu0, wall0 = sampler.sample(), time.process_time(), time.perf_counter()
     pass_ms = pass_ms_per_element()
     rows = []
     for shape in shapes:
         for impl in impls:
             row = bench_row(shape, impl, pass_ms=pass_ms, repeats=repeats, warmup=warmup,
+                            method=method, batch_size=batch_size, seq_len=seq_len,
                             device=device)
             log(f"  {shape:<19} {impl:<8} native {row.native_ms:8.2f} ms  cotangent "
                 f"{row.cotangent_ms:8.2f} ms  ratio {row.ratio:.3f}  bitwise {row.bitwise}")
@@ -258,9 +426,16 @@ def run_bench(shapes=SHAPES, impls=tuple(IMPLS), *, repeats: int = 20, warmup: i
     for r in rows:
         r.floor10_ms = 10 * r.params * pass_ms
         r.cotangent_over_floor = r.cotangent_ms / r.floor10_ms
-    return dict(environment=environment(), device=device, pass_ms_per_element=pass_ms,
-                rows=[r.__dict__ for r in rows], targets=check_targets(rows),
-                table=format_table(rows, pass_ms))
+    others = _others_cpus(sampler, host0, cpu0, wall0)
+    real = method == "real-backward"
+    return dict(environment=environment(), device=device, method=method,
+                batch_size=batch_size if real else None, seq_len=seq_len if real else None,
+                pass_ms_per_element=pass_ms, loadavg_start=list(load_start),
+                loadavg_end=list(os.getloadavg()), host_cpus=sampler.cpus, others_cpus=others,
+                wall_s=time.perf_counter() - wall0, rows=[r.__dict__ for r in rows],
+                targets=check_targets(rows),
+                table=format_table(rows, pass_ms, method, batch_size, seq_len, others,
+                                   sampler.cpus))
 
 
 def result_json(result: dict) -> str:

@@ -252,13 +252,14 @@ def launch_ranks(nproc: int, argv: list[str]) -> int:
 
 
 def _bench_parser(sub) -> None:
-    from cotangent.harness.bench import IMPLS, SHAPES
+    from cotangent.harness.bench import BATCH_SIZE, IMPLS, METHODS, SEQ_LEN, SHAPES
 
     p = sub.add_parser(
         "bench", help="update-phase benchmark: native vs Cotangent, with a bandwidth floor",
-        description="Time the update phase (clip_grad_norm_ + AdamW step vs cotangent.AdamW "
-                    "step) per shape and native AdamW implementation, interleaved in one "
-                    "process; medians, bitwise check per row, memory, and a 10-pass floor.")
+        description="Time the update phase (clip_grad_norm_ + AdamW step + zero_grad vs "
+                    "cotangent.AdamW step + zero_grad) after a real forward + backward, per "
+                    "shape and native AdamW implementation, interleaved in one process; "
+                    "medians, bitwise check per row, memory, and a 10-pass floor.")
     p.add_argument("--shapes", default=None,
                    help=f"comma-separated, from {', '.join(SHAPES)} (default: all)")
     p.add_argument("--impls", default=None,
@@ -266,6 +267,16 @@ def _bench_parser(sub) -> None:
     p.add_argument("--repeats", type=int, default=20, help="timed repeats per arm (default 20)")
     p.add_argument("--warmup", type=int, default=3, help="discarded repeats per arm (default 3)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda", "mps"])
+    p.add_argument("--method", default=None, choices=METHODS,
+                   help="how each repeat gets its gradients: real-backward (default: a "
+                        "forward + backward of the model, as a training loop) or "
+                        "synthetic-grads (torch.autograd.backward(params, grads) with fixed "
+                        "gradients: no model compute, caches warmer than in training)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"real-backward: sequences per forward (default {BATCH_SIZE})")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help=f"real-backward: tokens per sequence, at most the model's context "
+                        f"(default {SEQ_LEN})")
     p.add_argument("--distributed", type=int, default=None, metavar="N",
                    help="instead: the update phase under DistributedDataParallel on N CPU "
                         "ranks (gloo): native DDP, cotangent DDP, ZeroRedundancyOptimizer and "
@@ -286,6 +297,12 @@ def _bench_parser(sub) -> None:
 def cmd_bench(args) -> int:
     from cotangent.harness import bench
 
+    gradient_options = (args.method, args.batch_size, args.seq_len)
+    if (args.muon or args.distributed is not None) and gradient_options != (None,) * 3:
+        raise ValueError("--method, --batch-size and --seq-len apply to the plain bench only "
+                         "(not --muon or --distributed)")
+    if args.method == "synthetic-grads" and (args.batch_size, args.seq_len) != (None, None):
+        raise ValueError("--batch-size and --seq-len apply to --method real-backward only")
     if args.muon:
         return _bench_muon(args)
     if args.compile:
@@ -294,9 +311,14 @@ def cmd_bench(args) -> int:
         return _bench_distributed(args)
     shapes, impls = _bench_choices(args, bench.SHAPES, tuple(bench.IMPLS))
     check_device(args.device)
+    method = args.method or bench.METHODS[0]
+    batch_size = bench.BATCH_SIZE if args.batch_size is None else args.batch_size
+    seq_len = bench.SEQ_LEN if args.seq_len is None else args.seq_len
     print(f"update-phase benchmark on {args.device}: {len(shapes)} shapes x {len(impls)} native "
-          f"implementations, {args.repeats} repeats (+{args.warmup} warm-up), interleaved")
+          f"implementations, {args.repeats} repeats (+{args.warmup} warm-up), interleaved; "
+          f"{bench.method_line(method, batch_size, seq_len)}")
     result = bench.run_bench(shapes, impls, repeats=args.repeats, warmup=args.warmup,
+                             method=method, batch_size=batch_size, seq_len=seq_len,
                              device=args.device)
     print(result["table"])
     missed = [t for t in result["targets"] if not t["met"]]
