@@ -23,7 +23,7 @@ REQUIRED = {"shape", "params", "tensors", "native_impl", "method", "native_ms", 
             "native_loop_ms", "cotangent_loop_ms", "loop_ratio", "floor10_ms", "bitwise",
             "extra_persistent_bytes", "native_alloc_bytes", "cotangent_alloc_bytes",
             "native_largest_alloc_bytes", "cotangent_largest_alloc_bytes", "batch_size",
-            "seq_len", "others_cpus"}
+            "seq_len", "others_cpus", "busy"}
 PASS_MS = 1e-7  # a made-up pass cost: the floor is not what these tests look at
 
 
@@ -107,6 +107,20 @@ def test_real_backward_gives_native_fresh_gradients_and_cotangent_the_same_views
     assert our_ptrs[0] == our_ptrs[1] == our_ptrs[2]  # the same views every step
     assert all(p.grad is not None and p.grad.data_ptr() == ptr
                for p, ptr in zip(ours_model.parameters(), our_ptrs[0]))
+
+
+def test_rows_on_a_busy_machine_are_marked(monkeypatch):
+    """The harness's busy rule: (other CPUs + torch threads) / CPUs > 1.1."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert bench._busy(0.0, 2) is False and bench._busy(0.1, 2) is False
+    assert bench._busy(0.5, 2) is True and bench._busy(None, 2) is None
+    row = _row("synthetic-grads")
+    row.busy = False
+    quiet = bench.format_table([row], PASS_MS, "synthetic-grads")
+    row.busy, row.others_cpus = True, 0.93
+    table = bench.format_table([row], PASS_MS, "synthetic-grads")
+    assert "warning: 1 of 1 rows ran on a busy machine" in table and "0.93*" in table
+    assert "warning" not in quiet and table.startswith("method: synthetic-grads")
 
 
 def test_bench_functions_refuse_bad_methods_and_batches():

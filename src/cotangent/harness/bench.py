@@ -45,7 +45,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cotangent
-from cotangent.harness.contention import HostSampler
+from cotangent.harness.contention import BUSY_DEMAND_RATIO, HostSampler
 from cotangent.harness.model import build_model
 from cotangent.harness.records import environment
 from cotangent.harness.train import sync
@@ -200,6 +200,7 @@ class Row:
     batch_size: int | None  # real-backward: the batch of each forward; None for synthetic
     seq_len: int | None
     others_cpus: float | None  # CPUs other work kept busy during the row (see run_bench)
+    busy: bool | None  # (others_cpus + torch threads) / CPUs > BUSY_DEMAND_RATIO; None: unknown
 
 
 def _others_cpus(sampler: HostSampler, host0, cpu0: float, wall0: float) -> float | None:
@@ -209,6 +210,14 @@ def _others_cpus(sampler: HostSampler, host0, cpu0: float, wall0: float) -> floa
     if host0 is None or host1 is None or wall1 <= wall0:
         return None
     return ((host1[0] - host0[0]) - (cpu1 - cpu0)) / (wall1 - wall0)
+
+
+def _busy(others: float | None, cpus: int | None) -> bool | None:
+    """The harness's busy rule (`cotangent.harness.contention`): this process's threads and
+    the other work wanted more than BUSY_DEMAND_RATIO x the CPUs; None when not measured."""
+    if others is None or not cpus:
+        return None
+    return (others + torch.get_num_threads()) / cpus > BUSY_DEMAND_RATIO
 
 
 def bench_row(shape: str, impl: str, *, pass_ms: float, repeats: int, warmup: int,
@@ -321,7 +330,8 @@ def bench_row(shape: str, impl: str, *, pass_ms: float, repeats: int, warmup: in
         batch_size=batch_size if real else None,
         seq_len=(seq_len if isinstance(m1, nn.Sequential) else batches[0].shape[1] - 1)
         if real else None,
-        others_cpus=_others_cpus(sampler, host0, cpu0, wall0))
+        others_cpus=(others := _others_cpus(sampler, host0, cpu0, wall0)),
+        busy=_busy(others, sampler.cpus))
 
 
 # The project's update-phase goals, checked on every run: (native implementation, shape
@@ -388,10 +398,15 @@ def format_table(rows: list[Row], pass_ms: float, method: str = "real-backward",
             f"{r.floor10_ms:>11.2f}{r.cotangent_over_floor:>7.2f}  "
             f"{'yes' if r.bitwise else 'NO':<7}"
             f"{r.extra_persistent_bytes:>8}{r.native_largest_alloc_bytes / 1024:>13.0f} / "
-            f"{r.cotangent_largest_alloc_bytes / 1024:<8.0f}{others:>8}")
+            f"{r.cotangent_largest_alloc_bytes / 1024:<8.0f}{others:>8}{'*' if r.busy else ''}")
     if others_cpus is not None:
         lines.append(f"load: other work kept {others_cpus:.2f} of {host_cpus} CPUs busy on average "
                      f"during the run (others: per row); ratios move with it on a small machine")
+    busy = [r for r in rows if r.busy]
+    if busy:
+        lines.append(f"warning: {len(busy)} of {len(rows)} rows ran on a busy machine (others + "
+                     f"threads > {BUSY_DEMAND_RATIO} x CPUs; marked *): their times say more "
+                     f"about the other work than about the code")
     return "\n".join(lines)
 
 
@@ -403,7 +418,8 @@ def run_bench(shapes=SHAPES, impls=tuple(IMPLS), *, repeats: int = 20, warmup: i
     Returns {environment, device, method, batch_size, seq_len (None for synthetic-grads),
     pass_ms_per_element, loadavg_start, loadavg_end, host_cpus, others_cpus (CPUs other work
     kept busy on average during the run, from /proc/stat as `cotangent.harness.contention`;
-    None where unreadable), wall_s, rows, targets, table}. Raises ValueError for an unknown
+    None where unreadable), busy_rows (rows measured on a busy machine), wall_s, rows,
+    targets, table}. Raises ValueError for an unknown
     method, batch_size or seq_len < 1."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
@@ -432,6 +448,7 @@ def run_bench(shapes=SHAPES, impls=tuple(IMPLS), *, repeats: int = 20, warmup: i
                 batch_size=batch_size if real else None, seq_len=seq_len if real else None,
                 pass_ms_per_element=pass_ms, loadavg_start=list(load_start),
                 loadavg_end=list(os.getloadavg()), host_cpus=sampler.cpus, others_cpus=others,
+                busy_rows=sum(bool(r.busy) for r in rows),
                 wall_s=time.perf_counter() - wall0, rows=[r.__dict__ for r in rows],
                 targets=check_targets(rows),
                 table=format_table(rows, pass_ms, method, batch_size, seq_len, others,
