@@ -65,7 +65,7 @@ out = subprocess.run([cli, "train"], capture_output=True, text=True)
 assert out.returncode == 2, out
 assert "pip install 'cotangent[harness]'" in out.stderr and "Traceback" not in out.stderr, out
 print(f"core-only install: torch {torch.__version__}; AdamW and Muon bitwise over {n} steps; "
-      "harness refused with one line")
+      "harness refused with a one-line message")
 # the campaign audit runs as a bare file on the standard library alone (here: no numpy at all)
 audit_py = os.path.join(harness_dir, "audit.py")
 results = os.path.join(os.path.dirname(__file__), "..", "results", "occurrence-cpu")

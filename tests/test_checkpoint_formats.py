@@ -20,7 +20,9 @@ import torch
 import torch.nn as nn
 
 import cotangent
-from bitwise import assert_same_bits, same_bits
+from bitwise import assert_same_bits, assert_same_update, same_bits
+
+from cotangent.verify import first_difference
 
 if not torch.distributed.is_available():
     pytest.skip("torch.distributed (and so torch.distributed.checkpoint) is not available in "
@@ -346,24 +348,75 @@ def test_dcp_optimizer_state_of_a_packed_adamw_is_native_bytes(tmp_path):
     assert len(files["packed"][".metadata"]) == len(files["native"][".metadata"])
 
 
-@pytest.mark.parametrize("family", ["AdamW", "Muon"])
-def test_saving_one_parameters_optimizer_state_writes_only_its_bytes(family):
-    """`torch.save(opt.state[p])` of a packed optimizer writes the same bytes as native's (each
-    state tensor has a storage of its own over its segment of the flat buffers), and
-    `torch.save(opt.state_dict())` too."""
-    arms = ({"native": "native AdamW", "packed": "cotangent.AdamW"} if family == "AdamW"
-            else {"native": "native Muon", "packed": "cotangent.Muon"})
-    models = {name: make_model() for name in arms}
-    opts = {name: ARMS[arm][0](models[name], LR[family]) for name, arm in arms.items()}
-    train(models["native"], opts["native"], ARMS[arms["native"]][1], batches()[:2])
-    train(models["packed"], opts["packed"], False, batches()[:2])
-    saved = {}
-    for name, opt in opts.items():
-        p = next(iter(models[name].parameters()))
-        one, whole = io.BytesIO(), io.BytesIO()
-        torch.save(opt.state[p], one)
-        torch.save(opt.state_dict(), whole)
-        saved[name] = one.getvalue(), whole.getvalue()
-    assert saved["packed"][0] == saved["native"][0], (len(saved["packed"][0]),
-                                                      len(saved["native"][0]))
-    assert saved["packed"][1] == saved["native"][1]
+# Regressions found in review: optimizer-state tensors stay views of the flat buffers (a state
+# tensor with a storage of its own made these diverge silently). `torch.save(opt.state[p])`
+# alone therefore writes the flat buffers (README, "Checkpoint formats").
+
+
+@pytest.mark.parametrize("event", ["share_memory_", "async-checkpoint-queue"])
+def test_muon_momentum_moved_to_shared_memory_keeps_native_bits(event):
+    """`opt.state[w]["momentum_buffer"].share_memory_()` after a step (or sending the state
+    dict through a torch.multiprocessing queue, which moves storages to shared memory in
+    place): cotangent.Muon's batched path keeps native's momentum and parameters."""
+    import torch.multiprocessing as mp
+
+    def run(cls):
+        torch.manual_seed(0)
+        ws = [nn.Parameter(torch.randn(64, 64) / 8) for _ in range(3)]
+        opt = cls(ws, lr=2e-2)
+        gen = torch.Generator().manual_seed(1)
+        for i in range(3):
+            x = torch.randn(4, 64, generator=gen)
+            for w in ws:
+                x = torch.tanh(x @ w)
+            x.square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            if i == 0 and event == "share_memory_":
+                for w in ws:
+                    opt.state[w]["momentum_buffer"].share_memory_()
+            elif i == 0:
+                queue = mp.get_context("fork").SimpleQueue()
+                queue.put(opt.state_dict())
+                queue.get()
+        return ws, opt
+
+    (pn, on), (pc, oc) = run(torch.optim.Muon), run(cotangent.Muon)
+    assert oc.batch_summary()[0]["batched"]
+    assert_same_update(pn, on.state, pc, oc.state, event, grads=False)
+
+
+def test_adamw_moments_shared_with_a_forked_worker_see_its_step():
+    """The A3C/Hogwild shared-optimizer pattern: moments moved to shared memory with
+    `share_memory_()`, then a forked worker steps; the parent sees the worker's update of the
+    moments and parameters, as with native AdamW."""
+    import torch.multiprocessing as mp
+
+    def worker(m, opt):
+        m(torch.ones(2, 8)).sum().backward()
+        opt.step()
+
+    seen = {}
+    for cls in (torch.optim.AdamW, cotangent.AdamW):
+        torch.manual_seed(0)
+        m = nn.Linear(8, 8)
+        opt = cls(m.parameters(), lr=1e-2)
+        m(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        m.share_memory()
+        for p in m.parameters():
+            for key in ("exp_avg", "exp_avg_sq"):
+                opt.state[p][key].share_memory_()
+        before = [(p.detach().clone(), opt.state[p]["exp_avg"].clone()) for p in m.parameters()]
+        proc = mp.get_context("fork").Process(target=worker, args=(m, opt))
+        proc.start()
+        proc.join()
+        assert proc.exitcode == 0
+        seen[cls.__module__] = [(p.detach().clone(), opt.state[p]["exp_avg"].clone())
+                                for p in m.parameters()]
+        for (p0, m0), (p1, m1) in zip(before, seen[cls.__module__]):
+            assert first_difference(p0, p1) is not None and first_difference(m0, m1) is not None
+    for (pa, ma), (pb, mb) in zip(*seen.values()):
+        assert_same_bits(pa, pb, "parameter after the worker's step")
+        assert_same_bits(ma, mb, "exp_avg after the worker's step")

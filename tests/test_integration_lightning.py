@@ -547,3 +547,24 @@ def test_cotangent_clipping_mixin_refuses_two_different_clips(trainer_kw):
         trainer.fit(module, batches(2))
     for a, b in zip(before, module.parameters()):
         assert_same_bits(a, b.detach(), "parameter after the refused clip")
+
+
+def test_cotangent_clipping_mixin_refuses_a_clip_order_lightning_does_not_use():
+    """A `clip_order` listing the parameters otherwise than the optimizer's param groups (here
+    the module itself, with the groups in reverse order) would norm in another order than
+    Lightning's clip: ValueError at the first clip, nothing moved."""
+    def make(params):
+        params = list(params)
+        return cotangent.AdamW([{"params": params[2:]}, {"params": params[:2]}], lr=LR,
+                               weight_decay=WD, max_norm=1.0, clip_order=module.net)
+
+    pl.seed_everything(0, verbose=False)
+    module = _clipping_net(make)()
+    before = [p.detach().clone() for p in module.parameters()]
+    trainer = pl.Trainer(accelerator="cpu", devices=1, max_steps=2, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, gradient_clip_val=1.0)
+    with pytest.raises(ValueError, match="clip_order"):
+        trainer.fit(module, batches(2))
+    for a, b in zip(before, module.parameters()):
+        assert_same_bits(a, b.detach(), "parameter after the refused clip")

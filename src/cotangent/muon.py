@@ -39,7 +39,6 @@ from cotangent.packing import (
     _round_up,
     align_elements,
     matrix_view,
-    own_storage,
     plan_matrix_layouts,
 )
 from cotangent.store import FlatStore, describe, validate_params
@@ -282,9 +281,7 @@ class Muon(torch.optim.Muon):
         self._store = FlatStore.pack(params, layouts, grads, {})
         self._tracker = GradientTracker(self._store)
         self._buffers = [layout.new_buffer(0.0) for layout in layouts]
-        # storages of their own over their segments: `torch.save(opt.state[p])` writes p's buffer
-        self._buffer_views = [own_storage(self._store.alias(self._buffers, s))
-                              for s in range(len(params))]
+        self._buffer_views = [self._store.alias(self._buffers, s) for s in range(len(params))]
         for slot, p in enumerate(params):
             if id(p) in carried:
                 self._buffer_views[slot].copy_(carried[id(p)])

@@ -403,7 +403,7 @@ class FlatStore:
                 continue
             target = self.step_view(slot, value) if key == "step" else self.moment_view(slot, key)
             target.copy_(value)
-            state[key] = own_storage(target)
+            state[key] = target
             copied = True
         return copied
 
@@ -416,13 +416,11 @@ class FlatStore:
             _compat.check_fused_support(p)
         step = self.step_view(slot, _compat.new_step_tensor(p, fused=fused, capturable=False))
         step.zero_()
-        # state entries get storages of their own over their segments (as parameters do), so
-        # `torch.save(opt.state[p])` writes that parameter's state, not the flat buffers
-        state["step"] = own_storage(step)
+        state["step"] = step
         for key in state_keys(amsgrad)[1:]:
             view = self.moment_view(slot, key)
             view.zero_()
-            state[key] = own_storage(view)
+            state[key] = view
 
     def take_state(self, state, groups: list[dict],
                    group_slots: list[tuple[int, list[int]]]) -> bool:

@@ -38,8 +38,9 @@ class CotangentClipping:
     - ``gradient_clip_val == max_norm`` with the "norm" algorithm (and `norm_type` 2): the
       optimizer clips now, exactly as Lightning's `clip_grad_norm_` over its parameters would
       (the optimizer's parameter order, Lightning's too), and `step()` does not clip again.
-    - any other value, or "value" clipping: `ValueError` (two different clips asked for), raised
-      before the optimizer changes anything.
+    - any other value, or "value" clipping, or a `clip_order` that lists the parameters with
+      gradients otherwise than the param groups: `ValueError` (two different clips asked for),
+      raised before the optimizer changes anything.
     Any other optimizer (or `max_norm=None`): Lightning's own clipping, unchanged.
     """
 
@@ -60,5 +61,24 @@ class CotangentClipping:
                 f"cotangent.AdamW(max_norm={inner.max_norm}, norm_type={inner.norm_type}) ask "
                 "for two different clips: set gradient_clip_val to max_norm (norm clipping), "
                 "or leave it unset, or build the optimizer with max_norm=None")
+        _check_clip_order(inner)
         inner.clip_grad_norm_()
         return None
+
+
+def _check_clip_order(opt: AdamW) -> None:
+    """ValueError unless the optimizer's clip takes the parameters that have gradients in the
+    order Lightning's clip does (the param groups concatenated), so their norms have the same
+    bits."""
+    source = opt._clip_order.current()
+    if source is None:
+        return
+    groups = [p for group in opt.param_groups for p in group["params"]]
+    ours = [p for p in source if p.grad is not None]
+    theirs = [p for p in groups if p.grad is not None]
+    if len(ours) != len(theirs) or not all(map(lambda a, b: a is b, ours, theirs)):
+        raise ValueError(
+            "CotangentClipping: Lightning clips clip_grad_norm_ over the optimizer's param "
+            "groups, but the optimizer's clip_order lists the parameters with gradients "
+            "differently: build cotangent.AdamW without clip_order (or clip in step() with "
+            "gradient_clip_val unset)")
