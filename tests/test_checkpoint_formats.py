@@ -353,11 +353,12 @@ def test_dcp_optimizer_state_of_a_packed_adamw_is_native_bytes(tmp_path):
 # alone therefore writes the flat buffers (README, "Checkpoint formats").
 
 
-@pytest.mark.parametrize("event", ["share_memory_", "async-checkpoint-queue"])
+@pytest.mark.parametrize("event", ["share_memory_", "async-checkpoint-queue", ".data ="])
 def test_muon_momentum_moved_to_shared_memory_keeps_native_bits(event):
     """`opt.state[w]["momentum_buffer"].share_memory_()` after a step (or sending the state
     dict through a torch.multiprocessing queue, which moves storages to shared memory in
-    place): cotangent.Muon's batched path keeps native's momentum and parameters."""
+    place), or its `.data` replaced: cotangent.Muon's batched path keeps native's momentum and
+    parameters."""
     import torch.multiprocessing as mp
 
     def run(cls):
@@ -375,6 +376,10 @@ def test_muon_momentum_moved_to_shared_memory_keeps_native_bits(event):
             if i == 0 and event == "share_memory_":
                 for w in ws:
                     opt.state[w]["momentum_buffer"].share_memory_()
+            elif i == 0 and event == ".data =":
+                for w in ws:
+                    buf = opt.state[w]["momentum_buffer"]
+                    buf.data = buf.clone()
             elif i == 0:
                 queue = mp.get_context("fork").SimpleQueue()
                 queue.put(opt.state_dict())

@@ -282,6 +282,7 @@ class Muon(torch.optim.Muon):
         self._tracker = GradientTracker(self._store)
         self._buffers = [layout.new_buffer(0.0) for layout in layouts]
         self._buffer_views = [self._store.alias(self._buffers, s) for s in range(len(params))]
+        self._buffer_ptrs = [v.data_ptr() for v in self._buffer_views]
         for slot, p in enumerate(params):
             if id(p) in carried:
                 self._buffer_views[slot].copy_(carried[id(p)])
@@ -297,7 +298,7 @@ class Muon(torch.optim.Muon):
             return
         for slot, p in enumerate(params):
             state = self.state.get(p)
-            if not state or _KEY not in state or state[_KEY] is self._buffer_views[slot]:
+            if not state or _KEY not in state or self._is_ours(slot, state[_KEY]):
                 continue
             value = state[_KEY]
             if (not isinstance(value, Tensor) or value.shape != p.shape
@@ -309,10 +310,17 @@ class Muon(torch.optim.Muon):
                                    f"{p.device})")
         for slot, p in enumerate(params):
             state = self.state.get(p)
-            if state and _KEY in state and state[_KEY] is not self._buffer_views[slot]:
+            if state and _KEY in state and not self._is_ours(slot, state[_KEY]):
+                value = state[_KEY]
+                if value is self._buffer_views[slot]:  # its storage moved (`.data = t`)
+                    self._buffer_views[slot] = self._store.alias(self._buffers, slot)
                 with torch.no_grad():
-                    self._buffer_views[slot].copy_(state[_KEY])
+                    self._buffer_views[slot].copy_(value)
                 state[_KEY] = self._buffer_views[slot]
+
+    def _is_ours(self, slot: int, value) -> bool:
+        """Whether `value` is slot `slot`'s momentum view, still over the flat buffer."""
+        return value is self._buffer_views[slot] and value.data_ptr() == self._buffer_ptrs[slot]
 
     def add_param_group(self, param_group: dict) -> None:
         """`torch.optim.Muon.add_param_group`, then a repack; a group that cannot be packed is
