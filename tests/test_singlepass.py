@@ -1,16 +1,22 @@
 """The single-pass AdamW kernel (cotangent.singlepass) against native torch.optim.AdamW, byte for
-byte: for-loop and foreach, float32 CPU, over flat buffers holding several native tensors."""
+byte: for-loop and foreach, float32 CPU, over flat buffers holding several native tensors; then
+cotangent.AdamW with the single pass in its update (and its gates: a failing probe, no compiler,
+COTANGENT_SINGLE_PASS=0, re-probing on edits) against clip_grad_norm_ + torch.optim.AdamW."""
 
 from __future__ import annotations
 
 import contextlib
 import platform
+import warnings
 
 import pytest
 import torch
 
-from bitwise import assert_same_bits, same_bits
+import cotangent
+from bitwise import assert_same_bits, assert_same_update, same_bits
+from cotangent import calibration
 from cotangent import singlepass as sp
+from cotangent.calibration import sprinkle_special_values
 
 if platform.machine().lower() not in ("x86_64", "amd64"):
     pytest.skip("the single-pass kernel is x86-64 only", allow_module_level=True)
@@ -248,3 +254,293 @@ def test_probe_catches_a_kernel_that_rounds_one_branch_differently(tmp_path, mon
             assert not sp.matches_native(**kw)
         finally:
             sp.sqrt_kind.cache_clear()
+
+
+# ------------------------------------------------------------ cotangent.AdamW with the single pass
+
+
+
+IN = 49
+
+
+def small_model() -> torch.nn.Module:
+    """34,300 + 700 + 3,500 + 5 + 5 + 5 parameters in 6 tensors: one above ATen's grain size
+    (at 2 threads two chunks of 17,150, each ending in a 14-element scalar tail; at 1 thread
+    one chunk with a 12-element tail), the others tail-only or body + tail."""
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(IN, 700), torch.nn.GELU(),
+                               torch.nn.Linear(700, 5), torch.nn.LayerNorm(5))
+
+
+def write_specials(grad: torch.Tensor, shift: int) -> None:
+    """Special values (inf, NaN of both signs and all-ones bits, signed zeros, a subnormal)
+    at a few positions, and cycling through every element around the middle (where a 2-thread
+    split puts a chunk's scalar tail) and in the last 40 elements (the last tail)."""
+    flat = grad.view(-1)
+    sprinkle_special_values([flat], shift=shift)
+    n, k = flat.numel(), len(calibration.SPECIAL_VALUES)
+    for i in list(range(max(0, n // 2 - 24), min(n, n // 2 + 24))) + list(range(max(0, n - 40),
+                                                                              n)):
+        calibration.write_special(flat, i, calibration.SPECIAL_VALUES[(i + shift) % k])
+
+
+def without_single_pass(verdicts: dict) -> dict:
+    return {k: v for k, v in verdicts.items() if not k.startswith(sp.PROBE_KIND + "|")}
+
+
+@pytest.fixture
+def fresh_verdicts(tmp_path, monkeypatch):
+    """No single-pass verdict known: a new calibration cache file, no single-pass verdict in
+    memory (the other probes' verdicts are kept: they are not what these tests are about)."""
+    monkeypatch.setenv("COTANGENT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "_MEMORY", without_single_pass(calibration._MEMORY))
+    monkeypatch.setattr(calibration, "_LOADED", set())
+    monkeypatch.setattr(sp, "_VERDICTS", {})
+    monkeypatch.setattr(sp, "_PROBES", 0)
+    monkeypatch.delenv(sp.ENV_SWITCH, raising=False)
+    return tmp_path
+
+
+def native_vs_cotangent(*, foreach: bool, steps: int = 4, max_norm=None, specials=False,
+                        edit=None, models=None, path="single-pass", **adamw):
+    """`steps` steps of native (clip_grad_norm_ + torch.optim.AdamW) and cotangent.AdamW on
+    copies of `small_model` with a real backward on the same batch; every parameter, gradient,
+    moment and step compared byte for byte after each step, and the path cotangent took
+    (`update_path()["path"]`) checked against `path` (a string, or a function of the step).
+    `specials`: after each backward, both arms' gradients get inf, NaN (both signs, payloads),
+    signed zeros and a subnormal written in. `edit(step, model, opt)` runs on both arms before
+    a step. Returns (native model, native optimizer, our model, our optimizer)."""
+    m1, m2 = models or (small_model(), small_model())
+    native_adamw = {k: v.clone() if torch.is_tensor(v) else v for k, v in adamw.items()}
+    ref = torch.optim.AdamW(m1.parameters(), foreach=foreach, **native_adamw)
+    opt = cotangent.AdamW(m2.parameters(), foreach=foreach, max_norm=max_norm, **adamw)
+    gen = torch.Generator().manual_seed(1)
+    for step in range(steps):
+        x = torch.randn(4, IN, generator=gen)
+        if edit is not None:
+            edit(step, m1, ref)
+            edit(step, m2, opt)
+        for m in (m1, m2):
+            m(x).square().mean().backward()
+            if specials:
+                for p in m.parameters():
+                    write_specials(p.grad, step)
+        if max_norm is not None:
+            total = torch.nn.utils.clip_grad_norm_(m1.parameters(), max_norm)
+        ref.step()
+        opt.step()
+        what = f"foreach={foreach} {adamw} max_norm={max_norm}, step {step}"
+        assert_same_update(m1.parameters(), ref.state, m2.parameters(), opt.state, what)
+        if max_norm is not None:
+            assert_same_bits(opt.last_total_norm, total, f"{what}: total norm")
+        want = path(step) if callable(path) else path
+        assert opt.update_path()["path"] == want, (what, opt.update_path())
+        ref.zero_grad()
+        opt.zero_grad()
+    return m1, ref, m2, opt
+
+
+ADAMW_SETTINGS = [
+    dict(max_norm=1.0),
+    dict(max_norm=0.05, amsgrad=True, maximize=True, weight_decay=0.1, betas=(0.0, 0.99)),
+    dict(weight_decay=0.0, specials=True, amsgrad=True),
+    dict(lr=3.0, betas=(0.3, 0.5), eps=0.0, weight_decay=0.5, specials=True),
+]
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+@pytest.mark.parametrize("setting", ADAMW_SETTINGS, ids=lambda s: ",".join(
+    f"{k}={v}" for k, v in s.items()))
+def test_adamw_single_pass_gives_native_bytes(foreach, setting):
+    with threads(2):
+        *_, opt = native_vs_cotangent(foreach=foreach, **setting)
+    summary = opt.call_summary()
+    assert summary["single_pass"] == 6 and summary["native"] == 0, summary
+
+
+def test_adamw_single_pass_tensor_lr_and_one_thread():
+    """A tensor lr (for-loop: native foreach refuses it), and the thread count changed mid-run
+    (the scalar tails move: a new verdict for 1 thread, then back to 2)."""
+    def edit(step, model, opt):
+        torch.set_num_threads(1 if step == 2 else 2)
+
+    with threads(2):
+        native_vs_cotangent(foreach=False, lr=torch.tensor(2e-3), amsgrad=True, max_norm=1.0,
+                            weight_decay=0.2, edit=edit)
+
+
+def test_adamw_single_pass_with_missing_gradients_and_a_strided_parameter():
+    """A parameter without a gradient at some steps (native skips it: the single pass gets the
+    others' segments and their step counts, which are then not consecutive), and a transposed
+    (non-contiguous) parameter, which native's path updates in the same step ("mixed")."""
+    def models():
+        pair = []
+        for _ in range(2):
+            m = small_model()
+            torch.manual_seed(2)
+            m[2].weight = torch.nn.Parameter(torch.randn(700, 5).t() * 0.03)
+            assert not m[2].weight.is_contiguous()
+            pair.append(m)
+        return pair
+
+    def edit(step, model, opt):
+        model[0].bias.requires_grad_(step % 2 == 0)
+
+    with threads(2):
+        *_, opt = native_vs_cotangent(foreach=False, models=models(), edit=edit, max_norm=1.0,
+                                      amsgrad=True, path="mixed")
+        assert opt.update_path()["native"] == 1 and opt.update_path()["single_pass"] == 4
+        native_vs_cotangent(foreach=True, models=models(), edit=edit, path="mixed")
+
+
+def test_version_counters_are_bumped_like_native():
+    """Native's in-place update bumps each parameter's version counter, so a backward through
+    a graph that saved the old values raises; the single pass writes memory directly and
+    must bump them itself: checked parameter by parameter."""
+    with threads(2):
+        model = small_model()
+        opt = cotangent.AdamW(model.parameters(), foreach=False)
+        model(torch.ones(2, IN)).sum().backward()
+        opt.step()
+        saved = [(p * p).sum() for p in model.parameters()]  # each graph saves one parameter
+        opt.step()
+        assert opt.update_path()["path"] == "single-pass"
+        for i, loss in enumerate(saved):
+            with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+                loss.backward()
+
+
+def test_a_failing_probe_keeps_the_native_path(fresh_verdicts, monkeypatch):
+    calls = []
+
+    def wrong_probe(**kw):
+        calls.append(kw)
+        return False
+
+    monkeypatch.setattr(sp, "matches_native", wrong_probe)
+    with threads(2):
+        *_, opt = native_vs_cotangent(foreach=False, max_norm=1.0, path="native")
+    assert len(calls) == 1 and calls[0]["implementation"] == "for-loop"
+    assert any("probe" in n for n in opt.update_path()["single_pass_notes"])
+
+
+def test_a_wrong_kernel_fails_its_probe_and_native_runs(fresh_verdicts, monkeypatch):
+    """A kernel that divides by the square root through its reciprocal (a plausible
+    optimisation) gives other parameter bytes: forced past the gate it differs from native
+    (the control), gated its probe fails and the update keeps native's path and bytes."""
+    wrong = sp._SOURCE.replace("float q = t / den;", "float q = t * (1.0f / den);")
+    assert wrong != sp._SOURCE
+    monkeypatch.setattr(sp, "_SOURCE", wrong)
+    for name in ("_LIB", "_BUILD", "_FAILURE"):
+        monkeypatch.setattr(sp, name, None)
+    monkeypatch.setattr(sp, "_UNAVAILABLE", sp._NOT_CHECKED)
+    sp.sqrt_kind.cache_clear()
+    try:
+        with threads(2):
+            with monkeypatch.context() as forced:
+                forced.setattr(sp, "decide", lambda kind, group: None)
+                with pytest.raises(AssertionError):
+                    native_vs_cotangent(foreach=False, steps=3)
+            *_, opt = native_vs_cotangent(foreach=False, steps=3, path="native")
+        assert sp._PROBES == 1
+    finally:
+        sp.sqrt_kind.cache_clear()
+
+
+def test_no_compiler_native_path_and_one_warning(fresh_verdicts, monkeypatch):
+    monkeypatch.setattr(sp, "_compiler", lambda: None)
+    for name in ("_LIB", "_BUILD", "_FAILURE"):
+        monkeypatch.setattr(sp, name, None)
+    monkeypatch.setattr(sp, "_UNAVAILABLE", sp._NOT_CHECKED)
+    monkeypatch.setattr(sp, "_WARNED", False)
+    sp.sqrt_kind.cache_clear()
+    try:
+        with warnings.catch_warnings(record=True) as caught, threads(2):
+            warnings.simplefilter("always")
+            for foreach in (False, True):
+                *_, opt = native_vs_cotangent(foreach=foreach, steps=2, max_norm=1.0,
+                                              path="native")
+        messages = [str(w.message) for w in caught if issubclass(w.category,
+                                                                 sp.SinglePassWarning)]
+        assert len(messages) == 1 and "no C++ compiler" in messages[0]
+        assert any("no C++ compiler" in n for n in opt.update_path()["single_pass_notes"])
+    finally:
+        sp.sqrt_kind.cache_clear()
+
+
+def test_switched_off_by_the_environment_then_on(fresh_verdicts, monkeypatch):
+    """COTANGENT_SINGLE_PASS=0 runs native's op sequence (no probe, no warning); switching it
+    back on mid-run continues with the same bytes."""
+    def edit(step, model, opt):
+        if step == 2:
+            monkeypatch.delenv(sp.ENV_SWITCH, raising=False)
+
+    monkeypatch.setenv(sp.ENV_SWITCH, "0")
+    with warnings.catch_warnings(), threads(2):
+        warnings.simplefilter("error", sp.SinglePassWarning)
+        *_, opt = native_vs_cotangent(foreach=True, edit=edit, max_norm=1.0,
+                                      path=lambda step: "native" if step < 2 else "single-pass")
+    assert sp._PROBES == 1
+
+
+def test_hyperparameter_edits_probe_again_only_when_the_key_changes(fresh_verdicts):
+    """An lr schedule keeps the verdict (the kernel has no branch on the lr's value); beta1 = 0
+    (another lerp formula), weight decay off, maximize on, eps = 0 each change the key and
+    probe again (with the group's own values). A second optimizer and a new process (memory
+    cleared, the cache file read) probe nothing."""
+    probes = {}
+
+    def edit(step, model, opt):
+        g = opt.param_groups[0]
+        g["lr"] = 1e-3 * (0.5 ** step)  # every step: no new probe
+        if step == 2:
+            g["betas"] = (0.0, 0.999)
+        if step == 3:
+            g["weight_decay"] = 0.0
+        if step == 4:
+            g["maximize"] = True
+        if step == 5:
+            g["eps"] = 0.0
+        probes[step] = sp._PROBES
+
+    with threads(2):
+        native_vs_cotangent(foreach=False, steps=7, edit=edit, max_norm=1.0)
+    # probes[k] is read before step k: step 0 probes once, steps 2, 3, 4, 5 once each
+    assert [probes[k] for k in range(7)] == [0, 1, 1, 2, 3, 4, 5] and sp._PROBES == 5
+    with threads(2):
+        native_vs_cotangent(foreach=False, steps=2, max_norm=1.0)
+        assert sp._PROBES == 5
+        sp._VERDICTS.clear()
+        calibration._MEMORY = without_single_pass(calibration._MEMORY)
+        calibration._LOADED.clear()
+        native_vs_cotangent(foreach=False, steps=2, max_norm=1.0)
+        assert sp._PROBES == 5  # read from the calibration file
+    rows = [r for r in calibration.table() if r["kind"] == sp.PROBE_KIND]
+    assert len(rows) == 5 and all(r["verdict"] for r in rows)
+
+
+def test_single_pass_adds_no_persistent_bytes(monkeypatch):
+    """The kernel updates the flat buffers in place: the same storages before and after, and
+    the same bytes held as with native's op sequence."""
+    def held(model, opt):
+        tensors = list(model.parameters()) + [p.grad for p in model.parameters()]
+        tensors += [v for st in opt.state.values() for v in st.values()]
+        return {(t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()) for t in tensors}
+
+    results = {}
+    for switch in ("0", "1"):
+        monkeypatch.setenv(sp.ENV_SWITCH, switch)
+        with threads(2):
+            model = small_model()
+            opt = cotangent.AdamW(model.parameters(), foreach=False, max_norm=1.0)
+            before = None
+            for step in range(3):
+                model(torch.ones(2, IN)).sum().backward()
+                opt.step()
+                if step == 1:
+                    before = held(model, opt)
+                opt.zero_grad()
+            assert held(model, opt) == before
+            assert opt.update_path()["path"] == ("native" if switch == "0" else "single-pass")
+        results[switch] = (opt.state_bytes(), sum(n for _, n in held(model, opt)))
+    assert results["0"] == results["1"]

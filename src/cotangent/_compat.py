@@ -288,3 +288,24 @@ def recompile_limit_at_least(needed: int):
         return
     with config.patch(**{name: needed}):
         yield
+
+
+def mkl_vms_sqrt_address() -> int | None:
+    """Address of MKL's `vmsSqrt` (float32 square roots of a vector) inside this torch build's
+    `libtorch_cpu` shared library: the function ATen's CPU `torch.sqrt` calls for float32
+    (`ATen/cpu/vml.h`) where torch is built with MKL. None when the library or the symbol is
+    not there (another build, another platform). The single-pass AdamW kernel
+    (`cotangent.singlepass`) calls it to get `torch.sqrt`'s bits; `singlepass.sqrt_kind` proves
+    that it does before it is used."""
+    import ctypes
+    from pathlib import Path
+
+    lib_dir = Path(torch.__file__).parent / "lib"
+    for name in ("libtorch_cpu.so", "libtorch_cpu.dylib"):
+        try:
+            lib = ctypes.CDLL(str(lib_dir / name))
+            return ctypes.cast(lib.vmsSqrt, ctypes.c_void_p).value
+        except (OSError, AttributeError):
+            continue
+    return None
+

@@ -7,6 +7,7 @@ native functional AdamW calls. The pieces it composes:
 - `cotangent.tracking.GradientTracker`: which gradients arrived since `zero_grad`;
 - `cotangent.plan.Planner`: which native AdamW calls, over which merged ranges;
 - `cotangent.clipping.PackedClipper`: `clip_grad_norm_` over the packed gradients;
+- `cotangent.singlepass`: for-loop / foreach AdamW as one pass over the flat buffers, gated;
 - `cotangent.reference.ReferenceUpdate`: the native code all of this is tested against.
 """
 
@@ -20,7 +21,7 @@ from itertools import chain
 import torch
 from torch import Tensor
 
-from cotangent import _compat, merge, sharding
+from cotangent import _compat, merge, sharding, singlepass
 from cotangent.clipping import ClipOrder, PackedClipper, clip_actual_tensors
 from cotangent.plan import Planner, StepPlan
 from cotangent.store import (
@@ -81,7 +82,10 @@ class AdamW(torch.optim.AdamW):
     max_norm, norm_type, error_if_nonfinite, foreach=None)`` would, then runs the AdamW
     implementation torch itself picks for these arguments (for-loop, foreach or fused) on
     per-parameter views, or once over a merged range of adjacent parameters where a calibration
-    probe proved that equal (`cotangent.merge`); parameters, gradients, `exp_avg`, `exp_avg_sq`,
+    probe proved that equal (`cotangent.merge`); for-loop and foreach calls over float32 CPU
+    buffers run as one pass over memory instead (`cotangent.singlepass`: a C++ kernel compiled
+    on first use, where its probe proved it equal; ``COTANGENT_SINGLE_PASS=0`` keeps native's
+    op sequence; `update_path()` says which ran); parameters, gradients, `exp_avg`, `exp_avg_sq`,
     `max_exp_avg_sq` and `step` come out bit for bit as with native code on the same device,
     dtype and torch version.
 
@@ -267,8 +271,18 @@ class AdamW(torch.optim.AdamW):
         calls = self._adamw_calls(inputs)
         grad_scale = None if self._scale_applied else getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        single, native, notes = 0, 0, set()
         for call in calls.calls:
             group = self.param_groups[call.group_index]
+            if call.single is not None and grad_scale is None and found_inf is None:
+                why = self._single_pass(call, group)
+                if why is None:
+                    single += call.parameters
+                    continue
+                notes.add(why)
+            elif call.single_note is not None:
+                notes.add(call.single_note)
+            native += call.parameters
             args = (call.params, call.grads, call.exp_avgs, call.exp_avg_sqs,
                     call.max_exp_avg_sqs, call.state_steps)
             if call.direct and grad_scale is None and found_inf is None:
@@ -277,6 +291,7 @@ class AdamW(torch.optim.AdamW):
                 merge.run_native_adamw(call.kind, *args, group=group, grad_scale=grad_scale,
                                        found_inf=found_inf)
         calls.finish()
+        self._paths = (single, native, tuple(sorted(notes)))
         if self._zero is not None:  # every share's parameters from their owner
             store = self._store
             sharding.broadcast_params(
@@ -289,6 +304,34 @@ class AdamW(torch.optim.AdamW):
         return loss
 
     _hooked_step = _compat.with_step_hooks(_update)
+
+    def _single_pass(self, call, group: dict) -> str | None:
+        """Run `call` as one `cotangent.singlepass.single_pass_adamw_` pass over its layout's
+        buffers where `singlepass.decide` allows it now; returns None when it ran, else why not
+        (nothing was modified then: native's op sequence runs instead)."""
+        why = singlepass.decide(call.kind, group)
+        if why is not None:
+            return why
+        span, store = call.single, self._store
+        li, base, length = span.layout, span.base, span.length
+        moments = store.flat_state[li]
+        beta1, beta2 = group["betas"]
+        try:
+            singlepass.single_pass_adamw_(
+                store.flat_params[li].narrow(0, base, length),
+                store.flat_grads[li].narrow(0, base, length), moments["exp_avg"],
+                moments["exp_avg_sq"], moments["max_exp_avg_sq"] if group["amsgrad"] else None,
+                span.steps, segments=span.segments, implementation=call.kind, lr=group["lr"],
+                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                maximize=bool(group["maximize"]), amsgrad=bool(group["amsgrad"]))
+        except (ValueError, TypeError, ArithmeticError, singlepass.SinglePassUnavailable) as e:
+            # raised before anything is modified (a NaN scalar, a step count giving a zero
+            # bias correction): native runs, and fails or not, as native does
+            return f"refused ({e})"
+        # native's in-place ops bump the parameters' version counters (autograd then refuses
+        # a backward through a graph that saved the old values): so must the kernel's writes
+        torch.autograd.graph.increment_version(span.params)
+        return None
 
     @torch.no_grad()
     def clip_grad_norm_(self) -> Tensor:
@@ -661,5 +704,21 @@ class AdamW(torch.optim.AdamW):
 
     def call_summary(self) -> dict:
         """How the last step ran AdamW: native list elements (per-parameter tensors plus merged
-        ranges) against parameters, and the implementations used."""
-        return self._planner.call_summary()
+        ranges) against parameters, and the implementations used; plus `update_path()`'s
+        ``path``, ``single_pass`` and ``single_pass_notes``."""
+        return dict(self._planner.call_summary(), **self.update_path())
+
+    def update_path(self) -> dict:
+        """Which code updated the parameters at the last step.
+
+        Returns a dict: ``path`` is "single-pass" (every parameter by the single-pass kernel,
+        `cotangent.singlepass`), "native" (every parameter by native's functional AdamW: its
+        for-loop / foreach op sequence or the fused kernel), "mixed", or None before the first
+        step; ``single_pass`` and ``native`` count parameters; ``single_pass_notes`` lists why
+        the single pass did not take the others (e.g. ``off (COTANGENT_SINGLE_PASS=0)``, the
+        kernel unavailable, fused AdamW, a failed probe)."""
+        single, native, notes = getattr(self, "_paths", (0, 0, ()))
+        path = None
+        if single or native:
+            path = "mixed" if single and native else ("single-pass" if single else "native")
+        return dict(path=path, single_pass=single, native=native, single_pass_notes=list(notes))

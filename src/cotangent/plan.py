@@ -19,7 +19,7 @@ from operator import itemgetter
 import torch
 from torch import Tensor
 
-from cotangent import merge
+from cotangent import merge, singlepass
 from cotangent.packing import Segment, align_elements
 from cotangent.store import FlatStore
 
@@ -33,8 +33,30 @@ def group_signature(group: dict) -> tuple:
 
 
 @dataclass(slots=True)
+class SinglePassSpan:
+    """The parameters of one for-loop / foreach call as segments of their layout's flat buffers,
+    for one `cotangent.singlepass.single_pass_adamw_` call instead of the native op sequence.
+
+    The buffers are elements ``[base, base + length)`` of the layout's parameter and gradient
+    buffers (its state window: `FlatStore.windows`) and the whole state buffers; `segments`
+    are the parameters' (offset from `base`, numel), in buffer order; `steps` their step
+    counts: a 1-D slice of the step buffer where their positions are consecutive, else their
+    0-d step tensors (views of it)."""
+
+    layout: int
+    base: int
+    length: int
+    segments: tuple[tuple[int, int], ...]
+    steps: Tensor | list[Tensor]
+    params: list[Tensor]  # the parameters, whose version counters the update bumps
+
+
+@dataclass(slots=True)
 class AdamWCall:
-    """One native functional AdamW call: per-parameter tensors and merged ranges of one group."""
+    """One native functional AdamW call: per-parameter tensors and merged ranges of one group.
+    With `single`, the same update may instead run as one single pass (`SinglePassSpan`) where
+    `cotangent.singlepass.decide` allows it at that step; `single_note` says why a for-loop or
+    foreach call has no span."""
 
     group_index: int
     kind: str  # "fused" | "foreach" | "for-loop"
@@ -46,6 +68,8 @@ class AdamWCall:
     max_exp_avg_sqs: list[Tensor] = field(default_factory=list)
     state_steps: list[Tensor] = field(default_factory=list)  # a range uses its first's step
     parameters: int = 0  # parameters updated by this call (ranges count each member)
+    single: SinglePassSpan | None = None
+    single_note: str | None = None
 
 
 @dataclass(slots=True)
@@ -212,18 +236,41 @@ class Planner:
                 segs = [seg for seg in layout.segments if seg.slot in in_group]
                 if not segs:
                     continue
-                direct = kind == "fused" and merge.direct_fused_is_exact(
-                    layout.device, layout.dtype, group)
-                call = AdamWCall(gi, kind, direct)
-                for run in self._ranges(li, segs, kind, limit, group, state, override):
-                    self._add(call, li, run, group, state, override, merges)
-                    if len(run) > 1 and kind != "fused":  # native fused bumps no version
-                        merged_params += [store.params[seg.slot] for seg in run]
-                # the direct call was proven with float32 steps, as native fused creates them;
-                # others (assigned by the user) go through the functional path, which checks them
-                call.direct = call.direct and all(st.dtype == torch.float32
-                                                  for st in call.state_steps)
-                calls.append(call)
+                note = singlepass.static_refusal(kind, layout.device, layout.dtype, group)
+                # for-loop / foreach: the parameters the single pass can take form one call
+                # (with a span), the others (a gradient or parameter outside the buffers, a
+                # non-contiguous layout) another; native updates each parameter on its own,
+                # so splitting a call changes no bits
+                parts = [(segs, None)]
+                if note is None:
+                    fits = {seg.slot for seg in segs
+                            if self._single_pass_fits(seg, state, override)}
+                    fit = [seg for seg in segs if seg.slot in fits]
+                    rest = [seg for seg in segs if seg.slot not in fits]
+                    parts = [(fit, True), (rest, False)]
+                for part, single in parts:
+                    if not part:
+                        continue
+                    direct = kind == "fused" and merge.direct_fused_is_exact(
+                        layout.device, layout.dtype, group)
+                    call = AdamWCall(gi, kind, direct)
+                    for run in self._ranges(li, part, kind, limit, group, state, override):
+                        self._add(call, li, run, group, state, override, merges)
+                        if len(run) > 1 and kind != "fused":  # native fused bumps no version
+                            merged_params += [store.params[seg.slot] for seg in run]
+                    # the direct call was proven with float32 steps, as native fused creates
+                    # them; others (assigned by the user) go through the functional path,
+                    # which checks them
+                    call.direct = call.direct and all(st.dtype == torch.float32
+                                                      for st in call.state_steps)
+                    if single:
+                        call.single = self._span(li, part, state)
+                    elif single is False:
+                        call.single_note = ("parameters or gradients outside the flat buffers, "
+                                            "or not contiguous, run natively")
+                    else:
+                        call.single_note = note
+                    calls.append(call)
         amsgrad = [i for i, s in enumerate(plan.present) if groups[self.group_of[s]]["amsgrad"]]
         built = AdamWCalls(
             self.epoch, [group_signature(groups[gi]) for gi, _ in plan.group_slots], calls,
@@ -233,6 +280,29 @@ class Planner:
         if not override:
             plan.calls = built
         return built
+
+    def _single_pass_fits(self, seg: Segment, state, override: dict) -> bool:
+        """Whether the single pass can update this parameter in place: contiguous, in the
+        flat buffer with its gradient, its state the store's (0-d CPU step)."""
+        store = self.store
+        if not seg.contiguous or seg.slot in override or seg.slot in store.detached:
+            return False
+        step = state[store.params[seg.slot]]["step"]
+        return step.device.type == "cpu" and step.dim() == 0 and store.is_ours(
+            seg.slot, "step", step)
+
+    def _span(self, li: int, segs: list[Segment], state) -> SinglePassSpan:
+        store = self.store
+        base, end = store.windows[li]
+        steps = [state[store.params[seg.slot]]["step"] for seg in segs]
+        positions = [store.position[seg.slot] for seg in segs]
+        buffer = store.step_buffers.get((li, steps[0].device, steps[0].dtype))
+        if (buffer is not None and all(s.dtype == steps[0].dtype for s in steps)
+                and positions == list(range(positions[0], positions[0] + len(positions)))):
+            steps = buffer.narrow(0, positions[0], len(positions))
+        return SinglePassSpan(li, base, end - base,
+                              tuple((seg.offset - base, seg.numel) for seg in segs), steps,
+                              [store.params[seg.slot] for seg in segs])
 
     def _ranges(self, li, segs, kind, limit, group, state, override) -> list[list[Segment]]:
         """Split `segs` (buffer order) into runs that may share one list element."""

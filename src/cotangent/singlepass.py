@@ -32,25 +32,42 @@ Nothing here is trusted blindly: `matches_native` runs native AdamW and this pas
 (lengths around the vector unit and the thread-split grain, NaNs of both signs and several
 payloads, infinities, signed zeros, subnormals, in parameters, gradients and moments) and
 compares every byte; a caller uses the pass only where that probe passed.
+
+`cotangent.AdamW` uses it for its for-loop and foreach calls over float32 CPU flat buffers
+(decoupled weight decay, float betas, not capturable / differentiable): one
+`single_pass_adamw_` per (param group, flat buffer) over the segments of the parameters with a
+gradient at that step, in place (no extra memory). `decide` gates every call at every step:
+``COTANGENT_SINGLE_PASS=0`` switches it off; without the kernel (`unavailable_reason`: not
+x86-64, an ATen CPU capability other than AVX2/AVX512, no C++ compiler, a failed build) native's
+op sequence runs and one `SinglePassWarning` per process says so; otherwise a `matches_native`
+probe with the group's own hyperparameters must have passed for the verdict key (`key_parts`,
+cached in memory and in the calibration file like every other probe). `AdamW.update_path()`
+names the path each step took.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
+import math
 import os
 import platform
 import shutil
+import struct
 import subprocess
 import tempfile
 import threading
 import time
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
 import torch
 from torch import Tensor
+
+from cotangent import _compat, calibration
 
 GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: TensorIterator splits work among threads above it
 MKL_SQRT_MODE = 0x2 | 0x140000 | 0x100  # VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE
@@ -166,7 +183,11 @@ void hw_sqrt(int64_t n, const float* a, float* r) {
 
 extern "C" {
 
-int cot_singlepass_version() { return 3; }
+int cot_singlepass_version() { return 4; }
+
+// The calling thread's SSE control/status register (MXCSR): its flush-to-zero (bit 15),
+// denormals-are-zero (bit 6) and rounding-mode (bits 13-14) fields change float results.
+int cot_singlepass_mxcsr() { return static_cast<int>(__builtin_ia32_stmxcsr()); }
 
 // Square roots only (for the probe that picks the square root): r = sqrt(a) as the kernel
 // computes it, in blocks like the kernel.
@@ -245,11 +266,13 @@ class SinglePassUnavailable(RuntimeError):
 @dataclass
 class Build:
     """How the kernel library was obtained: its path, the compiler, whether it came from the
-    on-disk cache, and the seconds spent compiling (0.0 when cached)."""
+    on-disk cache, the seconds spent compiling (0.0 when cached), and the build's hash (of the
+    source, the compiler and its version, and the flags: part of every verdict's key)."""
     path: str
     compiler: str
     cached: bool
     compile_s: float
+    key: str = ""
 
 
 _LOCK = threading.Lock()
@@ -350,7 +373,9 @@ def _build_locked() -> tuple[ctypes.CDLL, Build]:
     lib.cot_singlepass_sqrt.restype = None
     lib.cot_singlepass_sqrt.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_void_p, ctypes.c_longlong]
-    return lib, Build(str(target), cxx, cached, compile_s)
+    lib.cot_singlepass_mxcsr.restype = ctypes.c_int
+    lib.cot_singlepass_mxcsr.argtypes = []
+    return lib, Build(str(target), cxx, cached, compile_s, key[:20])
 
 
 def _lib() -> ctypes.CDLL:
@@ -362,13 +387,9 @@ def _lib() -> ctypes.CDLL:
 @lru_cache(maxsize=None)
 def mkl_sqrt_address() -> int | None:
     """Address of MKL's `vmsSqrt` inside libtorch_cpu (the function `torch.sqrt` calls for
-    float32 on MKL builds), or None when this torch build does not export it."""
-    path = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
-    try:
-        lib = ctypes.CDLL(str(path))
-        return ctypes.cast(lib.vmsSqrt, ctypes.c_void_p).value
-    except (OSError, AttributeError):
-        return None
+    float32 on MKL builds), or None when this torch build does not export it
+    (`cotangent._compat.mkl_vms_sqrt_address`)."""
+    return _compat.mkl_vms_sqrt_address()
 
 
 def _sqrt_probe_values() -> Tensor:
@@ -757,3 +778,207 @@ def matches_native(*, implementation: str, lr, beta1: float, beta2: float, eps: 
                 return False
     return all(a.item() == b.item() and a.dtype == b.dtype
                for a, b in zip(native_steps, ours_steps))
+
+
+# ---------------------------------------------------------------------- the gate (cotangent.AdamW)
+
+ENV_SWITCH = "COTANGENT_SINGLE_PASS"  # "0" / "off" / "false" / "no": native's op sequence
+ISAS = ("AVX2", "AVX512")  # ATen CPU capabilities whose kernels the probes have met
+PROBE_KIND = "adamw_single_pass"
+FLT_MIN = 1.1754943508222875e-38  # smallest normal float32
+_NOT_CHECKED = object()
+
+
+class SinglePassWarning(UserWarning):
+    """The single-pass kernel cannot run in this process: for-loop and foreach AdamW run
+    native's op sequence (same bits, more passes over memory). Issued once per process."""
+
+
+_UNAVAILABLE: object = _NOT_CHECKED  # None (available) or the reason, once checked
+_WARNED = False
+_VERDICTS: dict[tuple, bool] = {}  # verdict per key parts, this process
+_PROBES = 0  # probes run by `proven` in this process (introspection and tests)
+_log = logging.getLogger("cotangent.singlepass")
+
+
+def switched_on() -> bool:
+    """Whether the environment allows the single pass: ``COTANGENT_SINGLE_PASS`` unset or
+    anything but ``0``, ``off``, ``false``, ``no`` (read at every step)."""
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel cannot run in this process, or None when it can: not x86-64, an ATen CPU
+    capability other than `ISAS`, no C++ compiler or a failed build (`build`), no square root
+    with `torch.sqrt`'s bits (`sqrt_kind`), an unknown vector body / scalar tail split
+    (`aten_vector_unit`). Checked once per process (building the kernel on first use); the
+    first time it finds a reason it issues one `SinglePassWarning`."""
+    global _UNAVAILABLE, _WARNED
+    if _UNAVAILABLE is _NOT_CHECKED:
+        reason = None
+        capability = torch.backends.cpu.get_cpu_capability()
+        if platform.machine().lower() not in ("x86_64", "amd64"):
+            reason = f"x86-64 only, this machine is {platform.machine()}"
+        elif capability not in ISAS:
+            reason = f"ATen runs its {capability} CPU kernels here (probed: {', '.join(ISAS)})"
+        else:
+            try:
+                build()
+                if sqrt_kind() is None:
+                    reason = "no square root here reproduces torch.sqrt's bits"
+                elif aten_vector_unit() is None:
+                    reason = "ATen's vector body / scalar tail split is not the known one"
+            except SinglePassUnavailable as e:
+                reason = str(e)
+        _UNAVAILABLE = reason
+    reason = _UNAVAILABLE
+    if reason is not None and not _WARNED:
+        _WARNED = True
+        warnings.warn(
+            f"cotangent: the single-pass for-loop/foreach AdamW kernel is unavailable ({reason}); "
+            "for-loop and foreach AdamW run native's op sequence instead (the same bits, more "
+            f"passes over memory). Set {ENV_SWITCH}=0 to choose that path and silence this.",
+            SinglePassWarning, stacklevel=3)
+    return reason  # type: ignore[return-value]
+
+
+def static_refusal(kind: str, device: torch.device, dtype: torch.dtype,
+                   group: dict) -> str | None:
+    """Why a call of implementation `kind` over a (device, dtype) flat buffer for param group
+    `group` can never take the single pass (None when it may, subject to `decide` at each step):
+    fused AdamW, a device other than the CPU, a dtype other than float32, coupled (L2) weight
+    decay, capturable or differentiable."""
+    if kind not in IMPLEMENTATIONS:
+        return f"{kind} AdamW runs natively (the single pass reproduces for-loop and foreach)"
+    if device.type != "cpu":
+        return f"{device.type} buffers run natively (the single pass is a CPU kernel)"
+    if dtype != torch.float32:
+        return f"{str(dtype).removeprefix('torch.')} buffers run natively (float32 only)"
+    if not group.get("decoupled_weight_decay", True):
+        return "coupled (L2) weight decay runs natively"
+    if group.get("capturable") or group.get("differentiable"):
+        return "capturable / differentiable groups run natively"
+    return None
+
+
+def _f32(x: float) -> float:
+    try:
+        return struct.unpack("f", struct.pack("f", x))[0]
+    except OverflowError:
+        return math.copysign(math.inf, x)
+
+
+def scalar_class(x: float) -> str:
+    """The IEEE class of `x` rounded to float32 (as ATen receives a Python scalar): "nan",
+    "+inf"/"-inf", "+0"/"-0", "+sub"/"-sub" (subnormal) or "+"/"-" (normal)."""
+    f = _f32(float(x))
+    if f != f:
+        return "nan"
+    sign = "-" if math.copysign(1.0, f) < 0 else "+"
+    if math.isinf(f):
+        return sign + "inf"
+    if f == 0:
+        return sign + "0"
+    return sign + ("sub" if abs(f) < FLT_MIN else "")
+
+
+def lerp_branch(beta1: float) -> str:
+    """Which of ATen's lerp formulas `exp_avg.lerp_(grad, 1 - beta1)` takes: "small" weight
+    (``|w| < 0.5``), "one" (``w == 1``, beta1 = 0: body and tail differ in zero signs) or
+    "large"."""
+    w = _f32(1 - beta1)
+    return "small" if abs(w) < 0.5 else ("one" if w == 1.0 else "large")
+
+
+def mxcsr() -> int:
+    """The calling thread's MXCSR fields that change float results (flush-to-zero,
+    denormals-are-zero, rounding mode; e.g. after `torch.set_flush_denormal(True)`)."""
+    return int(_lib().cot_singlepass_mxcsr()) & 0xE040
+
+
+def key_parts(kind: str, group: dict) -> tuple | str:
+    """The parts of the calibration key of a single-pass verdict for a call of implementation
+    `kind` with `group`'s hyperparameters as they are now, or the reason the single pass cannot
+    take them (tensor betas, a tensor lr off the CPU or with foreach, a non-numeric scalar).
+
+    Parts: implementation, dtype, amsgrad, maximize, decay on/off, the lr kind (float, or the
+    tensor's dtype and dimensions), lerp branch (`lerp_branch`), the float32 IEEE class
+    (`scalar_class`) of lr, ``1 - lr * weight_decay``, ``1 - beta1``, beta2, ``1 - beta2`` and
+    eps, the square root (`sqrt_kind`), ATen's vector unit, the kernel build's hash and the MXCSR
+    modes; `calibration.full_key` adds the CPU capability, torch version and thread count. The
+    values themselves are not in the key: the kernel has no branch on them beyond these (the
+    scalars are rounded to float32 once, as ATen rounds them), so an lr schedule does not probe
+    at every step, while an edit that changes a branch or a class does."""
+    beta1, beta2 = group["betas"]
+    if isinstance(beta1, Tensor) or isinstance(beta2, Tensor):
+        return "tensor betas run natively (another ATen lerp kernel)"
+    lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+    if isinstance(lr, Tensor):
+        if kind == "foreach":
+            return "a tensor lr with foreach runs natively (native refuses it)"
+        if lr.device.type != "cpu" or lr.numel() != 1 or not lr.is_floating_point():
+            return "a tensor lr that is not one floating-point CPU value runs natively"
+        lr_kind = f"tensor-{str(lr.dtype).removeprefix('torch.')}-{lr.dim()}d"
+    else:
+        lr_kind = "float"
+    if not all(isinstance(x, (int, float)) and not isinstance(x, bool)
+               for x in (beta1, beta2, wd, eps)) or not (
+                   isinstance(lr, Tensor) or isinstance(lr, (int, float))):
+        return "non-numeric hyperparameters run natively"
+    lr_value = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
+    decay = _scalar(1 - lr * wd) if wd != 0 else 1.0
+    return (kind, "float32", "amsgrad" if group["amsgrad"] else "-",
+            "maximize" if group["maximize"] else "-", "decay" if wd != 0 else "-", lr_kind,
+            lerp_branch(beta1), "lr" + scalar_class(lr_value), "decay" + scalar_class(decay),
+            "w" + scalar_class(1 - beta1), "b2" + scalar_class(beta2),
+            "v2" + scalar_class(1 - beta2), "eps" + scalar_class(eps), f"sqrt-{sqrt_kind()}",
+            f"unit{aten_vector_unit()}", f"build-{build().key}", f"mxcsr{mxcsr():#x}")
+
+
+def proven(kind: str, group: dict, parts: tuple) -> bool:
+    """The verdict for `parts` (`key_parts(kind, group)`): from this process, the calibration
+    cache file, or a new `matches_native` probe with `group`'s own hyperparameters (about 50 ms
+    on a 2-core CPU), recorded like every other probe. A probe that raises gives False (kept
+    in memory only)."""
+    global _PROBES
+    memo = parts + (torch.get_num_threads(),)
+    verdict = _VERDICTS.get(memo)
+    if verdict is not None:
+        return verdict
+    key = calibration.full_key(PROBE_KIND, "cpu", parts)
+    verdict = calibration.lookup(key)
+    if verdict is None:
+        beta1, beta2 = group["betas"]
+        lr = group["lr"]
+        _PROBES += 1
+        try:
+            verdict = matches_native(
+                implementation=kind, lr=lr.clone() if isinstance(lr, Tensor) else lr,
+                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+                maximize=bool(group["maximize"]), amsgrad=bool(group["amsgrad"]))
+            calibration.record(key, verdict)
+        except Exception as e:  # noqa: BLE001 - a probe that cannot run proves nothing
+            _log.info("single-pass probe raised for %s: %r", key, e)
+            verdict = False
+        if not verdict:
+            _log.info("single-pass AdamW does not match native for %s: native path", key)
+    _VERDICTS[memo] = verdict
+    return verdict
+
+
+def decide(kind: str, group: dict) -> str | None:
+    """None when a for-loop/foreach call (float32, CPU; see `static_refusal`) with `group`'s
+    hyperparameters as they are now may take the single pass; otherwise why not: switched off
+    by ``COTANGENT_SINGLE_PASS=0``, the kernel unavailable (`unavailable_reason`, warned once),
+    hyperparameters it does not take (`key_parts`), or a failed probe (`proven`)."""
+    if not switched_on():
+        return f"off ({ENV_SWITCH}={os.environ.get(ENV_SWITCH)})"
+    reason = unavailable_reason()
+    if reason is not None:
+        return f"unavailable: {reason}"
+    parts = key_parts(kind, group)
+    if isinstance(parts, str):
+        return parts
+    if not proven(kind, group, parts):
+        return "the probe found other bytes than native for these settings: native path"
+    return None
