@@ -28,6 +28,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 
 import torch
 
+from cotangent.integrations import clip_follows
 from cotangent.optim import AdamW
 
 __all__ = ["CotangentTrainer", "CotangentTrainerMixin", "KeepGradientsPacked"]
@@ -152,12 +153,7 @@ class CotangentTrainerMixin:
 def _check_clip_order(opt: AdamW, model: torch.nn.Module) -> None:
     """ValueError unless the optimizer's clip and ``clip_grad_norm_(model.parameters())`` take
     the parameters that have gradients in the same order (so their norms have the same bits)."""
-    source = opt._clip_order.current()
-    if source is None:
-        source = [p for group in opt.param_groups for p in group["params"]]
-    ours = [p for p in source if p.grad is not None]
-    theirs = [p for p in model.parameters() if p.grad is not None]
-    if len(ours) != len(theirs) or not all(map(lambda a, b: a is b, ours, theirs)):
+    if not clip_follows(opt, model.parameters()):
         raise ValueError(
             "CotangentTrainer: the Trainer clips clip_grad_norm_(model.parameters()), but the "
             "optimizer's clip order lists the parameters with gradients differently (param "

@@ -20,6 +20,7 @@ imports it.
 
 from __future__ import annotations
 
+from cotangent.integrations import clip_follows
 from cotangent.optim import AdamW
 
 __all__ = ["CotangentClipping"]
@@ -70,13 +71,7 @@ def _check_clip_order(opt: AdamW) -> None:
     """ValueError unless the optimizer's clip takes the parameters that have gradients in the
     order Lightning's clip does (the param groups concatenated), so their norms have the same
     bits."""
-    source = opt._clip_order.current()
-    if source is None:
-        return
-    groups = [p for group in opt.param_groups for p in group["params"]]
-    ours = [p for p in source if p.grad is not None]
-    theirs = [p for p in groups if p.grad is not None]
-    if len(ours) != len(theirs) or not all(map(lambda a, b: a is b, ours, theirs)):
+    if not clip_follows(opt, [p for group in opt.param_groups for p in group["params"]]):
         raise ValueError(
             "CotangentClipping: Lightning clips clip_grad_norm_ over the optimizer's param "
             "groups, but the optimizer's clip_order lists the parameters with gradients "
