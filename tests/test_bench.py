@@ -5,6 +5,7 @@ not asserted: benchmarks are measured, not tested)."""
 from __future__ import annotations
 
 import json
+import os
 import weakref
 
 import pytest
@@ -77,6 +78,39 @@ def test_the_rows_byte_check_sees_another_learning_rate(method, monkeypatch):
 
     monkeypatch.setattr(cotangent, "AdamW", other_lr)
     assert _row(method).bitwise is False
+
+
+def test_for_loop_and_foreach_rows_time_the_single_pass_and_the_path_before_it(monkeypatch):
+    """Default and foreach rows carry a third arm, Cotangent with COTANGENT_SINGLE_PASS=0, in
+    the same interleaving and the same byte checks; each row names the path its arms took
+    (the single pass wherever the kernel is available here, else native's op sequence)."""
+    from cotangent import singlepass
+
+    monkeypatch.delenv(singlepass.ENV_SWITCH, raising=False)
+    expected = "single-pass" if singlepass.unavailable_reason() is None else "native"
+    for impl in bench.SINGLE_PASS_IMPLS:
+        row = _row("real-backward", impl)
+        assert row.bitwise is True and row.cotangent_path == expected, row.cotangent_path_notes
+        assert row.cotangent_off_path == "native"  # switched off: native's op sequence ran
+        assert row.cotangent_off_ms > 0 and row.off_ratio == row.cotangent_off_ms / row.native_ms
+    assert singlepass.ENV_SWITCH not in os.environ  # restored after every off step
+    fused = _row("real-backward", "fused")
+    assert fused.cotangent_off_ms is None and fused.cotangent_path == "native"
+    table = bench.format_table([row, fused], PASS_MS, single_pass=singlepass.process_report())
+    assert f"  {expected:<12}" in table and "single pass: " in table
+
+
+def test_the_byte_check_covers_the_single_pass_off_arm(monkeypatch):
+    """Control: only the third arm (the second cotangent.AdamW a row builds) steps with another
+    learning rate: the row must say not bitwise."""
+    real_adamw, built = cotangent.AdamW, []
+
+    def second_other_lr(params, **kw):
+        built.append(1)
+        return real_adamw(params, **{**kw, "lr": kw["lr"] * (2 if len(built) == 2 else 1)})
+
+    monkeypatch.setattr(cotangent, "AdamW", second_other_lr)
+    assert _row("real-backward", "default").bitwise is False and len(built) == 2
 
 
 def test_real_backward_gives_native_fresh_gradients_and_cotangent_the_same_views():

@@ -297,6 +297,7 @@ def fresh_verdicts(tmp_path, monkeypatch):
     monkeypatch.setattr(calibration, "_LOADED", set())
     monkeypatch.setattr(sp, "_VERDICTS", {})
     monkeypatch.setattr(sp, "_PROBES", 0)
+    monkeypatch.setattr(sp, "_PROBE_S", 0.0)
     monkeypatch.delenv(sp.ENV_SWITCH, raising=False)
     return tmp_path
 
@@ -481,6 +482,13 @@ def test_switched_off_by_the_environment_then_on(fresh_verdicts, monkeypatch):
         *_, opt = native_vs_cotangent(foreach=True, edit=edit, max_norm=1.0,
                                       path=lambda step: "native" if step < 2 else "single-pass")
     assert sp._PROBES == 1
+    # the one-off costs, reported apart from step times (cotangent bench prints them)
+    report = sp.process_report()
+    assert report["unavailable_reason"] is None and report["probes"] == 1
+    assert 0 < report["probe_s"] < 60
+    b = report["build"]
+    assert b["key"] == sp.build().key and b["flags"] == list(sp.compile_flags())
+    assert (b["compile_s"] == 0.0) == b["cached"]
 
 
 def test_hyperparameter_edits_probe_again_only_when_the_key_changes(fresh_verdicts):
@@ -544,3 +552,11 @@ def test_single_pass_adds_no_persistent_bytes(monkeypatch):
             assert opt.update_path()["path"] == ("native" if switch == "0" else "single-pass")
         results[switch] = (opt.state_bytes(), sum(n for _, n in held(model, opt)))
     assert results["0"] == results["1"]
+
+
+def test_avx512_build_only_where_aten_runs_avx512_kernels(monkeypatch):
+    """The kernel gets AVX-512 code only where ATen itself dispatches to its AVX512 kernels (so
+    the CPU has them); the flags are part of the build hash, hence of every verdict's key."""
+    for capability, extra in (("AVX2", ()), ("AVX512", sp.AVX512_FLAGS), ("DEFAULT", ())):
+        monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
+        assert sp.compile_flags() == sp.COMPILE_FLAGS + extra

@@ -811,6 +811,7 @@ _UNAVAILABLE: object = _NOT_CHECKED  # None (available) or the reason, once chec
 _WARNED = False
 _VERDICTS: dict[tuple, bool] = {}  # verdict per key parts, this process
 _PROBES = 0  # probes run by `proven` in this process (introspection and tests)
+_PROBE_S = 0.0  # seconds those probes took
 _log = logging.getLogger("cotangent.singlepass")
 
 
@@ -953,7 +954,7 @@ def proven(kind: str, group: dict, parts: tuple) -> bool:
     cache file, or a new `matches_native` probe with `group`'s own hyperparameters (about 50 ms
     on a 2-core CPU), recorded like every other probe. A probe that raises gives False (kept
     in memory only)."""
-    global _PROBES
+    global _PROBES, _PROBE_S
     memo = parts + (torch.get_num_threads(),)
     verdict = _VERDICTS.get(memo)
     if verdict is not None:
@@ -964,6 +965,7 @@ def proven(kind: str, group: dict, parts: tuple) -> bool:
         beta1, beta2 = group["betas"]
         lr = group["lr"]
         _PROBES += 1
+        t0 = time.perf_counter()
         try:
             verdict = matches_native(
                 implementation=kind, lr=lr.clone() if isinstance(lr, Tensor) else lr,
@@ -973,10 +975,28 @@ def proven(kind: str, group: dict, parts: tuple) -> bool:
         except Exception as e:  # noqa: BLE001 - a probe that cannot run proves nothing
             _log.info("single-pass probe raised for %s: %r", key, e)
             verdict = False
+        finally:
+            _PROBE_S += time.perf_counter() - t0
         if not verdict:
             _log.info("single-pass AdamW does not match native for %s: native path", key)
     _VERDICTS[memo] = verdict
     return verdict
+
+
+def process_report() -> dict:
+    """What the single pass cost and found in this process, for benchmarks and logs (the one-off
+    costs kept apart from per-step times): ``unavailable_reason`` (None when it can run, or why
+    not; "not checked" before any for-loop/foreach float32 CPU step asked), ``build`` (None before
+    a build, else compiler, cached (loaded from the on-disk cache of an earlier process),
+    compile_s (0.0 when cached), key (the build hash), flags), ``probes`` (`matches_native`
+    probes run here) and ``probe_s`` (their seconds)."""
+    reason = "not checked" if _UNAVAILABLE is _NOT_CHECKED else _UNAVAILABLE
+    b = _BUILD
+    return dict(unavailable_reason=reason,
+                build=None if b is None else dict(compiler=b.compiler, cached=b.cached,
+                                                  compile_s=b.compile_s, key=b.key,
+                                                  flags=list(compile_flags())),
+                probes=_PROBES, probe_s=_PROBE_S)
 
 
 def decide(kind: str, group: dict) -> str | None:

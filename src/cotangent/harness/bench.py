@@ -26,6 +26,13 @@ the total norm, the clipped gradients, parameters, both moments and step counts 
 Each row and the run record how busy the machine was (`others_cpus`), since on a small machine
 other work moves the ratios more than anything in the method.
 
+Rows of the for-loop and foreach implementations (default, foreach) also time a third arm in
+the same interleaving: Cotangent with its single pass switched off (``COTANGENT_SINGLE_PASS=0``,
+native's op sequence over merged ranges: the path before issue #15), so before and after come
+from one run; every row names the path Cotangent's steps took (`cotangent.AdamW.update_path`),
+and the run reports the kernel's one-off costs (build or cache load, probes) apart from the
+per-step times (`cotangent.singlepass.process_report`).
+
 Floor: a pass over N elements costs what one pass costs in a large elementwise op
 (`torch.add(a, b, out=c)` over 2**25 float32 elements = 3 passes); the update needs at least 10
 passes (norm read, clip read + write, AdamW's 4 reads and 3 writes): floor10_ms = 10 * N * that.
@@ -47,6 +54,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cotangent
+from cotangent import singlepass
 from cotangent.harness.contention import BUSY_DEMAND_RATIO, HostSampler
 from cotangent.harness.model import build_model
 from cotangent.harness.records import environment
@@ -60,6 +68,7 @@ METHODS = ("real-backward", "synthetic-grads")
 BATCH_SIZE, SEQ_LEN = 1, 64  # real-backward: sequences per forward, tokens per sequence
 BENCH_ADAMW_ARGS = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 ALLOC_ALIGN = 64  # bytes: c10's CPU allocator hands out 64-byte aligned blocks
+SINGLE_PASS_IMPLS = ("default", "foreach")  # rows that also time Cotangent with the pass off
 
 
 def many_small_model() -> nn.Module:
@@ -203,6 +212,28 @@ class Row:
     seq_len: int | None
     others_cpus: float | None  # CPUs other work kept busy during the row (see run_bench)
     busy: bool | None  # (others_cpus + torch threads) / CPUs > BUSY_DEMAND_RATIO; None: unknown
+    cotangent_path: str | None = None  # update_path()["path"] of Cotangent's last step
+    cotangent_path_notes: tuple[str, ...] = ()  # why the single pass did not take some
+    # SINGLE_PASS_IMPLS rows: Cotangent with COTANGENT_SINGLE_PASS=0 in the same interleaving
+    # (update phase, median ms; its ratio to native); None on other rows
+    cotangent_off_ms: float | None = None
+    off_ratio: float | None = None
+    cotangent_off_path: str | None = None  # update_path()["path"] of that arm ("native")
+
+
+@contextlib.contextmanager
+def _single_pass_off():
+    """Cotangent's single pass switched off (its documented environment switch, read at every
+    step) for the duration; the previous value restored."""
+    old = os.environ.get(singlepass.ENV_SWITCH)
+    os.environ[singlepass.ENV_SWITCH] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[singlepass.ENV_SWITCH]
+        else:
+            os.environ[singlepass.ENV_SWITCH] = old
 
 
 def _others_cpus(sampler: HostSampler, host0, cpu0: float, wall0: float) -> float | None:
@@ -235,7 +266,9 @@ def bench_row(shape: str, impl: str, *, pass_ms: float, repeats: int, warmup: in
     fixed random gradients every repeat), then clip + step, then zero_grad, each timed between
     device synchronisations. Medians over the repeats after `warmup`; times in ms. Bitwise:
     every loss of the run, then after one more gradient + clip + step the total norm, the
-    clipped gradients, parameters, both moments and step counts, byte for byte.
+    clipped gradients, parameters, both moments and step counts, byte for byte. For `impl` in
+    SINGLE_PASS_IMPLS a third arm, Cotangent with its single pass switched off, runs in the
+    same interleaving and the same byte checks (`cotangent_off_ms`).
     Raises ValueError for an unknown method, batch_size or seq_len < 1."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
@@ -245,6 +278,8 @@ def bench_row(shape: str, impl: str, *, pass_ms: float, repeats: int, warmup: in
     m1 = bench_model(shape).to(dev)
     m2 = copy.deepcopy(m1)
     p1, p2 = list(m1.parameters()), list(m2.parameters())
+    with_off = impl in SINGLE_PASS_IMPLS
+    m3 = copy.deepcopy(m1) if with_off else None
     gen = torch.Generator().manual_seed(1)
     grads = [(torch.randn(p.shape, generator=gen) * 0.01).to(dev) for p in p1]  # norm > 1
     batches = bench_batches(m1, warmup + repeats + 1, batch_size=batch_size, seq_len=seq_len,
@@ -252,7 +287,7 @@ def bench_row(shape: str, impl: str, *, pass_ms: float, repeats: int, warmup: in
     native = torch.optim.AdamW(p1, **BENCH_ADAMW_ARGS, **IMPLS[impl])
     ours = cotangent.AdamW(p2, max_norm=max_norm, **BENCH_ADAMW_ARGS, **IMPLS[impl])
     totals: dict[str, torch.Tensor] = {}
-    losses: dict[str, list[torch.Tensor]] = {"native": [], "cotangent": []}
+    losses: dict[str, list[torch.Tensor]] = {"native": [], "cotangent": [], "cotangent-off": []}
 
     def native_update():
         totals["native"] = torch.nn.utils.clip_grad_norm_(p1, max_norm)
@@ -263,6 +298,16 @@ def bench_row(shape: str, impl: str, *, pass_ms: float, repeats: int, warmup: in
         totals["cotangent"] = ours.last_total_norm
 
     arms = {"native": (m1, native, p1, native_update), "cotangent": (m2, ours, p2, our_update)}
+    if with_off:
+        p3 = list(m3.parameters())
+        off = cotangent.AdamW(p3, max_norm=max_norm, **BENCH_ADAMW_ARGS, **IMPLS[impl])
+
+        def off_update():
+            with _single_pass_off():
+                off.step()
+            totals["cotangent-off"] = off.last_total_norm
+
+        arms["cotangent-off"] = (m3, off, p3, off_update)
 
     def gradients(name: str, i: int) -> None:
         model, _, params, _ = arms[name]
@@ -298,13 +343,17 @@ def bench_row(shape: str, impl: str, *, pass_ms: float, repeats: int, warmup: in
     for name, (_, _, _, update) in arms.items():  # one more (profiled) step for each
         gradients(name, warmup + repeats)
         allocs[name] = temp_alloc_bytes(update)
-    bitwise = _same_bytes(totals["native"], totals["cotangent"])
-    bitwise &= len(losses["native"]) == len(losses["cotangent"]) and all(
-        _same_bytes(a, b) for a, b in zip(losses["native"], losses["cotangent"]))
-    for a, b in zip(p1, p2):
-        bitwise &= _same_bytes(a, b) and _same_bytes(a.grad, b.grad)
-        for key in native.state[a]:
-            bitwise &= _same_bytes(native.state[a][key], ours.state[b][key])
+    bitwise = True
+    for name, (_, opt, params, _) in arms.items():
+        if name == "native":
+            continue
+        bitwise &= _same_bytes(totals["native"], totals[name])
+        bitwise &= len(losses["native"]) == len(losses[name]) and all(
+            _same_bytes(a, b) for a, b in zip(losses["native"], losses[name]))
+        for a, b in zip(p1, params):
+            bitwise &= _same_bytes(a, b) and _same_bytes(a.grad, b.grad)
+            for key in native.state[a]:
+                bitwise &= _same_bytes(native.state[a][key], opt.state[b][key])
     ms = {name: {ph: 1e3 * statistics.median(v) for ph, v in t.items()}
           for name, t in times.items()}
     nat, cot = ms["native"], ms["cotangent"]
@@ -313,6 +362,8 @@ def bench_row(shape: str, impl: str, *, pass_ms: float, repeats: int, warmup: in
     native_exact, native_blocks = persistent_bytes(p1, native)
     ours_exact, ours_blocks = persistent_bytes(p2, ours)
     real = method == "real-backward"
+    path = ours.update_path()
+    off_ms = ms["cotangent-off"]["update"] if with_off else None
     return Row(
         shape=shape, params=n, tensors=len(p1), native_impl=impl, method=method,
         native_ms=nat["update"], cotangent_ms=cot["update"],
@@ -333,19 +384,25 @@ def bench_row(shape: str, impl: str, *, pass_ms: float, repeats: int, warmup: in
         seq_len=(seq_len if isinstance(m1, nn.Sequential) else batches[0].shape[1] - 1)
         if real else None,
         others_cpus=(others := _others_cpus(sampler, host0, cpu0, wall0)),
-        busy=_busy(others, sampler.cpus))
+        busy=_busy(others, sampler.cpus), cotangent_path=path["path"],
+        cotangent_path_notes=tuple(path["single_pass_notes"]), cotangent_off_ms=off_ms,
+        off_ratio=None if off_ms is None else off_ms / nat["update"],
+        cotangent_off_path=arms["cotangent-off"][1].update_path()["path"] if with_off else None)
 
 
 # The project's update-phase goals, checked on every run: (native implementation, shape
 # predicate, quantity, bound, description); `ratio` = cotangent_ms / native_ms,
-# `cotangent_over_floor` = cotangent_ms / floor10_ms. None as the implementation: every row.
+# `cotangent_over_floor` = cotangent_ms / floor10_ms. The implementation: a name, a tuple of
+# names, or None (every row).
 TARGETS = [
     ("fused", lambda r: r.shape == "many-small", "ratio", 0.35, "vs fused, many-small"),
     ("fused", lambda r: r.shape in ("transformer-small", "causal-conv"), "ratio", 0.75,
      "vs fused, 3.35M/3.75M shapes"),
     ("fused", lambda r: r.params >= 3_000_000, "cotangent_over_floor", 1.2,
      "vs floor, shapes >= 3M"),
-    ("default", lambda r: r.shape == "many-small", "ratio", 0.5, "vs default, many-small"),
+    (SINGLE_PASS_IMPLS, lambda r: r.params >= 3_000_000, "cotangent_over_floor", 1.2,
+     "for-loop/foreach vs floor, shapes >= 3M"),
+    (SINGLE_PASS_IMPLS, lambda r: True, "ratio", 0.5, "for-loop/foreach vs native"),
     (None, lambda r: True, "ratio", 1.0, "never slower than native"),
 ]
 
@@ -355,7 +412,8 @@ def check_targets(rows: list[Row]) -> list[dict]:
     out = []
     for impl, applies, field, bound, desc in TARGETS:
         for r in rows:
-            if (impl is None or r.native_impl == impl) and applies(r):
+            names = impl if isinstance(impl, tuple) else (impl,)
+            if (impl is None or r.native_impl in names) and applies(r):
                 value = getattr(r, field)
                 out.append(dict(target=desc, shape=r.shape, native_impl=r.native_impl,
                                 field=field, value=value, bound=bound, met=value <= bound))
@@ -379,22 +437,31 @@ def method_line(method: str, batch_size: int = BATCH_SIZE, seq_len: int = SEQ_LE
 
 def format_table(rows: list[Row], pass_ms: float, method: str = "real-backward",
                  batch_size: int = BATCH_SIZE, seq_len: int = SEQ_LEN,
-                 others_cpus: float | None = None, host_cpus: int | None = None) -> str:
+                 others_cpus: float | None = None, host_cpus: int | None = None,
+                 single_pass: dict | None = None) -> str:
     head = (f"{'shape':<19}{'params':>11}{'tensors':>8}  {'native':<8}{'native_ms':>10}"
-            f"{'cotangent_ms':>13}{'ratio':>7}{'step':>7}{'zero_grad n/c':>14}"
+            f"{'cotangent_ms':>13}{'ratio':>7}  {'path':<12}{'off_ms':>8}{'off':>7}"
+            f"{'step':>7}{'zero_grad n/c':>14}"
             f"{'bwd n/c':>16}{'loop':>7}{'floor10_ms':>11}{'/floor':>7}  bitwise  "
             f"{'extra_B':>7}{'largest temp n/c (KiB)':>24}{'others':>8}")
     lines = [method_line(method, batch_size, seq_len),
              "update = clip + step + zero_grad (native_ms, cotangent_ms, ratio = cotangent / "
              "native); step: the ratio of clip + step alone; bwd: the gradient phase before it "
              "(ms); loop: the ratio of gradient phase + update",
+             "path: what updated Cotangent's parameters (single-pass kernel, native's op "
+             "sequence, mixed); off_ms / off: Cotangent with COTANGENT_SINGLE_PASS=0 in the "
+             "same interleaving (update phase; ratio to native): the path before the single "
+             "pass",
              f"pass cost: {pass_ms * 1e6:.3f} ns per element (large float32 add, 3 passes)",
              head]
     for r in rows:
         others = "-" if r.others_cpus is None else f"{r.others_cpus:.2f}"
+        off = ("" if r.cotangent_off_ms is None else
+               f"{r.cotangent_off_ms:>8.2f}{r.off_ratio:>7.3f}").rjust(15)
         lines.append(
             f"{r.shape:<19}{r.params:>11,}{r.tensors:>8}  {r.native_impl:<8}{r.native_ms:>10.2f}"
-            f"{r.cotangent_ms:>13.2f}{r.ratio:>7.3f}{r.step_ratio:>7.3f}"
+            f"{r.cotangent_ms:>13.2f}{r.ratio:>7.3f}  {str(r.cotangent_path):<12}{off}"
+            f"{r.step_ratio:>7.3f}"
             f"{r.native_zero_grad_ms:>8.2f} /{r.cotangent_zero_grad_ms:>5.2f}"
             f"{r.native_backward_ms:>9.2f} /{r.cotangent_backward_ms:>6.2f}{r.loop_ratio:>7.3f}"
             f"{r.floor10_ms:>11.2f}{r.cotangent_over_floor:>7.2f}  "
@@ -404,12 +471,30 @@ def format_table(rows: list[Row], pass_ms: float, method: str = "real-backward",
     if others_cpus is not None:
         lines.append(f"load: other work kept {others_cpus:.2f} of {host_cpus} CPUs busy on average "
                      f"during the run (others: per row); ratios move with it on a small machine")
+    if single_pass is not None:
+        lines.append(single_pass_line(single_pass))
     busy = [r for r in rows if r.busy]
     if busy:
         lines.append(f"warning: {len(busy)} of {len(rows)} rows ran on a busy machine (others + "
                      f"threads > {BUSY_DEMAND_RATIO} x CPUs; marked *): their times say more "
                      f"about the other work than about the code")
     return "\n".join(lines)
+
+
+def single_pass_line(report: dict) -> str:
+    """One line on the single-pass kernel's one-off costs in this run (`cotangent.singlepass.
+    process_report`): built (seconds) or loaded from the cache, probes and their seconds; or why
+    it could not run."""
+    reason, b = report["unavailable_reason"], report["build"]
+    if reason == "not checked":
+        return "single pass: not asked for in this run (no for-loop/foreach row)"
+    if reason is not None:
+        return (f"single pass: unavailable ({reason}); for-loop/foreach rows ran native's op "
+                f"sequence")
+    built = ("loaded from the kernel cache (built by an earlier process)" if b["cached"] else
+             f"built in {b['compile_s']:.2f} s by {b['compiler']}")
+    return (f"single pass: kernel {b['key']} {built}; {report['probes']} probes in "
+            f"{report['probe_s']:.2f} s (one-off costs, in no row's times)")
 
 
 def run_bench(shapes=SHAPES, impls=tuple(IMPLS), *, repeats: int = 20, warmup: int = 3,
@@ -420,8 +505,9 @@ def run_bench(shapes=SHAPES, impls=tuple(IMPLS), *, repeats: int = 20, warmup: i
     Returns {environment, device, method, batch_size, seq_len (None for synthetic-grads),
     pass_ms_per_element, loadavg_start, loadavg_end, host_cpus, others_cpus (CPUs other work
     kept busy on average during the run, from /proc/stat as `cotangent.harness.contention`;
-    None where unreadable), busy_rows (rows measured on a busy machine), wall_s, rows,
-    targets, table}. Raises ValueError for an unknown
+    None where unreadable), busy_rows (rows measured on a busy machine), wall_s, single_pass
+    (`cotangent.singlepass.process_report` at the end: build and probe costs), rows, targets,
+    table}. Raises ValueError for an unknown
     method, batch_size or seq_len < 1."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
@@ -438,7 +524,8 @@ def run_bench(shapes=SHAPES, impls=tuple(IMPLS), *, repeats: int = 20, warmup: i
                             method=method, batch_size=batch_size, seq_len=seq_len,
                             device=device)
             log(f"  {shape:<19} {impl:<8} native {row.native_ms:8.2f} ms  cotangent "
-                f"{row.cotangent_ms:8.2f} ms  ratio {row.ratio:.3f}  bitwise {row.bitwise}")
+                f"{row.cotangent_ms:8.2f} ms  ratio {row.ratio:.3f}  path {row.cotangent_path}"
+                f"  bitwise {row.bitwise}")
             rows.append(row)
     pass_ms = min(pass_ms, pass_ms_per_element())  # re-measured at the end; the faster one
     for r in rows:
@@ -451,10 +538,10 @@ def run_bench(shapes=SHAPES, impls=tuple(IMPLS), *, repeats: int = 20, warmup: i
                 pass_ms_per_element=pass_ms, loadavg_start=list(load_start),
                 loadavg_end=list(os.getloadavg()), host_cpus=sampler.cpus, others_cpus=others,
                 busy_rows=sum(bool(r.busy) for r in rows),
-                wall_s=time.perf_counter() - wall0, rows=[r.__dict__ for r in rows],
-                targets=check_targets(rows),
+                wall_s=time.perf_counter() - wall0, single_pass=(sp := singlepass.process_report()),
+                rows=[r.__dict__ for r in rows], targets=check_targets(rows),
                 table=format_table(rows, pass_ms, method, batch_size, seq_len, others,
-                                   sampler.cpus))
+                                   sampler.cpus, sp))
 
 
 def result_json(result: dict) -> str:
