@@ -303,11 +303,13 @@ def fresh_verdicts(tmp_path, monkeypatch):
 
 
 def native_vs_cotangent(*, foreach: bool, steps: int = 4, max_norm=None, specials=False,
-                        edit=None, models=None, path="single-pass", **adamw):
+                        edit=None, models=None, path="single-pass", clip_in_pass=None,
+                        **adamw):
     """`steps` steps of native (clip_grad_norm_ + torch.optim.AdamW) and cotangent.AdamW on
     copies of `small_model` with a real backward on the same batch; every parameter, gradient,
     moment and step compared byte for byte after each step, and the path cotangent took
-    (`update_path()["path"]`) checked against `path` (a string, or a function of the step).
+    (`update_path()["path"]`) checked against `path` (a string, or a function of the step), and
+    its ``clip_in_pass`` count against `clip_in_pass` where given (the same).
     `specials`: after each backward, both arms' gradients get inf, NaN (both signs, payloads),
     signed zeros and a subnormal written in. `edit(step, model, opt)` runs on both arms before
     a step. Returns (native model, native optimizer, our model, our optimizer)."""
@@ -336,6 +338,9 @@ def native_vs_cotangent(*, foreach: bool, steps: int = 4, max_norm=None, special
             assert_same_bits(opt.last_total_norm, total, f"{what}: total norm")
         want = path(step) if callable(path) else path
         assert opt.update_path()["path"] == want, (what, opt.update_path())
+        if clip_in_pass is not None:
+            want = clip_in_pass(step) if callable(clip_in_pass) else clip_in_pass
+            assert opt.update_path()["clip_in_pass"] == want, (what, opt.update_path())
         ref.zero_grad()
         opt.zero_grad()
     return m1, ref, m2, opt
@@ -421,8 +426,12 @@ def test_a_failing_probe_keeps_the_native_path(fresh_verdicts, monkeypatch):
     monkeypatch.setattr(sp, "matches_native", wrong_probe)
     with threads(2):
         *_, opt = native_vs_cotangent(foreach=False, max_norm=1.0, path="native")
-    assert len(calls) == 1 and calls[0]["implementation"] == "for-loop"
+    # one probe with the clip multiply joined (the coefficient's class), one without (what
+    # runs once that fails: the clip apart, then the update); neither passes, native runs
+    assert len(calls) == 2 and {c["implementation"] for c in calls} == {"for-loop"}
+    assert [c["clip_coef"] is None for c in calls] == [False, True]
     assert any("probe" in n for n in opt.update_path()["single_pass_notes"])
+    assert opt.update_path()["clip_in_pass"] == 0
 
 
 def test_a_wrong_kernel_fails_its_probe_and_native_runs(fresh_verdicts, monkeypatch):
@@ -439,7 +448,7 @@ def test_a_wrong_kernel_fails_its_probe_and_native_runs(fresh_verdicts, monkeypa
     try:
         with threads(2):
             with monkeypatch.context() as forced:
-                forced.setattr(sp, "decide", lambda kind, group: None)
+                forced.setattr(sp, "decide", lambda kind, group, clip_coef=None: None)
                 with pytest.raises(AssertionError):
                     native_vs_cotangent(foreach=False, steps=3)
             *_, opt = native_vs_cotangent(foreach=False, steps=3, path="native")
@@ -560,3 +569,161 @@ def test_avx512_build_only_where_aten_runs_avx512_kernels(monkeypatch):
     for capability, extra in (("AVX2", ()), ("AVX512", sp.AVX512_FLAGS), ("DEFAULT", ())):
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda c=capability: c)
         assert sp.compile_flags() == sp.COMPILE_FLAGS + extra
+
+
+# ---------------------------------------------------------------------- the clip in the pass
+
+
+def _inf_gradient(step, model, opt):
+    """From step 1 on, one element of the first weight's gradient is +inf (hooked on the
+    parameter, so both arms get it from their backward): the total norm is inf, the clip
+    coefficient 0, and inf * 0 makes a NaN inside the clip multiply."""
+    if step == 1:
+        idx = torch.tensor([3])
+        model[0].weight.register_hook(lambda g: g.flatten().index_fill(0, idx, float("inf"))
+                                      .view_as(g))
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+@pytest.mark.parametrize("case", [
+    # clipping (norm > max_norm): the multiply joins every parameter's pass
+    dict(max_norm=0.01, clip_in_pass=6),
+    dict(max_norm=0.01, amsgrad=True, maximize=True, betas=(0.0, 0.99), clip_in_pass=6),
+    # an inf gradient at step 1: coefficient 0, inf * 0 = NaN in the pass, as in native's
+    # multiply; from step 2 the NaN parameter makes every gradient NaN: multiplied apart
+    dict(max_norm=0.01, edit=_inf_gradient, clip_in_pass=lambda step: 6 if step < 2 else 0),
+    # not clipping (coefficient exactly 1.0): no multiply anywhere, as Clipper skips it
+    dict(max_norm=1e9, clip_in_pass=0),
+    # NaN gradients: NaN coefficient, multiplied apart (ATen's NaN-NaN choice is positional)
+    dict(max_norm=0.01, specials=True, clip_in_pass=0),
+], ids=["clips", "clips-amsgrad-maximize-beta1=0", "inf-gradient", "coefficient-1", "nan-norm"])
+def test_clip_multiply_joins_the_pass_where_it_is_exact(foreach, case):
+    """The clip multiply of step()'s clip runs inside the single pass (the clipped gradients
+    written back) and everything stays native's bytes: gradients, parameters, moments and the
+    total norm, step after step (native: clip_grad_norm_ then torch.optim.AdamW)."""
+    with threads(2):
+        native_vs_cotangent(foreach=foreach, **case)
+
+
+def test_clip_multiply_stays_apart_where_something_could_see_the_gradients_between():
+    """A step pre-hook runs between native's clip and its update and sees clipped gradients:
+    with one registered the multiply stays in the clip (the hook sees native's bytes); an
+    explicit clip_grad_norm_() returns clipped gradients, so nothing is deferred either; a
+    closure's clip (inside the step, after the hooks) may join."""
+    seen = {"native": [], "cotangent": []}
+
+    def edit(step, model, opt):
+        if step == 0:
+            arm = "cotangent" if isinstance(opt, cotangent.AdamW) else "native"
+            opt.register_step_pre_hook(lambda o, args, kwargs: seen[arm].append(
+                [p.grad.clone() for p in model.parameters()]))
+
+    with threads(2):
+        native_vs_cotangent(foreach=False, max_norm=0.01, edit=edit, clip_in_pass=0)
+    assert len(seen["native"]) == len(seen["cotangent"]) == 4
+    for a, b in zip(seen["native"], seen["cotangent"]):
+        for x, y in zip(a, b):
+            assert_same_bits(y, x, "gradients a step pre-hook sees")
+
+    m1, m2 = small_model(), small_model()
+    ref = torch.optim.AdamW(m1.parameters())
+    opt = cotangent.AdamW(m2.parameters(), max_norm=0.01)
+    x = torch.randn(4, IN, generator=torch.Generator().manual_seed(3))
+    with threads(2):
+        for m in (m1, m2):
+            m(x).square().mean().backward()
+        total = torch.nn.utils.clip_grad_norm_(m1.parameters(), 0.01)
+        assert_same_bits(opt.clip_grad_norm_(), total, "explicit clip")
+        for p, q in zip(m1.parameters(), m2.parameters()):
+            assert_same_bits(q.grad, p.grad, "gradients returned clipped")
+        ref.step()
+        opt.step()
+        assert opt.update_path()["clip_in_pass"] == 0
+        assert_same_update(m1.parameters(), ref.state, m2.parameters(), opt.state, "explicit")
+
+        def closure(m):
+            def run():
+                loss = m(x).square().mean()
+                loss.backward()
+                return loss
+            return run
+
+        ref.zero_grad()
+        opt.zero_grad()
+        with torch.enable_grad():
+            closure(m1)()
+        torch.nn.utils.clip_grad_norm_(m1.parameters(), 0.01)
+        ref.step()
+        opt.step(closure(m2))
+        assert opt.update_path()["clip_in_pass"] == 6
+        assert_same_update(m1.parameters(), ref.state, m2.parameters(), opt.state, "closure")
+
+
+def test_clip_multiply_never_reaches_parameters_the_clip_leaves_out():
+    """clip_order without the last layer's weight: native clips the others only; the pass
+    over the one flat buffer would multiply that weight too, so the multiply stays apart
+    (bytes: the left-out weight's gradient unclipped, as native's). A param group whose
+    settings run natively (a tensor beta) in the same buffer keeps it apart as well."""
+    m1, m2 = small_model(), small_model()
+    keep = lambda m: [p for n, p in m.named_parameters() if n != "2.weight"]  # noqa: E731
+    ref = torch.optim.AdamW(m1.parameters())
+    opt = cotangent.AdamW(m2.parameters(), max_norm=0.01, clip_order=keep(m2))
+    gen = torch.Generator().manual_seed(4)
+    with threads(2):
+        for step in range(3):
+            x = torch.randn(4, IN, generator=gen)
+            for m in (m1, m2):
+                m(x).square().mean().backward()
+            total = torch.nn.utils.clip_grad_norm_(keep(m1), 0.01)
+            ref.step()
+            opt.step()
+            assert_same_bits(opt.last_total_norm, total, "total norm")
+            assert_same_update(m1.parameters(), ref.state, m2.parameters(), opt.state,
+                               f"clip_order, step {step}")
+            assert opt.update_path()["clip_in_pass"] == 0
+            assert opt.update_path()["path"] == "single-pass"
+            ref.zero_grad()
+            opt.zero_grad()
+
+    m1, m2 = small_model(), small_model()
+    groups = lambda m: [dict(params=list(m[0].parameters())),  # noqa: E731
+                        dict(params=list(m[2].parameters()) + list(m[3].parameters()),
+                             betas=(torch.tensor(0.9), torch.tensor(0.999)))]
+    ref = torch.optim.AdamW(groups(m1))
+    opt = cotangent.AdamW(groups(m2), max_norm=0.01)
+    with threads(2):
+        for step in range(3):
+            x = torch.randn(4, IN, generator=gen)
+            for m in (m1, m2):
+                m(x).square().mean().backward()
+            torch.nn.utils.clip_grad_norm_(m1.parameters(), 0.01)
+            ref.step()
+            opt.step()
+            assert_same_update(m1.parameters(), ref.state, m2.parameters(), opt.state,
+                               f"tensor betas group, step {step}")
+            assert opt.update_path()["path"] == "mixed"
+            assert opt.update_path()["clip_in_pass"] == 0
+            ref.zero_grad()
+            opt.zero_grad()
+
+
+def test_a_deferred_clip_multiply_happens_even_when_the_step_fails(monkeypatch):
+    """If the update cannot be planned after step()'s clip left its multiply to the passes,
+    the multiply still runs (the gradients end clipped, as native's would) before the error
+    propagates."""
+    m1, m2 = small_model(), small_model()
+    opt = cotangent.AdamW(m2.parameters(), max_norm=0.01)
+    x = torch.randn(4, IN, generator=torch.Generator().manual_seed(5))
+    with threads(2):
+        for m in (m1, m2):
+            m(x).square().mean().backward()
+        torch.nn.utils.clip_grad_norm_(m1.parameters(), 0.01)
+
+        def broken(inputs):
+            raise RuntimeError("planning failed")
+
+        monkeypatch.setattr(opt, "_adamw_calls", broken)
+        with pytest.raises(RuntimeError, match="planning failed"):
+            opt.step()
+        for p, q in zip(m1.parameters(), m2.parameters()):
+            assert_same_bits(q.grad, p.grad, "gradients after the failed step")

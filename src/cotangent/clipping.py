@@ -113,9 +113,12 @@ class PackedClipper:
         first_device = self.store.grad_views[groups[0][2][0]].device
         return total_norm([part.to(first_device) for part in parts], self.norm_type)
 
-    def scale(self, groups: list, coef: Tensor) -> None:
-        """Multiply the gradients of `groups` by `coef` in place, as native clipping does."""
+    def scale(self, groups: list, coef: Tensor, skip=()) -> None:
+        """Multiply the gradients of `groups` by `coef` in place, as native clipping does,
+        except those of the layouts in `skip` (their multiply is left to the caller)."""
         for li, _, slots, whole in groups:
+            if li in skip:
+                continue
             layout = self.store.layouts[li]
             coef_dev = coef.to(layout.device)
             if coef_dev.device.type == "cpu":
@@ -141,8 +144,11 @@ class PackedClipper:
                 layout.device, layout.dtype, coef_dtype, finite=coef_class == "finite")
         return self.multiply_exact[key]
 
-    def clip(self, groups: list, max_norm: float, error_if_nonfinite: bool) -> Tensor:
+    def clip(self, groups: list, max_norm: float, error_if_nonfinite: bool,
+             defer=None) -> Tensor:
         """`clip_grad_norm_` over the packed gradients of `groups`; returns the total norm.
+        `defer`: None, or a function (groups, clip coefficient) -> the layouts whose multiply
+        the caller takes over (it runs later, still before anything reads those gradients).
 
         Raises:
             RuntimeError: the total is inf or NaN and `error_if_nonfinite` (nothing modified).
@@ -150,7 +156,8 @@ class PackedClipper:
         total = self.total_norm(groups)
         if error_if_nonfinite:
             check_finite(total, self.norm_type)
-        self.scale(groups, clip_coefficient(total, max_norm))
+        coef = clip_coefficient(total, max_norm)
+        self.scale(groups, coef, skip=defer(groups, coef) if defer is not None else ())
         return total
 
 

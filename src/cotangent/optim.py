@@ -221,6 +221,9 @@ class AdamW(torch.optim.AdamW):
         self._clipped: tuple[int, int] | None = None  # (backwards, resets) of clipped gradients
         self._prepared: _StepInputs | None = None  # found by this step()'s clip, for its body
         self._scale_applied = False  # this step's clip already divided by GradScaler's scale
+        # (coefficient, its float value, {layout: (clip group entry, parameters)}): clip
+        # multiplies left by step()'s clip to this step's single passes (`_defer_clip`)
+        self._pending_clip: tuple | None = None
         self.state = WatchedState(dict, self.state)  # (no user code holds the old one yet)
         self._repack()
 
@@ -245,13 +248,16 @@ class AdamW(torch.optim.AdamW):
             return live.step(closure)
         _compat.refuse_under_compile("cotangent.AdamW.step()")
         self._scale_applied = False
+        # the clip multiply may join the single pass only where nothing can read the
+        # gradients between the clip and the update: no step pre-hook
+        defer = not _compat.has_step_pre_hooks(self)
         if closure is None:
-            self._clip_if_due()
+            self._clip_if_due(defer)
             return self._hooked_step()
 
         def closure_then_clip():
             loss = closure()
-            self._clip_if_due()
+            self._clip_if_due(defer)
             return loss
 
         return self._hooked_step(closure_then_clip)
@@ -268,18 +274,27 @@ class AdamW(torch.optim.AdamW):
         inputs, self._prepared = self._prepared, None
         if inputs is None or _compat.has_step_pre_hooks(self):
             inputs = self._prepare()  # pre-hooks may have changed gradients or state
-        calls = self._adamw_calls(inputs)
+        try:
+            calls = self._adamw_calls(inputs)
+        except BaseException:
+            self._settle_clip(None)  # a deferred clip multiply still happens
+            raise
         grad_scale = None if self._scale_applied else getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        single, native, notes = 0, 0, set()
+        clip_value, clip_layouts = self._settle_clip(calls)
+        single, native, notes, clip_in_pass = 0, 0, set(), 0
         for call in calls.calls:
             group = self.param_groups[call.group_index]
             if call.single is not None and grad_scale is None and found_inf is None:
-                why = self._single_pass(call, group)
+                joined = call.single.layout in clip_layouts
+                why = self._single_pass(call, group, clip_value if joined else None)
                 if why is None:
                     single += call.parameters
+                    clip_in_pass += call.parameters if joined else 0
                     continue
                 notes.add(why)
+                if joined:  # refused before touching anything: multiply as native, then step
+                    _compat.foreach_mul_(call.grads, self._deferred_coef)
             elif call.single_note is not None:
                 notes.add(call.single_note)
             native += call.parameters
@@ -291,7 +306,7 @@ class AdamW(torch.optim.AdamW):
                 merge.run_native_adamw(call.kind, *args, group=group, grad_scale=grad_scale,
                                        found_inf=found_inf)
         calls.finish()
-        self._paths = (single, native, tuple(sorted(notes)))
+        self._paths = (single, native, tuple(sorted(notes)), clip_in_pass)
         if self._zero is not None:  # every share's parameters from their owner
             store = self._store
             sharding.broadcast_params(
@@ -305,11 +320,65 @@ class AdamW(torch.optim.AdamW):
 
     _hooked_step = _compat.with_step_hooks(_update)
 
-    def _single_pass(self, call, group: dict) -> str | None:
+    def _defer_clip(self, groups: list, coef: Tensor) -> set[int]:
+        """The layouts whose clip multiply step()'s clip leaves to this step's single passes
+        (`Clipper.clip`'s `defer`): CPU float32 layouts whose present gradients the clip
+        multiplies once each, when the coefficient is neither 1.0 (no multiply at all) nor NaN
+        (with two NaNs ATen's multiply keeps one by loop position; see
+        `cotangent.singlepass.single_pass_adamw_`), without ZeRO sharding, GradScaler state or
+        the single pass switched off. `_settle_clip` multiplies whatever no pass will."""
+        self._pending_clip = None
+        if (self._zero is not None or getattr(self, "grad_scale", None) is not None
+                or getattr(self, "found_inf", None) is not None or coef.device.type != "cpu"
+                or not singlepass.switched_on()):
+            return set()
+        value = coef.item()
+        if value != value or value == 1.0:
+            return set()
+        store = self._store
+        pending = {entry[0]: (entry, {id(store.params[s]) for s in entry[2]})
+                   for entry in groups if entry[3]
+                   and store.layouts[entry[0]].device.type == "cpu"
+                   and store.layouts[entry[0]].dtype == torch.float32}
+        if pending:
+            self._pending_clip = (coef, value, pending)
+        return set(pending)
+
+    def _settle_clip(self, calls) -> tuple[float | None, set[int]]:
+        """Consume the clip multiply `_defer_clip` left pending: returns (coefficient value,
+        layouts) where every clipped gradient of the layout, and nothing else, belongs to calls
+        that take the single pass now (`singlepass.decide` with the coefficient), which then
+        multiply them in the pass; the other pending layouts are multiplied here, as the clip
+        would have (`calls` None: all of them)."""
+        pending, self._pending_clip = self._pending_clip, None
+        if pending is None:
+            return None, set()
+        coef, value, layouts = pending
+        self._deferred_coef = coef
+        taken: dict[int, set[int]] = {}
+        if calls is not None and getattr(self, "grad_scale", None) is None and getattr(
+                self, "found_inf", None) is None:
+            for call in calls.calls:
+                if call.single is None:
+                    continue
+                group = self.param_groups[call.group_index]
+                ids = taken.setdefault(call.single.layout, set())
+                if singlepass.decide(call.kind, group, value) is None:
+                    ids.update(id(p) for p in call.single.params)
+                else:
+                    ids.add(-1)  # a call over this layout runs natively: no multiply in passes
+        joined = {li for li, (_, ids) in layouts.items() if taken.get(li) == ids}
+        rest = [entry for li, (entry, _) in layouts.items() if li not in joined]
+        if rest:
+            self._clipper.scale(rest, coef)
+        return value, joined
+
+    def _single_pass(self, call, group: dict, clip_coef: float | None = None) -> str | None:
         """Run `call` as one `cotangent.singlepass.single_pass_adamw_` pass over its layout's
-        buffers where `singlepass.decide` allows it now; returns None when it ran, else why not
-        (nothing was modified then: native's op sequence runs instead)."""
-        why = singlepass.decide(call.kind, group)
+        buffers where `singlepass.decide` allows it now, with the clip multiply by `clip_coef`
+        when given; returns None when it ran, else why not (nothing was modified then: native's
+        op sequence runs instead)."""
+        why = singlepass.decide(call.kind, group, clip_coef)
         if why is not None:
             return why
         span, store = call.single, self._store
@@ -323,7 +392,8 @@ class AdamW(torch.optim.AdamW):
                 moments["exp_avg_sq"], moments["max_exp_avg_sq"] if group["amsgrad"] else None,
                 span.steps, segments=span.segments, implementation=call.kind, lr=group["lr"],
                 beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                maximize=bool(group["maximize"]), amsgrad=bool(group["amsgrad"]))
+                maximize=bool(group["maximize"]), amsgrad=bool(group["amsgrad"]),
+                clip_coef=clip_coef)
         except (ValueError, TypeError, ArithmeticError, singlepass.SinglePassUnavailable) as e:
             # raised before anything is modified (a NaN scalar, a step count giving a zero
             # bias correction): native runs, and fails or not, as native does
@@ -364,16 +434,18 @@ class AdamW(torch.optim.AdamW):
         return None
 
     @torch.no_grad()
-    def _clip_if_due(self) -> None:
+    def _clip_if_due(self, defer: bool = False) -> None:
+        """step()'s clip, unless these gradients are clipped already; with `defer`, the clip
+        multiply may be left to the step's single passes (`_defer_clip`)."""
         if self.max_norm is None or self._clipped == (self._tracker.backwards,
                                                       self._tracker.resets):
             return
         inputs = self._prepare()
-        self._clip(inputs)
+        self._clip(inputs, defer)
         self._prepared = inputs
 
     @torch.no_grad()
-    def _clip(self, inputs: _StepInputs) -> None:
+    def _clip(self, inputs: _StepInputs, defer: bool = False) -> None:
         """`clip_grad_norm_` over the present gradients, in clip order (may raise: nothing is
         modified before the total norm is known, except GradScaler's unscaling below)."""
         grads, store = inputs.grads, self._store
@@ -392,7 +464,8 @@ class AdamW(torch.optim.AdamW):
             plan = inputs.plan
             if plan.clip is None:
                 plan.clip = self._clipper.groups(plan.present, self._clip_order.slots)
-            total = self._clipper.clip(plan.clip, self.max_norm, self.error_if_nonfinite)
+            total = self._clipper.clip(plan.clip, self.max_norm, self.error_if_nonfinite,
+                                       defer=self._defer_clip if defer else None)
         self._last_total_norm = total
         self._norm_backwards = self._tracker.backwards
         self._clipped = (self._tracker.backwards, self._tracker.resets)
@@ -666,6 +739,7 @@ class AdamW(torch.optim.AdamW):
         self._updates, self._consolidated, self._state_seen = 0, None, None
         self._last_total_norm, self._norm_backwards = None, -1
         self._clipped, self._prepared, self._scale_applied = None, None, False
+        self._pending_clip = None
         self._repack()
 
     # ------------------------------------------------------------------ gradients
@@ -716,9 +790,11 @@ class AdamW(torch.optim.AdamW):
         for-loop / foreach op sequence or the fused kernel), "mixed", or None before the first
         step; ``single_pass`` and ``native`` count parameters; ``single_pass_notes`` lists why
         the single pass did not take the others (e.g. ``off (COTANGENT_SINGLE_PASS=0)``, the
-        kernel unavailable, fused AdamW, a failed probe)."""
-        single, native, notes = getattr(self, "_paths", (0, 0, ()))
+        kernel unavailable, fused AdamW, a failed probe); ``clip_in_pass`` counts the parameters
+        whose clip multiply (step()'s clip) ran inside their single pass."""
+        single, native, notes, clip_in_pass = getattr(self, "_paths", (0, 0, (), 0))
         path = None
         if single or native:
             path = "mixed" if single and native else ("single-pass" if single else "native")
-        return dict(path=path, single_pass=single, native=native, single_pass_notes=list(notes))
+        return dict(path=path, single_pass=single, native=native, single_pass_notes=list(notes),
+                    clip_in_pass=clip_in_pass)

@@ -108,18 +108,26 @@ inline bool is_nan(float x) { return __builtin_isnan(x); }
 inline float quiet(float x) { return from_bits(to_bits(x) | 0x00400000u); }
 
 struct Hyper {
-  float decay, weight, weight_m1, one_minus_weight, beta2, value2, eps;
+  float decay, weight, weight_m1, one_minus_weight, beta2, value2, eps, clip;
 };
 
-// Pass 1 over a block: exp_avg, exp_avg_sq (and max_exp_avg_sq, also to s: the square root's
-// input with amsgrad).
-template <bool MAXIMIZE, bool SMALL_WEIGHT, bool AMSGRAD, bool TAIL>
-void moments(int64_t n, const float* __restrict g_, float* __restrict m_, float* __restrict v_,
+// Pass 1 over a block: the clip multiply (written back: the clipped gradient), exp_avg,
+// exp_avg_sq (and max_exp_avg_sq, also to s: the square root's input with amsgrad).
+template <bool MAXIMIZE, bool SMALL_WEIGHT, bool AMSGRAD, bool TAIL, bool CLIP>
+void moments(int64_t n, float* __restrict g_, float* __restrict m_, float* __restrict v_,
              float* __restrict vmax_, float* __restrict s_, const Hyper& h) {
   const float w = h.weight, wm1 = h.weight_m1, omw = h.one_minus_weight;
-  const float b2 = h.beta2, val = h.value2;
+  const float b2 = h.beta2, val = h.value2, c = h.clip;
   for (int64_t i = 0; i < n; i++) {
     float g = g_[i];
+    if (CLIP) {
+      // grad.mul_(clip_coef) (clip_grad_norm_): a NaN gradient stays itself (quieted). The
+      // coefficient is never NaN here: with two NaNs ATen's multiply keeps one or the other by
+      // position in a pattern of its compiled loops, which no probe could pin down
+      const float gc = g * c;
+      g = is_nan(g) ? quiet(g) : gc;
+      g_[i] = g;
+    }
     if (MAXIMIZE) g = -g;
     const float m = m_[i];
     // exp_avg.lerp_(grad, w): d = end - self, then fma(w, d, self) for |w| < 0.5; otherwise the
@@ -168,22 +176,26 @@ void update(int64_t n, float* __restrict p_, const float* __restrict m_,
   }
 }
 
-typedef void (*moments_fn)(int64_t, const float*, float*, float*, float*, float*, const Hyper&);
+typedef void (*moments_fn)(int64_t, float*, float*, float*, float*, float*, const Hyper&);
 
+template <bool MX, bool SW, bool AMS, bool TL>
+moments_fn pick4(bool clip) {
+  return clip ? &moments<MX, SW, AMS, TL, true> : &moments<MX, SW, AMS, TL, false>;
+}
 template <bool MX, bool SW, bool AMS>
-moments_fn pick3(bool tail) {
-  return tail ? &moments<MX, SW, AMS, true> : &moments<MX, SW, AMS, false>;
+moments_fn pick3(bool tail, bool clip) {
+  return tail ? pick4<MX, SW, AMS, true>(clip) : pick4<MX, SW, AMS, false>(clip);
 }
 template <bool MX, bool SW>
-moments_fn pick2(bool ams, bool tail) {
-  return ams ? pick3<MX, SW, true>(tail) : pick3<MX, SW, false>(tail);
+moments_fn pick2(bool ams, bool tail, bool clip) {
+  return ams ? pick3<MX, SW, true>(tail, clip) : pick3<MX, SW, false>(tail, clip);
 }
 template <bool MX>
-moments_fn pick1(bool small, bool ams, bool tail) {
-  return small ? pick2<MX, true>(ams, tail) : pick2<MX, false>(ams, tail);
+moments_fn pick1(bool small, bool ams, bool tail, bool clip) {
+  return small ? pick2<MX, true>(ams, tail, clip) : pick2<MX, false>(ams, tail, clip);
 }
-moments_fn pick(bool maximize, bool small, bool ams, bool tail) {
-  return maximize ? pick1<true>(small, ams, tail) : pick1<false>(small, ams, tail);
+moments_fn pick(bool maximize, bool small, bool ams, bool tail, bool clip) {
+  return maximize ? pick1<true>(small, ams, tail, clip) : pick1<false>(small, ams, tail, clip);
 }
 
 void hw_sqrt(int64_t n, const float* a, float* r) {
@@ -194,7 +206,7 @@ void hw_sqrt(int64_t n, const float* a, float* r) {
 
 extern "C" {
 
-int cot_singlepass_version() { return 5; }
+int cot_singlepass_version() { return 6; }
 
 // The calling thread's SSE control/status register (MXCSR): its flush-to-zero (bit 15),
 // denormals-are-zero (bit 6) and rounding-mode (bits 13-14) fields change float results.
@@ -212,12 +224,14 @@ void cot_singlepass_sqrt(int64_t n, const float* a, float* r, void* sqrt_fn, lon
 
 // pieces: npieces rows of (start, length, segment, tail) int64; per segment: nstep[seg] is
 // addcdiv's value (-step_size) and bc2s[seg] the bias_correction2_sqrt, both as doubles rounded
-// here to float like c10::Scalar::to<float>(). flags: bit0 decay, bit1 maximize, bit2 amsgrad.
-int cot_singlepass_adamw(float* p, const float* g, float* m, float* v, float* vmax,
+// here to float like c10::Scalar::to<float>(). flags: bit0 decay, bit1 maximize, bit2 amsgrad,
+// bit3 clip (multiply the gradients by clip_coef first, in place, as clip_grad_norm_ does).
+int cot_singlepass_adamw(float* p, float* g, float* m, float* v, float* vmax,
                          const int64_t* pieces, int64_t npieces,
                          const double* nstep, const double* bc2s,
                          double decay, double weight, double beta2, double value2, double eps,
-                         int flags, void* sqrt_fn, long long sqrt_mode, int nthreads) {
+                         int flags, void* sqrt_fn, long long sqrt_mode, int nthreads,
+                         double clip_coef) {
   Hyper h;
   h.decay = static_cast<float>(decay);
   h.weight = static_cast<float>(weight);
@@ -226,7 +240,8 @@ int cot_singlepass_adamw(float* p, const float* g, float* m, float* v, float* vm
   h.beta2 = static_cast<float>(beta2);
   h.value2 = static_cast<float>(value2);
   h.eps = static_cast<float>(eps);
-  const bool has_decay = flags & 1, maximize = flags & 2, ams = flags & 4;
+  h.clip = static_cast<float>(clip_coef);
+  const bool has_decay = flags & 1, maximize = flags & 2, ams = flags & 4, clip = flags & 8;
   const bool small = __builtin_fabsf(h.weight) < 0.5f;  // at::native::is_lerp_weight_small
   sqrt_fn_t sq = reinterpret_cast<sqrt_fn_t>(sqrt_fn);
 
@@ -253,8 +268,8 @@ int cot_singlepass_adamw(float* p, const float* g, float* m, float* v, float* vm
       const int64_t len = (pc[1] - off) < BLOCK ? (pc[1] - off) : BLOCK;
       const float ns = static_cast<float>(nstep[pc[2]]);
       const float bc = static_cast<float>(bc2s[pc[2]]);
-      pick(maximize, small, ams, pc[3] != 0)(len, g + start, m + start, v + start,
-                                             ams ? vmax + start : nullptr, s, h);
+      pick(maximize, small, ams, pc[3] != 0, clip)(len, g + start, m + start, v + start,
+                                                   ams ? vmax + start : nullptr, s, h);
       const float* root_in = ams ? s : v + start;
       if (sq) sq(len, root_in, r, sqrt_mode); else hw_sqrt(len, root_in, r);
       if (has_decay) update<true>(len, p + start, m + start, r, bc, h.eps, ns, h.decay);
@@ -382,7 +397,7 @@ def _build_locked() -> tuple[ctypes.CDLL, Build]:
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,
-        ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int]
+        ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_double]
     lib.cot_singlepass_sqrt.restype = None
     lib.cot_singlepass_sqrt.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_void_p, ctypes.c_longlong]
@@ -546,9 +561,11 @@ def single_pass_adamw_(params: Tensor, grads: Tensor, exp_avgs: Tensor, exp_avg_
                        segments: list[tuple[int, int]] | None = None,
                        implementation: str = "for-loop", lr: float | Tensor, beta1: float,
                        beta2: float, eps: float, weight_decay: float, maximize: bool,
-                       amsgrad: bool, threads: int | None = None) -> None:
+                       amsgrad: bool, threads: int | None = None,
+                       clip_coef: float | None = None) -> None:
     """One AdamW step (decoupled weight decay) over flat buffers, in one pass, with the bits of
-    native `torch.optim.AdamW(foreach=...)` stepping each segment as its own parameter.
+    native `torch.optim.AdamW(foreach=...)` stepping each segment as its own parameter (after
+    ``grad.mul_(clip_coef)`` on each segment when `clip_coef` is given).
 
     `params`, `grads`, `exp_avgs`, `exp_avg_sqs` (and `max_exp_avg_sqs` when `amsgrad`): 1-D
     contiguous float32 CPU tensors of one length N, distinct. `segments`: the native tensors as
@@ -561,7 +578,12 @@ def single_pass_adamw_(params: Tensor, grads: Tensor, exp_avgs: Tensor, exp_avg_
     refuses a tensor lr without capturable). `threads`: ATen's thread count whose work split
     native used (default `torch.get_num_threads()`); it fixes where native's scalar tails are
     (they differ from its vector body in torch.maximum, amsgrad, and in lerp at beta1 = 0). The
-    kernel itself runs with `torch.get_num_threads()` threads.
+    kernel itself runs with `torch.get_num_threads()` threads. `clip_coef`: the value of
+    `clip_grad_norm_`'s float32 clip coefficient (``clamp(max_norm / (total + 1e-6), max=1.0)``,
+    read with ``.item()``), not NaN (where both the coefficient and a gradient are NaN, which of
+    their payloads ATen's multiply keeps depends on the element's place in its compiled loops:
+    measured, torch 2.13.0 AVX512 CPU); the segments' gradients are multiplied by it in the same
+    pass and written back (the clipped gradients, as native leaves them), then used.
 
     Raises `SinglePassUnavailable` where the kernel cannot run or no square root reproduces
     torch's (see `sqrt_kind`), ValueError/TypeError for arguments native would not run the same
@@ -575,6 +597,10 @@ def single_pass_adamw_(params: Tensor, grads: Tensor, exp_avgs: Tensor, exp_avg_
                          "ATen kernel)")
     if isinstance(lr, Tensor) and implementation == "foreach":
         raise ValueError("native foreach AdamW refuses a tensor lr without capturable=True")
+    if clip_coef is not None and not (isinstance(clip_coef, float)
+                                      and _f32(clip_coef) == clip_coef):
+        raise ValueError(f"clip_coef must be a float32 value as a Python float, not NaN, not "
+                         f"{clip_coef!r} (a NaN coefficient: multiply the gradients apart)")
     buffers = [params, grads, exp_avgs, exp_avg_sqs] + ([max_exp_avg_sqs] if amsgrad else [])
     n = _check_buffers(buffers)
     segs = tuple((int(o), int(k)) for o, k in (segments if segments is not None else [(0, n)]))
@@ -617,6 +643,7 @@ def single_pass_adamw_(params: Tensor, grads: Tensor, exp_avgs: Tensor, exp_avg_
     bc2s = (ctypes.c_double * len(values))(*[b for _, b in values])
     pieces = _pieces(segs, threads or torch.get_num_threads(), unit, True)
     flags = (1 if weight_decay != 0 else 0) | (2 if maximize else 0) | (4 if amsgrad else 0)
+    flags |= 8 if clip_coef is not None else 0
     if isinstance(steps, Tensor):
         steps.add_(1)
     else:
@@ -627,7 +654,8 @@ def single_pass_adamw_(params: Tensor, grads: Tensor, exp_avgs: Tensor, exp_avg_
         max_exp_avg_sqs.data_ptr() if amsgrad else None, pieces.data_ptr(), pieces.shape[0],
         ctypes.cast(nstep, ctypes.c_void_p), ctypes.cast(bc2s, ctypes.c_void_p),
         scalars[0], scalars[1], scalars[2], scalars[3], scalars[4], flags,
-        mkl_sqrt_address() if sq == "mkl" else None, MKL_SQRT_MODE, torch.get_num_threads())
+        mkl_sqrt_address() if sq == "mkl" else None, MKL_SQRT_MODE, torch.get_num_threads(),
+        0.0 if clip_coef is None else clip_coef)
 
 
 PROBE_LENGTHS = (1, 7, 15, 16, 17, 33, 100, 1000, 2047, 2049, GRAIN_SIZE, GRAIN_SIZE + 1,
@@ -745,15 +773,18 @@ def _native_adamw(implementation: str, params, grads, exp_avgs, exp_avg_sqs, max
 def matches_native(*, implementation: str, lr, beta1: float, beta2: float, eps: float,
                    weight_decay: float, maximize: bool, amsgrad: bool,
                    lengths: tuple[int, ...] = PROBE_LENGTHS, steps: int = 6, seed: int = 0,
-                   grid: bool = True) -> bool:
+                   grid: bool = True, clip_coef: float | None = None) -> bool:
     """Probe: does `single_pass_adamw_` give native's bytes for these settings here?
 
     Native: `torch.optim.adam.adam` (the function `torch.optim.AdamW.step` calls, decoupled
     decay) on one separately allocated tensor per segment of `probe_data` (random lengths with
     special values sprinkled in every buffer, and the `special_grid` of special-value
     combinations in ATen's vector body and in its scalar tail; per-segment step counts differ).
-    Single pass: the same segments in flat buffers. `steps` steps; parameters, moments and step
-    counts compared byte for byte. Returns False (never raises) when the kernel cannot run here.
+    Single pass: the same segments in flat buffers. With `clip_coef`, native first multiplies
+    each segment's gradient by it as `clip_grad_norm_` does on the CPU (``g.mul_(coef)`` with
+    a 0-d float32 tensor) and the single pass gets it as `clip_coef`; the clipped gradients are
+    compared too. `steps` steps; parameters, moments and step counts compared byte for byte.
+    Returns False (never raises) when the kernel cannot run here.
     Runs under the current `torch.get_num_threads()`: a verdict holds for that thread count (it
     decides where native's scalar tails are), this CPU ISA and this torch build.
     """
@@ -771,10 +802,17 @@ def matches_native(*, implementation: str, lr, beta1: float, beta2: float, eps: 
     native_steps = [torch.tensor(s) for s in start]
     ours_steps = [torch.tensor(s) for s in start]
     native_lr = lr.clone() if isinstance(lr, Tensor) else lr
+    coef = None if clip_coef is None else torch.tensor(clip_coef, dtype=torch.float32)
+    compared = list(zip(ours[:4 if amsgrad else 3], native))
     try:
         for k in range(steps):
             g = grad(k)
-            _native_adamw(implementation, native[0], [t.clone() for t in views(g)], native[1],
+            native_grads = [t.clone() for t in views(g)]
+            if coef is not None:
+                for t in native_grads:  # clip_grad_norm_'s multiply (CPU: one tensor at a time)
+                    t.mul_(coef)
+                compared.append((g, native_grads))
+            _native_adamw(implementation, native[0], native_grads, native[1],
                           native[2], native[3] if amsgrad else [], native_steps, lr=native_lr,
                           beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                           maximize=maximize, amsgrad=amsgrad)
@@ -782,10 +820,11 @@ def matches_native(*, implementation: str, lr, beta1: float, beta2: float, eps: 
                 single_pass_adamw_(ours[0], g, ours[1], ours[2], ours[3] if amsgrad else None,
                                    ours_steps, segments=segments, implementation=implementation,
                                    lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                   weight_decay=weight_decay, maximize=maximize, amsgrad=amsgrad)
+                                   weight_decay=weight_decay, maximize=maximize, amsgrad=amsgrad,
+                                   clip_coef=clip_coef)
     except (SinglePassUnavailable, ValueError, TypeError):
         return False
-    for mine, theirs in zip(ours[:4 if amsgrad else 3], native):
+    for mine, theirs in compared:
         for a, b in zip(views(mine), theirs):
             if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
                 return False
@@ -910,7 +949,7 @@ def mxcsr() -> int:
     return int(_lib().cot_singlepass_mxcsr()) & 0xE040
 
 
-def key_parts(kind: str, group: dict) -> tuple | str:
+def key_parts(kind: str, group: dict, clip_coef: float | None = None) -> tuple | str:
     """The parts of the calibration key of a single-pass verdict for a call of implementation
     `kind` with `group`'s hyperparameters as they are now, or the reason the single pass cannot
     take them (tensor betas, a tensor lr off the CPU or with foreach, a non-numeric scalar).
@@ -919,7 +958,9 @@ def key_parts(kind: str, group: dict) -> tuple | str:
     tensor's dtype and dimensions), lerp branch (`lerp_branch`), the float32 IEEE class
     (`scalar_class`) of lr, ``1 - lr * weight_decay``, ``1 - beta1``, beta2, ``1 - beta2`` and
     eps, the square root (`sqrt_kind`), ATen's vector unit, the kernel build's hash and the MXCSR
-    modes; `calibration.full_key` adds the CPU capability, torch version and thread count. The
+    modes, and whether the clip multiply joins the pass (with its coefficient's class: "clip+",
+    "clip+0", "clipnan", ...; or "noclip"); `calibration.full_key` adds the CPU capability,
+    torch version and thread count. The
     values themselves are not in the key: the kernel has no branch on them beyond these (the
     scalars are rounded to float32 once, as ATen rounds them), so an lr schedule does not probe
     at every step, while an edit that changes a branch or a class does."""
@@ -939,6 +980,8 @@ def key_parts(kind: str, group: dict) -> tuple | str:
                for x in (beta1, beta2, wd, eps)) or not (
                    isinstance(lr, Tensor) or isinstance(lr, (int, float))):
         return "non-numeric hyperparameters run natively"
+    if clip_coef is not None and clip_coef != clip_coef:
+        return "a NaN clip coefficient: the clip multiply runs apart"
     lr_value = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
     decay = _scalar(1 - lr * wd) if wd != 0 else 1.0
     return (kind, "float32", "amsgrad" if group["amsgrad"] else "-",
@@ -946,12 +989,14 @@ def key_parts(kind: str, group: dict) -> tuple | str:
             lerp_branch(beta1), "lr" + scalar_class(lr_value), "decay" + scalar_class(decay),
             "w" + scalar_class(1 - beta1), "b2" + scalar_class(beta2),
             "v2" + scalar_class(1 - beta2), "eps" + scalar_class(eps), f"sqrt-{sqrt_kind()}",
-            f"unit{aten_vector_unit()}", f"build-{build().key}", f"mxcsr{mxcsr():#x}")
+            f"unit{aten_vector_unit()}", f"build-{build().key}", f"mxcsr{mxcsr():#x}",
+            "noclip" if clip_coef is None else "clip" + scalar_class(clip_coef))
 
 
-def proven(kind: str, group: dict, parts: tuple) -> bool:
-    """The verdict for `parts` (`key_parts(kind, group)`): from this process, the calibration
-    cache file, or a new `matches_native` probe with `group`'s own hyperparameters (about 50 ms
+def proven(kind: str, group: dict, parts: tuple, clip_coef: float | None = None) -> bool:
+    """The verdict for `parts` (`key_parts(kind, group, clip_coef)`): from this process, the
+    calibration cache file, or a new `matches_native` probe with `group`'s own hyperparameters
+    and `clip_coef` (about 50 ms
     on a 2-core CPU), recorded like every other probe. A probe that raises gives False (kept
     in memory only)."""
     global _PROBES, _PROBE_S
@@ -970,7 +1015,8 @@ def proven(kind: str, group: dict, parts: tuple) -> bool:
             verdict = matches_native(
                 implementation=kind, lr=lr.clone() if isinstance(lr, Tensor) else lr,
                 beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                maximize=bool(group["maximize"]), amsgrad=bool(group["amsgrad"]))
+                maximize=bool(group["maximize"]), amsgrad=bool(group["amsgrad"]),
+                clip_coef=clip_coef)
             calibration.record(key, verdict)
         except Exception as e:  # noqa: BLE001 - a probe that cannot run proves nothing
             _log.info("single-pass probe raised for %s: %r", key, e)
@@ -999,9 +1045,10 @@ def process_report() -> dict:
                 probes=_PROBES, probe_s=_PROBE_S)
 
 
-def decide(kind: str, group: dict) -> str | None:
+def decide(kind: str, group: dict, clip_coef: float | None = None) -> str | None:
     """None when a for-loop/foreach call (float32, CPU; see `static_refusal`) with `group`'s
-    hyperparameters as they are now may take the single pass; otherwise why not: switched off
+    hyperparameters as they are now (and the clip multiply by `clip_coef` joined to it, when
+    given) may take the single pass; otherwise why not: switched off
     by ``COTANGENT_SINGLE_PASS=0``, the kernel unavailable (`unavailable_reason`, warned once),
     hyperparameters it does not take (`key_parts`), or a failed probe (`proven`)."""
     if not switched_on():
@@ -1009,9 +1056,9 @@ def decide(kind: str, group: dict) -> str | None:
     reason = unavailable_reason()
     if reason is not None:
         return f"unavailable: {reason}"
-    parts = key_parts(kind, group)
+    parts = key_parts(kind, group, clip_coef)
     if isinstance(parts, str):
         return parts
-    if not proven(kind, group, parts):
+    if not proven(kind, group, parts, clip_coef):
         return "the probe found other bytes than native for these settings: native path"
     return None
