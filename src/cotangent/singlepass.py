@@ -111,14 +111,18 @@ struct Hyper {
   float decay, weight, weight_m1, one_minus_weight, beta2, value2, eps, clip;
 };
 
-// Pass 1 over a block: the clip multiply (written back: the clipped gradient), exp_avg,
-// exp_avg_sq (and max_exp_avg_sq, also to s: the square root's input with amsgrad).
-template <bool MAXIMIZE, bool SMALL_WEIGHT, bool AMSGRAD, bool TAIL, bool CLIP>
+// Pass 1 over a block, from memory: the clip multiply (written back: the clipped gradient),
+// exp_avg, exp_avg_sq (and max_exp_avg_sq, also to s: the square root's input with amsgrad),
+// and the decayed parameter to pd (reading the parameter here, with the other streams, keeps
+// pass 2 in cache: measured 10% less time per step than reading it there).
+template <bool MAXIMIZE, bool SMALL_WEIGHT, bool AMSGRAD, bool TAIL, bool CLIP, bool DECAY>
 void moments(int64_t n, float* __restrict g_, float* __restrict m_, float* __restrict v_,
-             float* __restrict vmax_, float* __restrict s_, const Hyper& h) {
+             float* __restrict vmax_, float* __restrict s_, const float* __restrict p_,
+             float* __restrict pd_, const Hyper& h) {
   const float w = h.weight, wm1 = h.weight_m1, omw = h.one_minus_weight;
-  const float b2 = h.beta2, val = h.value2, c = h.clip;
+  const float b2 = h.beta2, val = h.value2, c = h.clip, decay = h.decay;
   for (int64_t i = 0; i < n; i++) {
+    pd_[i] = DECAY ? p_[i] * decay : p_[i];  // param.mul_(1 - lr * weight_decay)
     float g = g_[i];
     if (CLIP) {
       // grad.mul_(clip_coef) (clip_grad_norm_): a NaN gradient stays itself (quieted). The
@@ -160,42 +164,49 @@ void moments(int64_t n, float* __restrict g_, float* __restrict m_, float* __res
 }
 
 // Pass 2 over a block (in cache): denominator and parameter update.
-template <bool DECAY>
-void update(int64_t n, float* __restrict p_, const float* __restrict m_,
-            const float* __restrict r_, float bc2s, float eps, float nstep, float decay) {
+void update(int64_t n, float* __restrict p_, const float* __restrict pd_,
+            const float* __restrict m_, const float* __restrict r_, float bc2s, float eps,
+            float nstep) {
   for (int64_t i = 0; i < n; i++) {
     const float den = r_[i] / bc2s + eps;  // (sqrt(v) / bias_correction2_sqrt).add_(eps)
     const float t = nstep * m_[i];         // addcdiv_: (value * exp_avg) / denom + param
     float q = t / den;
     q = is_nan(t) ? t : q;
-    float p = p_[i];
-    if (DECAY) p = p * decay;              // param.mul_(1 - lr * weight_decay)
+    const float p = pd_[i];
     float r = q + p;
     r = is_nan(q) ? q : r;
     p_[i] = r;
   }
 }
 
-typedef void (*moments_fn)(int64_t, float*, float*, float*, float*, float*, const Hyper&);
+typedef void (*moments_fn)(int64_t, float*, float*, float*, float*, float*, const float*,
+                           float*, const Hyper&);
 
+// one instantiation per combination of the flags (the loops stay branch-free: vectorised)
+template <bool MX, bool SW, bool AMS, bool TL, bool CL>
+moments_fn pick5(bool decay) {
+  return decay ? &moments<MX, SW, AMS, TL, CL, true> : &moments<MX, SW, AMS, TL, CL, false>;
+}
 template <bool MX, bool SW, bool AMS, bool TL>
-moments_fn pick4(bool clip) {
-  return clip ? &moments<MX, SW, AMS, TL, true> : &moments<MX, SW, AMS, TL, false>;
+moments_fn pick4(bool clip, bool decay) {
+  return clip ? pick5<MX, SW, AMS, TL, true>(decay) : pick5<MX, SW, AMS, TL, false>(decay);
 }
 template <bool MX, bool SW, bool AMS>
-moments_fn pick3(bool tail, bool clip) {
-  return tail ? pick4<MX, SW, AMS, true>(clip) : pick4<MX, SW, AMS, false>(clip);
+moments_fn pick3(bool tail, bool clip, bool decay) {
+  return tail ? pick4<MX, SW, AMS, true>(clip, decay) : pick4<MX, SW, AMS, false>(clip, decay);
 }
 template <bool MX, bool SW>
-moments_fn pick2(bool ams, bool tail, bool clip) {
-  return ams ? pick3<MX, SW, true>(tail, clip) : pick3<MX, SW, false>(tail, clip);
+moments_fn pick2(bool ams, bool tail, bool clip, bool decay) {
+  return ams ? pick3<MX, SW, true>(tail, clip, decay) : pick3<MX, SW, false>(tail, clip, decay);
 }
 template <bool MX>
-moments_fn pick1(bool small, bool ams, bool tail, bool clip) {
-  return small ? pick2<MX, true>(ams, tail, clip) : pick2<MX, false>(ams, tail, clip);
+moments_fn pick1(bool small, bool ams, bool tail, bool clip, bool decay) {
+  return small ? pick2<MX, true>(ams, tail, clip, decay)
+               : pick2<MX, false>(ams, tail, clip, decay);
 }
-moments_fn pick(bool maximize, bool small, bool ams, bool tail, bool clip) {
-  return maximize ? pick1<true>(small, ams, tail, clip) : pick1<false>(small, ams, tail, clip);
+moments_fn pick(bool maximize, bool small, bool ams, bool tail, bool clip, bool decay) {
+  return maximize ? pick1<true>(small, ams, tail, clip, decay)
+                  : pick1<false>(small, ams, tail, clip, decay);
 }
 
 void hw_sqrt(int64_t n, const float* a, float* r) {
@@ -206,7 +217,7 @@ void hw_sqrt(int64_t n, const float* a, float* r) {
 
 extern "C" {
 
-int cot_singlepass_version() { return 6; }
+int cot_singlepass_version() { return 7; }
 
 // The calling thread's SSE control/status register (MXCSR): its flush-to-zero (bit 15),
 // denormals-are-zero (bit 6) and rounding-mode (bits 13-14) fields change float results.
@@ -255,8 +266,9 @@ int cot_singlepass_adamw(float* p, float* g, float* m, float* v, float* vmax,
 
 #pragma omp parallel num_threads(nthreads)
   {
-    float* s = static_cast<float*>(std::aligned_alloc(64, 2 * BLOCK * sizeof(float)));
+    float* s = static_cast<float*>(std::aligned_alloc(64, 3 * BLOCK * sizeof(float)));
     float* r = s + BLOCK;
+    float* pd = s + 2 * BLOCK;
     int64_t k = 0;
 #pragma omp for schedule(static)
     for (int64_t b = 0; b < total; b++) {
@@ -268,12 +280,12 @@ int cot_singlepass_adamw(float* p, float* g, float* m, float* v, float* vmax,
       const int64_t len = (pc[1] - off) < BLOCK ? (pc[1] - off) : BLOCK;
       const float ns = static_cast<float>(nstep[pc[2]]);
       const float bc = static_cast<float>(bc2s[pc[2]]);
-      pick(maximize, small, ams, pc[3] != 0, clip)(len, g + start, m + start, v + start,
-                                                   ams ? vmax + start : nullptr, s, h);
+      pick(maximize, small, ams, pc[3] != 0, clip, has_decay)(
+          len, g + start, m + start, v + start, ams ? vmax + start : nullptr, s, p + start, pd,
+          h);
       const float* root_in = ams ? s : v + start;
       if (sq) sq(len, root_in, r, sqrt_mode); else hw_sqrt(len, root_in, r);
-      if (has_decay) update<true>(len, p + start, m + start, r, bc, h.eps, ns, h.decay);
-      else update<false>(len, p + start, m + start, r, bc, h.eps, ns, h.decay);
+      update(len, p + start, pd, m + start, r, bc, h.eps, ns);
     }
     std::free(s);
   }
