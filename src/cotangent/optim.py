@@ -274,6 +274,7 @@ class AdamW(torch.optim.AdamW):
         inputs, self._prepared = self._prepared, None
         if inputs is None or _compat.has_step_pre_hooks(self):
             inputs = self._prepare()  # pre-hooks may have changed gradients or state
+        self._decisions: dict = {}
         try:
             calls = self._adamw_calls(inputs)
         except BaseException:
@@ -363,7 +364,7 @@ class AdamW(torch.optim.AdamW):
                     continue
                 group = self.param_groups[call.group_index]
                 ids = taken.setdefault(call.single.layout, set())
-                if singlepass.decide(call.kind, group, value) is None:
+                if self._decide(call, group, value) is None:
                     ids.update(id(p) for p in call.single.params)
                 else:
                     ids.add(-1)  # a call over this layout runs natively: no multiply in passes
@@ -373,12 +374,21 @@ class AdamW(torch.optim.AdamW):
             self._clipper.scale(rest, coef)
         return value, joined
 
+    def _decide(self, call, group: dict, clip_coef: float | None) -> str | None:
+        """`singlepass.decide` for `call`, asked once per step and argument (`_update` clears
+        the memo: the group's hyperparameters may change between steps)."""
+        key = (call.kind, call.group_index, clip_coef)
+        memo = self._decisions
+        if key not in memo:
+            memo[key] = singlepass.decide(call.kind, group, clip_coef)
+        return memo[key]
+
     def _single_pass(self, call, group: dict, clip_coef: float | None = None) -> str | None:
         """Run `call` as one `cotangent.singlepass.single_pass_adamw_` pass over its layout's
         buffers where `singlepass.decide` allows it now, with the clip multiply by `clip_coef`
         when given; returns None when it ran, else why not (nothing was modified then: native's
         op sequence runs instead)."""
-        why = singlepass.decide(call.kind, group, clip_coef)
+        why = self._decide(call, group, clip_coef)
         if why is not None:
             return why
         span, store = call.single, self._store
