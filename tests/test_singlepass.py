@@ -319,7 +319,7 @@ def native_vs_cotangent(*, foreach: bool, steps: int = 4, max_norm=None, special
     opt = cotangent.AdamW(m2.parameters(), foreach=foreach, max_norm=max_norm, **adamw)
     gen = torch.Generator().manual_seed(1)
     for step in range(steps):
-        x = torch.randn(4, IN, generator=gen)
+        x = torch.randn(4, IN, generator=gen).to(next(m1.parameters()).dtype)
         if edit is not None:
             edit(step, m1, ref)
             edit(step, m2, opt)
@@ -448,7 +448,7 @@ def test_a_wrong_kernel_fails_its_probe_and_native_runs(fresh_verdicts, monkeypa
     try:
         with threads(2):
             with monkeypatch.context() as forced:
-                forced.setattr(sp, "decide", lambda kind, group, clip_coef=None: None)
+                forced.setattr(sp, "decide", lambda kind, group, clip_coef=None, dtype=None: None)
                 with pytest.raises(AssertionError):
                     native_vs_cotangent(foreach=False, steps=3)
             *_, opt = native_vs_cotangent(foreach=False, steps=3, path="native")
@@ -727,3 +727,50 @@ def test_a_deferred_clip_multiply_happens_even_when_the_step_fails(monkeypatch):
             opt.step()
         for p, q in zip(m1.parameters(), m2.parameters()):
             assert_same_bits(q.grad, p.grad, "gradients after the failed step")
+
+
+# ---------------------------------------------------------------------- bfloat16 parameters
+
+
+def _bf16_models():
+    return small_model().to(torch.bfloat16), small_model().to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+@pytest.mark.parametrize("setting", [
+    dict(max_norm=1.0),
+    # large updates and eps: every scalar's rounding (float, or bfloat16 first) shows
+    dict(max_norm=0.01, lr=0.1, weight_decay=0.5, eps=1e-3, betas=(0.9, 0.95)),
+    dict(betas=(0.0, 0.95), maximize=True, weight_decay=0.0, specials=True),
+    dict(lr=3.0, eps=0.0, specials=True),
+], ids=["clip", "large-steps", "beta1=0-maximize-specials", "lr=3-eps=0-specials"])
+def test_bfloat16_parameters_take_the_single_pass_with_native_bytes(foreach, setting):
+    """bfloat16 parameters (and so bfloat16 gradients and moments): each native op computes
+    in float and rounds to bfloat16, NaNs become 0xFFFF (vector body) or 0x7FC0 (scalar tail),
+    add_ rounds eps to bfloat16 and _foreach_mul_ its scalar; the single pass does the same,
+    byte for byte over several steps (34,300 elements: two thread chunks with tails)."""
+    with threads(2):
+        *_, opt = native_vs_cotangent(foreach=foreach, models=_bf16_models(), **setting)
+    assert opt.update_path()["single_pass"] == 6
+
+
+def test_bfloat16_amsgrad_runs_natively_and_the_scalar_rounding_is_what_the_probe_proves(
+        fresh_verdicts, monkeypatch):
+    """amsgrad with bfloat16 (torch.maximum not reproduced) keeps native's path. Control: a
+    single pass that leaves the scalars in float where ATen rounds them to bfloat16 gives
+    other bytes when forced past the gate, fails its probe (the probe's stress settings make the
+    rounding show even under default hyperparameters), and native runs."""
+    with threads(2):
+        *_, opt = native_vs_cotangent(foreach=False, models=_bf16_models(), amsgrad=True,
+                                      path="native")
+        assert any("amsgrad" in n for n in opt.update_path()["single_pass_notes"])
+        monkeypatch.setattr(sp, "_bf16_value", lambda x: x)
+        with monkeypatch.context() as forced:
+            forced.setattr(sp, "decide", lambda kind, group, clip_coef=None, dtype=None: None)
+            with pytest.raises(AssertionError):
+                native_vs_cotangent(foreach=True, models=_bf16_models(), lr=0.1, eps=1e-3,
+                                    weight_decay=0.5, betas=(0.9, 0.95))
+        for foreach in (False, True):  # default hyperparameters: only the stress probe sees it
+            *_, opt = native_vs_cotangent(foreach=foreach, models=_bf16_models(),
+                                          path="native")
+            assert any("probe" in n for n in opt.update_path()["single_pass_notes"])

@@ -377,10 +377,11 @@ class AdamW(torch.optim.AdamW):
     def _decide(self, call, group: dict, clip_coef: float | None) -> str | None:
         """`singlepass.decide` for `call`, asked once per step and argument (`_update` clears
         the memo: the group's hyperparameters may change between steps)."""
-        key = (call.kind, call.group_index, clip_coef)
+        dtype = self._store.layouts[call.single.layout].dtype
+        key = (call.kind, call.group_index, clip_coef, dtype)
         memo = self._decisions
         if key not in memo:
-            memo[key] = singlepass.decide(call.kind, group, clip_coef)
+            memo[key] = singlepass.decide(call.kind, group, clip_coef, dtype)
         return memo[key]
 
     def _single_pass(self, call, group: dict, clip_coef: float | None = None) -> str | None:

@@ -1,4 +1,5 @@
-"""One pass over memory for the for-loop and foreach AdamW of `torch.optim.AdamW` (CPU, float32).
+"""One pass over memory for the for-loop and foreach AdamW of `torch.optim.AdamW` (CPU; float32
+and bfloat16 parameters).
 
 Native for-loop (`torch.optim.adam._single_tensor_adam`) and foreach (`_multi_tensor_adam`) AdamW
 run about ten elementwise ATen operations per parameter, each a pass over memory. This module
@@ -27,6 +28,14 @@ AVX512 machines alike):
   0xFFFFFFFF in the body and 0x7FC00000 in the tail, and for ``+0.0`` against ``-0.0`` the body
   keeps the second operand and the tail the first. So the kernel is told where native's tails
   are: the last ``numel % 16`` elements of each thread chunk of each tensor (`native_pieces`).
+
+bfloat16 parameters (gradients and moments then bfloat16 too) run the same float formulas with
+every op's result rounded to bfloat16 as ATen's op does (round to nearest even; a NaN becomes
+0xFFFF in the op's vector body, whose unit is 32 elements, and 0x7FC0 in its scalar tail, but
+0xFFFF everywhere for `torch.sqrt`, a hardware float square root here, not MKL's); `add_` rounds
+its scalar (eps) to bfloat16 first, and so does `_foreach_mul_` (the decay, beta2) where `mul_`
+keeps them float (measured on torch 2.13.0, ATen's `BinaryOpsKernel.cpp`, `LerpKernel.cpp`,
+`PointwiseOpsKernel.cpp`). amsgrad and the clip multiply stay native for bfloat16.
 
 Nothing here is trusted blindly: `matches_native` runs native AdamW and this pass on probe data
 (lengths around the vector unit and the thread-split grain, NaNs of both signs and several
@@ -77,8 +86,10 @@ COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-trapping-m
                  "-fPIC", "-shared", "-std=c++17")
 # Added where ATen itself runs its AVX512 kernels (the CPU has AVX-512 F/BW/VL/DQ): the same
 # per-element IEEE operations on 16 lanes instead of 8 (measured on a 2-core AMD EPYC, 3.3M
-# elements: 7% less time per pass); the build hash, and so every verdict, differs per flag set.
-AVX512_FLAGS = ("-mavx512f", "-mprefer-vector-width=512")
+# elements: float32 7% less time per step; bfloat16, whose 16-bit lanes need BW, 2.5 -> 1.2 ms);
+# the build hash, and so every verdict, differs per flag set.
+AVX512_FLAGS = ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq",
+                "-mprefer-vector-width=512")
 
 
 def compile_flags() -> tuple[str, ...]:
@@ -213,11 +224,117 @@ void hw_sqrt(int64_t n, const float* a, float* r) {
   for (int64_t i = 0; i < n; i++) r[i] = __builtin_sqrtf(a[i]);
 }
 
+// ---- bfloat16 buffers. Each ATen op of the for-loop / foreach AdamW on bfloat16 tensors reads
+// bfloat16, computes in float (the same float formulas as above) and rounds its result to
+// bfloat16 (round to nearest even); a NaN result becomes 0xFFFF in the op's vector body
+// (`convert_float_bfloat16`) and 0x7FC0 in its scalar tail (c10::BFloat16), except
+// torch.sqrt, vectorised everywhere (0xFFFF), whose float square root is the hardware's.
+inline float bf16_float(uint16_t x) { return from_bits(static_cast<uint32_t>(x) << 16); }
+
+template <bool TAIL>
+inline uint16_t to_bf16(float f) {
+  if (is_nan(f)) return TAIL ? 0x7FC0 : 0xFFFF;
+  const uint32_t u = to_bits(f);
+  return static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+}
+
+template <bool TAIL>
+inline float round_bf16(float f) { return bf16_float(to_bf16<TAIL>(f)); }
+
+template <bool MAXIMIZE, bool SMALL_WEIGHT, bool TAIL, bool DECAY>
+void bf16_step(int64_t n, uint16_t* __restrict p_, const uint16_t* __restrict g_,
+               uint16_t* __restrict m_, uint16_t* __restrict v_, const Hyper& h, float bc2s,
+               float nstep) {
+  const float w = h.weight, wm1 = h.weight_m1, omw = h.one_minus_weight;
+  const float b2 = h.beta2, val = h.value2, eps = h.eps, decay = h.decay;
+  for (int64_t i = 0; i < n; i++) {
+    float g = bf16_float(g_[i]);
+    if (MAXIMIZE) g = -g;
+    float p = bf16_float(p_[i]);
+    if (DECAY) p = round_bf16<TAIL>(p * decay);                 // param.mul_(decay)
+    const float m = bf16_float(m_[i]);
+    const float d = g - m;                                      // exp_avg.lerp_(grad, w)
+    const uint16_t m1 = to_bf16<TAIL>(SMALL_WEIGHT ? __builtin_fmaf(w, d, m)
+                                      : TAIL       ? __builtin_fmaf(-d, omw, g)
+                                                   : __builtin_fmaf(wm1, d, g));
+    const float vb = round_bf16<TAIL>(bf16_float(v_[i]) * b2);  // exp_avg_sq.mul_(beta2)
+    const uint16_t v1 = to_bf16<TAIL>(__builtin_fmaf(val * g, g, vb));  // .addcmul_
+    const float s = round_bf16<false>(__builtin_sqrtf(bf16_float(v1)));  // .sqrt()
+    const float den = round_bf16<TAIL>(round_bf16<TAIL>(s / bc2s) + eps);  // / bc2s, + eps
+    m_[i] = m1;
+    v_[i] = v1;
+    p_[i] = to_bf16<TAIL>((nstep * bf16_float(m1)) / den + p);  // param.addcdiv_
+  }
+}
+
+typedef void (*bf16_fn)(int64_t, uint16_t*, const uint16_t*, uint16_t*, uint16_t*, const Hyper&,
+                        float, float);
+
+template <bool MX, bool SW, bool TL>
+bf16_fn bf16_pick3(bool decay) {
+  return decay ? &bf16_step<MX, SW, TL, true> : &bf16_step<MX, SW, TL, false>;
+}
+template <bool MX, bool SW>
+bf16_fn bf16_pick2(bool tail, bool decay) {
+  return tail ? bf16_pick3<MX, SW, true>(decay) : bf16_pick3<MX, SW, false>(decay);
+}
+template <bool MX>
+bf16_fn bf16_pick1(bool small, bool tail, bool decay) {
+  return small ? bf16_pick2<MX, true>(tail, decay) : bf16_pick2<MX, false>(tail, decay);
+}
+bf16_fn bf16_pick(bool maximize, bool small, bool tail, bool decay) {
+  return maximize ? bf16_pick1<true>(small, tail, decay) : bf16_pick1<false>(small, tail, decay);
+}
+
 }  // namespace
 
 extern "C" {
 
-int cot_singlepass_version() { return 7; }
+// The bfloat16 step (flags: bit0 decay, bit1 maximize; no amsgrad, no clip): pieces, nstep,
+// bc2s and the scalars as for cot_singlepass_adamw; every element is read and written once.
+int cot_singlepass_adamw_bf16(uint16_t* p, const uint16_t* g, uint16_t* m, uint16_t* v,
+                              const int64_t* pieces, int64_t npieces, const double* nstep,
+                              const double* bc2s, double decay, double weight, double beta2,
+                              double value2, double eps, int flags, int nthreads) {
+  Hyper h;
+  h.decay = static_cast<float>(decay);
+  h.weight = static_cast<float>(weight);
+  h.weight_m1 = h.weight - 1.0f;
+  h.one_minus_weight = 1.0f - h.weight;
+  h.beta2 = static_cast<float>(beta2);
+  h.value2 = static_cast<float>(value2);
+  h.eps = static_cast<float>(eps);
+  h.clip = 0.0f;
+  const bool has_decay = flags & 1, maximize = flags & 2;
+  const bool small = __builtin_fabsf(h.weight) < 0.5f;
+  int64_t total = 0;
+  int64_t* first = new int64_t[npieces + 1];
+  for (int64_t k = 0; k < npieces; k++) {
+    first[k] = total;
+    total += (pieces[4 * k + 1] + BLOCK - 1) / BLOCK;
+  }
+  first[npieces] = total;
+#pragma omp parallel num_threads(nthreads)
+  {
+    int64_t k = 0;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < total; b++) {
+      while (first[k + 1] <= b) k++;
+      while (first[k] > b) k--;
+      const int64_t* pc = pieces + 4 * k;
+      const int64_t off = (b - first[k]) * BLOCK;
+      const int64_t start = pc[0] + off;
+      const int64_t len = (pc[1] - off) < BLOCK ? (pc[1] - off) : BLOCK;
+      bf16_pick(maximize, small, pc[3] != 0, has_decay)(
+          len, p + start, g + start, m + start, v + start, h,
+          static_cast<float>(bc2s[pc[2]]), static_cast<float>(nstep[pc[2]]));
+    }
+  }
+  delete[] first;
+  return 0;
+}
+
+int cot_singlepass_version() { return 8; }
 
 // The calling thread's SSE control/status register (MXCSR): its flush-to-zero (bit 15),
 // denormals-are-zero (bit 6) and rounding-mode (bits 13-14) fields change float results.
@@ -410,6 +527,11 @@ def _build_locked() -> tuple[ctypes.CDLL, Build]:
         ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_double,
         ctypes.c_int, ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_double]
+    lib.cot_singlepass_adamw_bf16.restype = ctypes.c_int
+    lib.cot_singlepass_adamw_bf16.argtypes = [
+        ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
+        ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double, ctypes.c_double,
+        ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_int, ctypes.c_int]
     lib.cot_singlepass_sqrt.restype = None
     lib.cot_singlepass_sqrt.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_void_p, ctypes.c_longlong]
@@ -471,15 +593,25 @@ def sqrt_kind() -> str | None:
     return None
 
 
+DTYPES = (torch.float32, torch.bfloat16)  # parameter dtypes the single pass takes
+
+
 @lru_cache(maxsize=None)
-def aten_vector_unit() -> int | None:
-    """Elements per iteration of ATen's vectorised float32 loop (`cpu_kernel_vec`: two
-    `Vectorized<float>`), read off `torch.maximum`, whose NaN is 0xFFFFFFFF in the vector body and
-    0x7FC00000 in the scalar tail; None if the pattern is not that."""
+def aten_vector_unit(dtype: torch.dtype = torch.float32) -> int | None:
+    """Elements per iteration of ATen's vectorised loop (`cpu_kernel_vec`) for `dtype`, read off
+    a NaN pattern that differs between its vector body and its scalar tail: float32
+    `torch.maximum` (0xFFFFFFFF in the body, 0x7FC00000 in the tail), bfloat16 multiplication by
+    a scalar (0xFFFF / 0x7FC0: the body's and the tail's float-to-bfloat16 conversions); None if
+    the pattern is not that."""
     n = 127
-    out = torch.maximum(torch.zeros(n), torch.full((n,), float("nan"))).view(torch.int32)
-    body = [i for i in range(n) if int(out[i]) == -1]
-    tail = [i for i in range(n) if int(out[i]) == 0x7FC00000]
+    if dtype == torch.bfloat16:
+        out = (torch.full((n,), float("nan"), dtype=dtype) * 0.5).view(torch.int16)
+        body_bits, tail_bits = -1, 0x7FC0
+    else:
+        out = torch.maximum(torch.zeros(n), torch.full((n,), float("nan"))).view(torch.int32)
+        body_bits, tail_bits = -1, 0x7FC00000
+    body = [i for i in range(n) if int(out[i]) == body_bits]
+    tail = [i for i in range(n) if int(out[i]) == tail_bits]
     if len(body) + len(tail) != n or body != list(range(len(body))):
         return None
     for unit in (8, 16, 32, 64):
@@ -556,13 +688,15 @@ def native_step_scalars(step: float, *, implementation: str, lr, beta1: float, b
 def _check_buffers(tensors: list[Tensor]) -> int:
     n = tensors[0].numel()
     for t in tensors:
-        if not isinstance(t, Tensor) or t.device.type != "cpu" or t.dtype != torch.float32:
-            raise TypeError("single-pass AdamW needs float32 CPU tensors")
+        if not isinstance(t, Tensor) or t.device.type != "cpu" or t.dtype not in DTYPES or (
+                t.dtype != tensors[0].dtype):
+            raise TypeError("single-pass AdamW needs CPU tensors of one dtype, float32 or "
+                            "bfloat16")
         if t.dim() != 1 or not t.is_contiguous() or t.numel() != n:
             raise ValueError("single-pass AdamW needs 1-D contiguous buffers of one length")
         if t.requires_grad and torch.is_grad_enabled():
             raise RuntimeError("single-pass AdamW updates in place: call it under torch.no_grad()")
-    spans = sorted((t.data_ptr(), t.data_ptr() + 4 * n) for t in tensors)
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.element_size() * n) for t in tensors)
     if n and any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
         raise ValueError("single-pass AdamW needs buffers that do not overlap")
     return n
@@ -580,7 +714,8 @@ def single_pass_adamw_(params: Tensor, grads: Tensor, exp_avgs: Tensor, exp_avg_
     ``grad.mul_(clip_coef)`` on each segment when `clip_coef` is given).
 
     `params`, `grads`, `exp_avgs`, `exp_avg_sqs` (and `max_exp_avg_sqs` when `amsgrad`): 1-D
-    contiguous float32 CPU tensors of one length N, distinct. `segments`: the native tensors as
+    contiguous CPU tensors of one length N and one dtype, float32 or bfloat16 (bfloat16: not
+    with `amsgrad` or `clip_coef`), distinct. `segments`: the native tensors as
     (offset, numel) ranges of the buffers (default: one segment over all N); elements outside
     every segment (padding) are not read or written. `steps`: one 0-d step tensor per segment
     (native's `state["step"]`), or one 1-D tensor with an entry per segment; incremented here by
@@ -615,6 +750,10 @@ def single_pass_adamw_(params: Tensor, grads: Tensor, exp_avgs: Tensor, exp_avg_
                          f"{clip_coef!r} (a NaN coefficient: multiply the gradients apart)")
     buffers = [params, grads, exp_avgs, exp_avg_sqs] + ([max_exp_avg_sqs] if amsgrad else [])
     n = _check_buffers(buffers)
+    bf16 = params.dtype == torch.bfloat16
+    if bf16 and (amsgrad or clip_coef is not None):
+        raise ValueError("bfloat16 buffers: amsgrad and the clip multiply are not reproduced by "
+                         "the single pass")
     segs = tuple((int(o), int(k)) for o, k in (segments if segments is not None else [(0, n)]))
     if isinstance(steps, Tensor):
         if steps.dim() != 1 or steps.numel() != len(segs) or steps.device.type != "cpu":
@@ -628,16 +767,22 @@ def single_pass_adamw_(params: Tensor, grads: Tensor, exp_avgs: Tensor, exp_avg_
         if o < 0 or k < 0 or o + k > n:
             raise ValueError(f"segment ({o}, {k}) outside buffers of {n} elements")
     lib = _lib()
-    sq = sqrt_kind()
+    sq = "hardware" if bf16 else sqrt_kind()  # bfloat16 sqrt: float hardware sqrt, rounded
     if sq is None:
         raise SinglePassUnavailable("no square root here reproduces torch.sqrt's bits")
-    unit = aten_vector_unit()
+    unit = aten_vector_unit(params.dtype)
     if unit is None:
         raise SinglePassUnavailable("ATen's vector body / scalar tail split is unknown here")
     decay = 1 - lr * weight_decay if weight_decay != 0 else 1.0
     scalars = [_scalar(decay), 1 - beta1, beta2, 1 - beta2, eps]
     if any(s != s for s in scalars):
         raise ValueError("a NaN hyperparameter: not reproduced by the single pass")
+    if bf16:
+        # which scalars ATen rounds to bfloat16 first (measured, torch 2.13.0 CPU): add_ (eps)
+        # always; _foreach_mul_ (the decay, beta2) too, where mul_ keeps them float
+        scalars[4] = _bf16_value(scalars[4])
+        if implementation == "foreach":
+            scalars[0], scalars[2] = _bf16_value(scalars[0]), _bf16_value(scalars[2])
     # native: step_t += 1 (in the step tensor's dtype), then the scalars from step_t.item()
     if isinstance(steps, Tensor):
         stepped = (steps + 1).tolist()
@@ -661,6 +806,13 @@ def single_pass_adamw_(params: Tensor, grads: Tensor, exp_avgs: Tensor, exp_avg_
     else:
         for s in steps:
             s.add_(1)
+    if bf16:
+        lib.cot_singlepass_adamw_bf16(
+            params.data_ptr(), grads.data_ptr(), exp_avgs.data_ptr(), exp_avg_sqs.data_ptr(),
+            pieces.data_ptr(), pieces.shape[0], ctypes.cast(nstep, ctypes.c_void_p),
+            ctypes.cast(bc2s, ctypes.c_void_p), scalars[0], scalars[1], scalars[2], scalars[3],
+            scalars[4], flags, torch.get_num_threads())
+        return
     lib.cot_singlepass_adamw(
         params.data_ptr(), grads.data_ptr(), exp_avgs.data_ptr(), exp_avg_sqs.data_ptr(),
         max_exp_avg_sqs.data_ptr() if amsgrad else None, pieces.data_ptr(), pieces.shape[0],
@@ -771,6 +923,22 @@ def probe_data(lengths: tuple[int, ...] = PROBE_LENGTHS, seed: int = 0, grid: bo
     return segments, state, steps, grad
 
 
+def _bf16_value(x: float) -> float:
+    """`x` as ATen turns a Python scalar into bfloat16 (to float32, then round to nearest even),
+    back as a Python float."""
+    f = _f32(x)
+    if f != f:
+        return f
+    u = struct.unpack("<I", struct.pack("<f", f))[0]
+    u = ((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16
+    return struct.unpack("<f", struct.pack("<I", u & 0xFFFFFFFF))[0]
+
+
+def _top_bf16(t: Tensor) -> Tensor:
+    """bfloat16 tensor of the top 16 bits of float32 `t` (truncation: NaN payloads survive)."""
+    return (t.view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
+
+
 def _native_adamw(implementation: str, params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                   steps, *, lr, beta1, beta2, eps, weight_decay, maximize, amsgrad) -> None:
     from torch.optim.adam import adam as functional_adam  # what torch.optim.AdamW.step calls
@@ -785,7 +953,8 @@ def _native_adamw(implementation: str, params, grads, exp_avgs, exp_avg_sqs, max
 def matches_native(*, implementation: str, lr, beta1: float, beta2: float, eps: float,
                    weight_decay: float, maximize: bool, amsgrad: bool,
                    lengths: tuple[int, ...] = PROBE_LENGTHS, steps: int = 6, seed: int = 0,
-                   grid: bool = True, clip_coef: float | None = None) -> bool:
+                   grid: bool = True, clip_coef: float | None = None,
+                   dtype: torch.dtype = torch.float32, stress: bool = True) -> bool:
     """Probe: does `single_pass_adamw_` give native's bytes for these settings here?
 
     Native: `torch.optim.adam.adam` (the function `torch.optim.AdamW.step` calls, decoupled
@@ -795,18 +964,33 @@ def matches_native(*, implementation: str, lr, beta1: float, beta2: float, eps: 
     Single pass: the same segments in flat buffers. With `clip_coef`, native first multiplies
     each segment's gradient by it as `clip_grad_norm_` does on the CPU (``g.mul_(coef)`` with
     a 0-d float32 tensor) and the single pass gets it as `clip_coef`; the clipped gradients are
-    compared too. `steps` steps; parameters, moments and step counts compared byte for byte.
-    Returns False (never raises) when the kernel cannot run here.
+    compared too. `dtype` bfloat16: every buffer holds the top 16 bits of the float32 probe
+    values (so NaN payloads, subnormals and signs carry over), spread over many magnitudes; with
+    `stress` the probe runs a second time with lr 0.1, eps 1e-3, beta2 0.95 and weight decay 0.5
+    (where decay is on), values at which each scalar's own rounding to bfloat16 or float32 shows
+    in the results (with the defaults such a difference can hide: measured). `steps` steps;
+    parameters, moments and step counts compared byte for byte. Returns False (never raises)
+    when the kernel cannot run here.
     Runs under the current `torch.get_num_threads()`: a verdict holds for that thread count (it
     decides where native's scalar tails are), this CPU ISA and this torch build.
     """
     try:
         build()
-        if sqrt_kind() is None or aten_vector_unit() is None:
+        if sqrt_kind() is None or aten_vector_unit(dtype) is None:
             return False
     except SinglePassUnavailable:
         return False
     segments, state, start, grad = probe_data(lengths, seed, grid)
+    if dtype == torch.bfloat16:
+        # bfloat16 rounds coarsely: the probe must make each scalar's rounding visible, so
+        # parameters and second moments span many magnitudes (updates as large as a parameter's
+        # last bit; square roots near eps)
+        idx = torch.arange(state["param"].numel())
+        state["param"] *= torch.pow(10.0, -(idx % 5).float())
+        state["exp_avg_sq"] *= torch.pow(10.0, -2.0 * (idx % 7).float())
+        state = {k: _top_bf16(t) for k, t in state.items()}
+        float_grad = grad
+        grad = lambda k: _top_bf16(float_grad(k))  # noqa: E731
     views = lambda t: [t[o:o + n] for o, n in segments]  # noqa: E731
     keys = ["param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
     native = [[t.clone() for t in views(state[k])] for k in keys]
@@ -836,12 +1020,22 @@ def matches_native(*, implementation: str, lr, beta1: float, beta2: float, eps: 
                                    clip_coef=clip_coef)
     except (SinglePassUnavailable, ValueError, TypeError):
         return False
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     for mine, theirs in compared:
         for a, b in zip(views(mine), theirs):
-            if not torch.equal(a.view(torch.int32), b.view(torch.int32)):
+            if not torch.equal(a.view(bits), b.view(bits)):
                 return False
-    return all(a.item() == b.item() and a.dtype == b.dtype
-               for a, b in zip(native_steps, ours_steps))
+    if not all(a.item() == b.item() and a.dtype == b.dtype
+               for a, b in zip(native_steps, ours_steps)):
+        return False
+    if dtype == torch.bfloat16 and stress:
+        stress_lr = torch.tensor(0.1, dtype=lr.dtype) if isinstance(lr, Tensor) else 0.1
+        return matches_native(
+            implementation=implementation, lr=stress_lr, beta1=beta1, beta2=0.95, eps=1e-3,
+            weight_decay=0.5 if weight_decay != 0 else 0.0, maximize=maximize, amsgrad=amsgrad,
+            lengths=lengths, steps=steps, seed=seed + 1, grid=grid, clip_coef=clip_coef,
+            dtype=dtype, stress=False)
+    return True
 
 
 # ---------------------------------------------------------------------- the gate (cotangent.AdamW)
@@ -911,14 +1105,15 @@ def static_refusal(kind: str, device: torch.device, dtype: torch.dtype,
                    group: dict) -> str | None:
     """Why a call of implementation `kind` over a (device, dtype) flat buffer for param group
     `group` can never take the single pass (None when it may, subject to `decide` at each step):
-    fused AdamW, a device other than the CPU, a dtype other than float32, coupled (L2) weight
-    decay, capturable or differentiable."""
+    fused AdamW, a device other than the CPU, a dtype other than float32 or bfloat16, coupled
+    (L2) weight decay, capturable or differentiable."""
     if kind not in IMPLEMENTATIONS:
         return f"{kind} AdamW runs natively (the single pass reproduces for-loop and foreach)"
     if device.type != "cpu":
         return f"{device.type} buffers run natively (the single pass is a CPU kernel)"
-    if dtype != torch.float32:
-        return f"{str(dtype).removeprefix('torch.')} buffers run natively (float32 only)"
+    if dtype not in DTYPES:
+        return (f"{str(dtype).removeprefix('torch.')} buffers run natively (float32 and "
+                f"bfloat16 only)")
     if not group.get("decoupled_weight_decay", True):
         return "coupled (L2) weight decay runs natively"
     if group.get("capturable") or group.get("differentiable"):
@@ -961,7 +1156,8 @@ def mxcsr() -> int:
     return int(_lib().cot_singlepass_mxcsr()) & 0xE040
 
 
-def key_parts(kind: str, group: dict, clip_coef: float | None = None) -> tuple | str:
+def key_parts(kind: str, group: dict, clip_coef: float | None = None,
+              dtype: torch.dtype = torch.float32) -> tuple | str:
     """The parts of the calibration key of a single-pass verdict for a call of implementation
     `kind` with `group`'s hyperparameters as they are now, or the reason the single pass cannot
     take them (tensor betas, a tensor lr off the CPU or with foreach, a non-numeric scalar).
@@ -994,18 +1190,24 @@ def key_parts(kind: str, group: dict, clip_coef: float | None = None) -> tuple |
         return "non-numeric hyperparameters run natively"
     if clip_coef is not None and clip_coef != clip_coef:
         return "a NaN clip coefficient: the clip multiply runs apart"
+    if dtype == torch.bfloat16 and group["amsgrad"]:
+        return "bfloat16 with amsgrad runs natively (its torch.maximum is not reproduced)"
+    if dtype == torch.bfloat16 and clip_coef is not None:
+        return "bfloat16: the clip multiply runs apart"
     lr_value = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
     decay = _scalar(1 - lr * wd) if wd != 0 else 1.0
-    return (kind, "float32", "amsgrad" if group["amsgrad"] else "-",
+    return (kind, str(dtype).removeprefix("torch."), "amsgrad" if group["amsgrad"] else "-",
             "maximize" if group["maximize"] else "-", "decay" if wd != 0 else "-", lr_kind,
             lerp_branch(beta1), "lr" + scalar_class(lr_value), "decay" + scalar_class(decay),
             "w" + scalar_class(1 - beta1), "b2" + scalar_class(beta2),
-            "v2" + scalar_class(1 - beta2), "eps" + scalar_class(eps), f"sqrt-{sqrt_kind()}",
-            f"unit{aten_vector_unit()}", f"build-{build().key}", f"mxcsr{mxcsr():#x}",
+            "v2" + scalar_class(1 - beta2), "eps" + scalar_class(eps),
+            "sqrt-" + ("hardware" if dtype == torch.bfloat16 else str(sqrt_kind())),
+            f"unit{aten_vector_unit(dtype)}", f"build-{build().key}", f"mxcsr{mxcsr():#x}",
             "noclip" if clip_coef is None else "clip" + scalar_class(clip_coef))
 
 
-def proven(kind: str, group: dict, parts: tuple, clip_coef: float | None = None) -> bool:
+def proven(kind: str, group: dict, parts: tuple, clip_coef: float | None = None,
+           dtype: torch.dtype = torch.float32) -> bool:
     """The verdict for `parts` (`key_parts(kind, group, clip_coef)`): from this process, the
     calibration cache file, or a new `matches_native` probe with `group`'s own hyperparameters
     and `clip_coef` (about 50 ms
@@ -1028,7 +1230,7 @@ def proven(kind: str, group: dict, parts: tuple, clip_coef: float | None = None)
                 implementation=kind, lr=lr.clone() if isinstance(lr, Tensor) else lr,
                 beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                 maximize=bool(group["maximize"]), amsgrad=bool(group["amsgrad"]),
-                clip_coef=clip_coef)
+                clip_coef=clip_coef, dtype=dtype)
             calibration.record(key, verdict)
         except Exception as e:  # noqa: BLE001 - a probe that cannot run proves nothing
             _log.info("single-pass probe raised for %s: %r", key, e)
@@ -1057,7 +1259,8 @@ def process_report() -> dict:
                 probes=_PROBES, probe_s=_PROBE_S)
 
 
-def decide(kind: str, group: dict, clip_coef: float | None = None) -> str | None:
+def decide(kind: str, group: dict, clip_coef: float | None = None,
+           dtype: torch.dtype = torch.float32) -> str | None:
     """None when a for-loop/foreach call (float32, CPU; see `static_refusal`) with `group`'s
     hyperparameters as they are now (and the clip multiply by `clip_coef` joined to it, when
     given) may take the single pass; otherwise why not: switched off
@@ -1068,9 +1271,9 @@ def decide(kind: str, group: dict, clip_coef: float | None = None) -> str | None
     reason = unavailable_reason()
     if reason is not None:
         return f"unavailable: {reason}"
-    parts = key_parts(kind, group, clip_coef)
+    parts = key_parts(kind, group, clip_coef, dtype)
     if isinstance(parts, str):
         return parts
-    if not proven(kind, group, parts, clip_coef):
+    if not proven(kind, group, parts, clip_coef, dtype):
         return "the probe found other bytes than native for these settings: native path"
     return None
