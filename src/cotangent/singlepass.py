@@ -286,6 +286,53 @@ bf16_fn bf16_pick(bool maximize, bool small, bool tail, bool decay) {
   return maximize ? bf16_pick1<true>(small, tail, decay) : bf16_pick1<false>(small, tail, decay);
 }
 
+// The scalars as float (c10::Scalar::to<float>()), with the lerp's derived weights.
+Hyper make_hyper(double decay, double weight, double beta2, double value2, double eps,
+                 double clip) {
+  Hyper h;
+  h.decay = static_cast<float>(decay);
+  h.weight = static_cast<float>(weight);
+  h.weight_m1 = h.weight - 1.0f;
+  h.one_minus_weight = 1.0f - h.weight;
+  h.beta2 = static_cast<float>(beta2);
+  h.value2 = static_cast<float>(value2);
+  h.eps = static_cast<float>(eps);
+  h.clip = static_cast<float>(clip);
+  return h;
+}
+
+// Runs body(piece, start, length, scratch) over every block (at most BLOCK elements) of every
+// piece, the blocks split statically among nthreads OpenMP threads, each thread with
+// `scratch_floats` floats of scratch memory of its own (64-byte aligned; none for 0).
+template <typename Body>
+void for_each_block(const int64_t* pieces, int64_t npieces, int nthreads,
+                    int64_t scratch_floats, Body body) {
+  int64_t total = 0;
+  int64_t* first = new int64_t[npieces + 1];
+  for (int64_t k = 0; k < npieces; k++) {
+    first[k] = total;
+    total += (pieces[4 * k + 1] + BLOCK - 1) / BLOCK;
+  }
+  first[npieces] = total;
+#pragma omp parallel num_threads(nthreads)
+  {
+    float* scratch = scratch_floats ? static_cast<float*>(
+        std::aligned_alloc(64, scratch_floats * sizeof(float))) : nullptr;
+    int64_t k = 0;
+#pragma omp for schedule(static)
+    for (int64_t b = 0; b < total; b++) {
+      while (first[k + 1] <= b) k++;
+      while (first[k] > b) k--;
+      const int64_t* pc = pieces + 4 * k;
+      const int64_t off = (b - first[k]) * BLOCK;
+      const int64_t len = (pc[1] - off) < BLOCK ? (pc[1] - off) : BLOCK;
+      body(pc, pc[0] + off, len, scratch);
+    }
+    std::free(scratch);
+  }
+  delete[] first;
+}
+
 }  // namespace
 
 extern "C" {
@@ -296,41 +343,15 @@ int cot_singlepass_adamw_bf16(uint16_t* p, const uint16_t* g, uint16_t* m, uint1
                               const int64_t* pieces, int64_t npieces, const double* nstep,
                               const double* bc2s, double decay, double weight, double beta2,
                               double value2, double eps, int flags, int nthreads) {
-  Hyper h;
-  h.decay = static_cast<float>(decay);
-  h.weight = static_cast<float>(weight);
-  h.weight_m1 = h.weight - 1.0f;
-  h.one_minus_weight = 1.0f - h.weight;
-  h.beta2 = static_cast<float>(beta2);
-  h.value2 = static_cast<float>(value2);
-  h.eps = static_cast<float>(eps);
-  h.clip = 0.0f;
+  const Hyper h = make_hyper(decay, weight, beta2, value2, eps, 0.0);
   const bool has_decay = flags & 1, maximize = flags & 2;
   const bool small = __builtin_fabsf(h.weight) < 0.5f;
-  int64_t total = 0;
-  int64_t* first = new int64_t[npieces + 1];
-  for (int64_t k = 0; k < npieces; k++) {
-    first[k] = total;
-    total += (pieces[4 * k + 1] + BLOCK - 1) / BLOCK;
-  }
-  first[npieces] = total;
-#pragma omp parallel num_threads(nthreads)
-  {
-    int64_t k = 0;
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < total; b++) {
-      while (first[k + 1] <= b) k++;
-      while (first[k] > b) k--;
-      const int64_t* pc = pieces + 4 * k;
-      const int64_t off = (b - first[k]) * BLOCK;
-      const int64_t start = pc[0] + off;
-      const int64_t len = (pc[1] - off) < BLOCK ? (pc[1] - off) : BLOCK;
-      bf16_pick(maximize, small, pc[3] != 0, has_decay)(
-          len, p + start, g + start, m + start, v + start, h,
-          static_cast<float>(bc2s[pc[2]]), static_cast<float>(nstep[pc[2]]));
-    }
-  }
-  delete[] first;
+  for_each_block(pieces, npieces, nthreads, 0,
+                 [&](const int64_t* pc, int64_t start, int64_t len, float*) {
+    bf16_pick(maximize, small, pc[3] != 0, has_decay)(
+        len, p + start, g + start, m + start, v + start, h,
+        static_cast<float>(bc2s[pc[2]]), static_cast<float>(nstep[pc[2]]));
+  });
   return 0;
 }
 
@@ -360,53 +381,23 @@ int cot_singlepass_adamw(float* p, float* g, float* m, float* v, float* vmax,
                          double decay, double weight, double beta2, double value2, double eps,
                          int flags, void* sqrt_fn, long long sqrt_mode, int nthreads,
                          double clip_coef) {
-  Hyper h;
-  h.decay = static_cast<float>(decay);
-  h.weight = static_cast<float>(weight);
-  h.weight_m1 = h.weight - 1.0f;
-  h.one_minus_weight = 1.0f - h.weight;
-  h.beta2 = static_cast<float>(beta2);
-  h.value2 = static_cast<float>(value2);
-  h.eps = static_cast<float>(eps);
-  h.clip = static_cast<float>(clip_coef);
+  const Hyper h = make_hyper(decay, weight, beta2, value2, eps, clip_coef);
   const bool has_decay = flags & 1, maximize = flags & 2, ams = flags & 4, clip = flags & 8;
   const bool small = __builtin_fabsf(h.weight) < 0.5f;  // at::native::is_lerp_weight_small
   sqrt_fn_t sq = reinterpret_cast<sqrt_fn_t>(sqrt_fn);
-
-  int64_t total = 0;
-  int64_t* first = new int64_t[npieces + 1];
-  for (int64_t k = 0; k < npieces; k++) {
-    first[k] = total;
-    total += (pieces[4 * k + 1] + BLOCK - 1) / BLOCK;
-  }
-  first[npieces] = total;
-
-#pragma omp parallel num_threads(nthreads)
-  {
-    float* s = static_cast<float*>(std::aligned_alloc(64, 3 * BLOCK * sizeof(float)));
+  // scratch per thread: s (the square root's input with amsgrad), r (the roots), pd (the
+  // decayed parameter)
+  for_each_block(pieces, npieces, nthreads, 3 * BLOCK,
+                 [&](const int64_t* pc, int64_t start, int64_t len, float* s) {
     float* r = s + BLOCK;
     float* pd = s + 2 * BLOCK;
-    int64_t k = 0;
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < total; b++) {
-      while (first[k + 1] <= b) k++;
-      while (first[k] > b) k--;
-      const int64_t* pc = pieces + 4 * k;
-      const int64_t off = (b - first[k]) * BLOCK;
-      const int64_t start = pc[0] + off;
-      const int64_t len = (pc[1] - off) < BLOCK ? (pc[1] - off) : BLOCK;
-      const float ns = static_cast<float>(nstep[pc[2]]);
-      const float bc = static_cast<float>(bc2s[pc[2]]);
-      pick(maximize, small, ams, pc[3] != 0, clip, has_decay)(
-          len, g + start, m + start, v + start, ams ? vmax + start : nullptr, s, p + start, pd,
-          h);
-      const float* root_in = ams ? s : v + start;
-      if (sq) sq(len, root_in, r, sqrt_mode); else hw_sqrt(len, root_in, r);
-      update(len, p + start, pd, m + start, r, bc, h.eps, ns);
-    }
-    std::free(s);
-  }
-  delete[] first;
+    pick(maximize, small, ams, pc[3] != 0, clip, has_decay)(
+        len, g + start, m + start, v + start, ams ? vmax + start : nullptr, s, p + start, pd, h);
+    const float* root_in = ams ? s : v + start;
+    if (sq) sq(len, root_in, r, sqrt_mode); else hw_sqrt(len, root_in, r);
+    update(len, p + start, pd, m + start, r, static_cast<float>(bc2s[pc[2]]), h.eps,
+           static_cast<float>(nstep[pc[2]]));
+  });
   return 0;
 }
 
