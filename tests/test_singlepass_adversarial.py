@@ -8,8 +8,12 @@ Two parts:
   settings and extreme gradients, param groups sharing a buffer, hooks, thread and switch
   changes, checkpoints through native), each must keep native's bytes and, where the case is
   about it, take the single pass / clip in the pass;
-- `test_xfail_*` (strict xfail): divergences found, one minimal case each (the reason says
-  which bytes or which error differ).
+- one test per divergence the review found (fixed since; each failed before its fix): scalars
+  beyond float32 and foreach with non-float step tensors raise like native, a clip coefficient
+  of 1.0 multiplies where that changes bits (a signalling NaN, flushed subnormals), version
+  counters of state and gradients are bumped like native's in-place ops, ATen's real OpenMP
+  team size (OMP_THREAD_LIMIT) places the scalar tails, a NaN hyperparameter keeps merged
+  ranges apart, and threads flushing subnormals differently are a clear error.
 """
 
 from __future__ import annotations
@@ -400,14 +404,12 @@ def _first_step_then(edit_after_first, *, foreach=False, **kw):
     return compare(foreach=foreach, edit=edit, steps=2, **kw)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "torch.set_flush_denormal(True) after ATen's OpenMP pool started sets FTZ/DAZ on the "
-    "calling thread only; native runs chunk [0, 32768) of the 65,536-element tensor there, the "
-    "kernel's static block schedule runs [16384, 32768) on the worker (no FTZ): exp_avg_sq "
-    "differs in ~15,300 elements, a subnormal vs native's flushed 0.0 (up to ~300 ULP; with "
-    "the clip also gradients, exp_avg and parameters, up to ~4e7 ULP), at the first step after "
-    "the switch; the probe passes (README lists flushing as unsupported, but nothing refuses)"))
-def test_xfail_flush_denormal_after_the_thread_pool_started():
+def test_flush_denormal_after_the_thread_pool_started_keeps_the_native_path():
+    """torch.set_flush_denormal(True) after ATen's pool started reaches the calling thread only:
+    native then flushes in its first thread chunk and not in the second (before the fix the
+    single pass, which splits blocks differently, differed in ~15,300 exp_avg_sq elements with
+    path "single-pass"). The single pass reads every OpenMP thread's float modes and refuses
+    (here native's per-tensor ops run, with native's chunks: the same bytes)."""
     with threads(2):
         torch.ones(1 << 17).add_(1.0)  # the pool's worker thread exists, without FTZ/DAZ
         gen = torch.Generator().manual_seed(0)
@@ -417,23 +419,21 @@ def test_xfail_flush_denormal_after_the_thread_pool_started():
         native = torch.optim.AdamW(p1, foreach=False)
         ours = cotangent.AdamW(p2, foreach=False)
         with flush_denormal():
+            size, modes = sp.team()
+            assert size == 2 and len(set(modes)) == 2  # the premise: the modes differ
             for params in (p1, p2):
                 for i, p in enumerate(params):
                     p.grad = random_grad(0, i, p.shape) * 1e-20  # grad * grad is subnormal
             native.step()
             ours.step()
-        assert ours.update_path()["path"] == "single-pass"
+        path = ours.update_path()
+        assert path["path"] == "native" and any("float modes" in n
+                                                for n in path["single_pass_notes"]), path
         assert_same_update(p1, native.state, p2, ours.state, "flush_denormal after pool start")
 
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
-@pytest.mark.xfail(strict=True, reason=(
-    "a float lr whose step size lr / (1 - beta1**step) exceeds float32 (here lr=1e38, "
-    "step 2: 5.3e38): native's addcdiv_ raises 'value cannot be converted to type float "
-    "without overflow' (c10::Scalar::to<float>), the kernel casts it to -inf silently and "
-    "writes inf/NaN parameters; the verdict key holds only the class of lr ('+'), so a verdict "
-    "proven with an ordinary lr covers it"))
-def test_xfail_step_size_beyond_float32_raises_like_native(foreach):
+def test_step_size_beyond_float32_raises_like_native(foreach):
     with threads(2):
         results = _first_step_then(
             lambda params, opt: opt.param_groups[0].update(lr=1e38), foreach=foreach,
@@ -443,11 +443,7 @@ def test_xfail_step_size_beyond_float32_raises_like_native(foreach):
     assert our_error is not None, f"native raised ({native_error}), Cotangent did not"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "foreach with an int64 state['step'] (a checkpoint or an edit): native foreach raises "
-    "'Tensors of the same index must be on the same device and the same dtype except step "
-    "tensors...'; the single pass updates (COTANGENT_SINGLE_PASS=0 raises like native)"))
-def test_xfail_foreach_integer_step_counts_raise_like_native():
+def test_foreach_integer_step_counts_raise_like_native():
     with threads(2):
         results = compare(foreach=True, edit=int64_steps, grads=random_grad, steps=2)
     native_error, our_error = results[1][3]
@@ -455,13 +451,7 @@ def test_xfail_foreach_integer_step_counts_raise_like_native():
     assert our_error is not None, f"native raised ({native_error[:80]}), Cotangent did not"
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a signalling-NaN gradient with a clip coefficient of exactly 1.0 (norm_type=0 counts a "
-    "NaN as 1, so the total is finite): native multiplies by 1.0, which quiets it "
-    "(0x7F800001 -> 0x7FC00001); Clipper.scale skips a 1.0 coefficient ('x * 1.0 == x') and "
-    "_defer_clip leaves it out, so .grad keeps the signalling bits (4194304 ULP); parameters "
-    "and moments agree"))
-def test_xfail_signalling_nan_gradient_and_coefficient_one():
+def test_signalling_nan_gradient_and_coefficient_one():
     def snan(step, i, shape):
         g = random_grad(step, i, shape)
         g.view(-1).view(torch.int32)[0] = 0x7F800001
@@ -473,11 +463,7 @@ def test_xfail_signalling_nan_gradient_and_coefficient_one():
     assert results[0][1] is None, results[0][1]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "with torch.set_flush_denormal(True) (DAZ), native's clip multiply by a coefficient of "
-    "exactly 1.0 flushes subnormal gradients to zero; Cotangent skips that multiply ('x * 1.0 "
-    "== x'), so .grad keeps the subnormals (e.g. bits 1000 vs 0); parameters and moments agree"))
-def test_xfail_subnormal_gradient_and_coefficient_one_under_daz():
+def test_subnormal_gradient_and_coefficient_one_under_daz():
     def subnormal(step, i, shape):
         g = random_grad(step, i, shape)
         g.view(-1).view(torch.int32)[::3] = 1000
@@ -490,13 +476,7 @@ def test_xfail_subnormal_gradient_and_coefficient_one_under_daz():
 
 
 @pytest.mark.parametrize("key", ["exp_avg", "step"])
-@pytest.mark.xfail(strict=True, reason=(
-    "the single pass writes exp_avg / exp_avg_sq / max_exp_avg_sq / step without bumping their "
-    "version counters: a graph that saved optimizer state before step() backpropagates "
-    "afterwards with the new values where native raises 'one of the variables needed for "
-    "gradient computation has been modified by an inplace operation' (Cotangent's native path, "
-    "COTANGENT_SINGLE_PASS=0, raises like native)"))
-def test_xfail_state_version_counters_bumped_like_native(key):
+def test_state_version_counters_bumped_like_native(key):
     with threads(2):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(17)), torch.nn.Parameter(torch.randn(40000))]
@@ -513,11 +493,7 @@ def test_xfail_state_version_counters_bumped_like_native(key):
             saved.backward()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "step()'s clip (in the pass, or apart through the flat buffer) does not bump the .grad "
-    "tensors' version counters: a graph that saved a gradient before the clip backpropagates "
-    "with the clipped values, where native's clip_grad_norm_ (g.mul_) makes it raise"))
-def test_xfail_clip_bumps_gradient_version_counters():
+def test_clip_bumps_gradient_version_counters():
     with threads(2):
         torch.manual_seed(0)
         params = [torch.nn.Parameter(torch.randn(17)), torch.nn.Parameter(torch.randn(40000))]
@@ -532,12 +508,7 @@ def test_xfail_clip_bumps_gradient_version_counters():
             saved.backward()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "OMP_THREAD_LIMIT=1 with 2 torch threads: torch.get_num_threads() says 2, ATen's parallel "
-    "regions get 1 thread (one chunk per tensor), but native_pieces() puts a scalar tail at the "
-    "end of an assumed first chunk: with amsgrad and NaN gradients max_exp_avg_sq differs in 16 "
-    "elements of a 65,553-element parameter (0xFFFFFFFF vs 0x7FC00000); the probe passes"))
-def test_xfail_omp_thread_limit_below_torch_threads():
+def test_omp_thread_limit_below_torch_threads():
     script = textwrap.dedent("""
         import sys, torch, cotangent
         sys.path.insert(0, sys.argv[1])
@@ -561,14 +532,7 @@ def test_xfail_omp_thread_limit_below_torch_threads():
     assert proc.returncode == 0 and "SAME BYTES" in proc.stdout, proc.stderr[-1500:]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "not the single pass: Cotangent's native path (a merged call over two 1-element segments) "
-    "with beta1 = NaN written into the group and a -NaN gradient: lerp's NaN-weight/NaN-end "
-    "choice differs between ATen's vector body and scalar tail; native runs each 1-element "
-    "tensor in the tail (keeps the weight's NaN: exp_avg and parameter 0x7FC00000), the "
-    "merged call gives 0xFFC00000 (the gradient's) for both parameters (same with "
-    "COTANGENT_SINGLE_PASS=0)"))
-def test_xfail_nan_beta1_in_the_merged_native_path():
+def test_nan_beta1_in_the_merged_native_path():
     def neg_nan(step, i, shape):
         return torch.full(shape, -NAN) if step == 1 else random_grad(step, i, shape)
 

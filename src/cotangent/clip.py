@@ -23,7 +23,6 @@ from cotangent.norms import (
     bucket_norm_is_exact,
     check_finite,
     clip_coefficient,
-    multiply_is_identity,
     native_tensor_norms,
     total_norm,
 )
@@ -114,15 +113,15 @@ def scale_grads_(grads: list[Tensor], max_norm: float, total: Tensor,
                  foreach: bool | None = None) -> None:
     """The multiply of `clip_grads_with_norm_`, on the gradient tensors themselves: each is
     scaled in place by `clamp(max_norm / (total + 1e-6), max=1.0)` (per (device, dtype) group,
-    `_foreach_mul_` or a loop of `mul_` as native chooses)."""
+    `_foreach_mul_` or a loop of `mul_` as native chooses). The multiply runs even by 1.0, as
+    native's does: `total` need not be these gradients' norm, so nothing proves ``g * 1.0 == g``
+    (a signalling NaN is quieted, a subnormal flushed under `torch.set_flush_denormal`)."""
     if not grads:
         return
     coef = clip_coefficient(total, float(max_norm))
     for device, _, indices in _compat.group_by_device_and_dtype(grads):
         group = [grads[i] for i in indices]
         coef_dev = coef.to(device)
-        if multiply_is_identity(coef_dev):
-            continue
         if _compat.foreach_norm_is_used(group, device, foreach):  # same branch as native's mul
             _compat.foreach_mul_(group, coef_dev)
         else:

@@ -23,6 +23,7 @@ from torch import Tensor
 from cotangent import _compat
 from cotangent.clip import get_total_norm, scale_grads_
 from cotangent.norms import (
+    multiply_is_identity,
     calibrate_layout,
     check_finite,
     clip_coefficient,
@@ -123,8 +124,8 @@ class PackedClipper:
             coef_dev = coef.to(layout.device)
             if coef_dev.device.type == "cpu":
                 value = coef_dev.item()  # a CPU scalar: reading it costs no device sync
-                if value == 1.0:
-                    continue  # x * 1.0 == x bit for bit
+                if multiply_is_identity(coef_dev, self.norm_type):
+                    continue  # x * 1.0 == x bit for bit here (see multiply_is_identity)
                 classes = ("finite",) if math.isfinite(value) else ("nonfinite",)
             else:  # no sync on accelerators: the verdict must hold for every coefficient
                 classes = ("finite", "nonfinite")

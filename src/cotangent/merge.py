@@ -100,6 +100,17 @@ def decay_kind(group: dict) -> str:
     return "decay" if group.get("decoupled_weight_decay", True) else "l2-decay"
 
 
+def has_nan_scalar(group: dict) -> bool:
+    """Whether lr (a float or a CPU tensor), a beta, eps or the weight decay is NaN: ATen's
+    vector body and scalar tail then keep different NaNs (`lerp_` with a NaN weight), so no
+    merged range is exact. A tensor lr on an accelerator is not read (no device sync)."""
+    lr = group["lr"]
+    if torch.is_tensor(lr):
+        lr = lr.item() if lr.device.type == "cpu" and lr.numel() == 1 else 0.0
+    values = [lr, *group["betas"], group["eps"], group["weight_decay"]]
+    return any(isinstance(v, float) and v != v for v in values)
+
+
 def merge_is_exact(kind: str, device: torch.device, dtype: torch.dtype, numel: int,
                    group: dict) -> bool:
     """Whether segments of `numel` elements may join a merged AdamW call (see module docstring).
@@ -110,6 +121,8 @@ def merge_is_exact(kind: str, device: torch.device, dtype: torch.dtype, numel: i
     too; the verdict is cached per `merge_key`.
     Lengths too large for a merged call of this implementation are never merged.
     """
+    if has_nan_scalar(group):
+        return False
     key = merge_key(kind, device, dtype, numel, group)
     cached = calibration.lookup(key)
     if cached is not None:

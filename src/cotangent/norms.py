@@ -280,8 +280,19 @@ def clip_coefficient(total: Tensor, max_norm: float) -> Tensor:
     return torch.clamp(clip_coef, max=1.0)
 
 
-def multiply_is_identity(coef: Tensor) -> bool:
-    """True when multiplying by `coef` may be skipped: it is exactly 1.0 (x * 1.0 == x bit for
-    bit) and it lives on the CPU, where reading it costs no device sync. On accelerators the
-    multiply always runs, as native's does, so no host sync is added."""
-    return coef.device.type == "cpu" and coef.item() == 1.0
+def flushing_denormals() -> bool:
+    """Whether float32 arithmetic on the calling thread flushes subnormals (after
+    `torch.set_flush_denormal(True)`: x86 FTZ/DAZ), read off one multiply (no getter exists)."""
+    return bool(torch.tensor([1e-40]).mul_(1.0)[0] == 0.0)
+
+
+def multiply_is_identity(coef: Tensor, norm_type: float) -> bool:
+    """True when multiplying gradients by the clip coefficient `coef` may be skipped, where
+    `coef` came from those gradients' own total norm of order `norm_type`: it is exactly 1.0
+    and on the CPU (reading it costs no device sync; on accelerators the multiply always runs,
+    as native's does), and ``g * 1.0 == g`` bit for bit for every gradient. That fails for a
+    signalling NaN (the multiply quiets it) and for subnormals while denormals are flushed, so
+    the norm must be one a NaN turns into NaN (every order but 0, which counts a NaN as 1:
+    a coefficient of 1.0 then proves no NaN is there) and nothing may be flushing."""
+    return (coef.device.type == "cpu" and coef.item() == 1.0 and norm_type != 0
+            and not flushing_denormals())

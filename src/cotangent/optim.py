@@ -409,9 +409,14 @@ class AdamW(torch.optim.AdamW):
             # raised before anything is modified (a NaN scalar, a step count giving a zero
             # bias correction): native runs, and fails or not, as native does
             return f"refused ({e})"
-        # native's in-place ops bump the parameters' version counters (autograd then refuses
-        # a backward through a graph that saved the old values): so must the kernel's writes
-        torch.autograd.graph.increment_version(span.params)
+        # native's in-place ops bump the version counters of the parameters, their state and
+        # (with the clip) gradients (autograd then refuses a backward through a graph that
+        # saved the old values): so must the kernel's writes
+        state = self.state
+        keys = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq", "step") if group["amsgrad"] else (
+            "exp_avg", "exp_avg_sq", "step")
+        torch.autograd.graph.increment_version(
+            span.params + [state[p][k] for p in span.params for k in keys])
         return None
 
     @torch.no_grad()
@@ -477,6 +482,11 @@ class AdamW(torch.optim.AdamW):
                 plan.clip = self._clipper.groups(plan.present, self._clip_order.slots)
             total = self._clipper.clip(plan.clip, self.max_norm, self.error_if_nonfinite,
                                        defer=self._defer_clip if defer else None)
+        # native's clip multiplies every gradient in place (by 1.0 too), bumping its version
+        # counter; Cotangent's flat multiply, its skip of 1.0 and the multiply in the single
+        # pass do not touch the gradient tensors' own counters: bump them as native would
+        torch.autograd.graph.increment_version(
+            [grads.tensor(store, s) for s in grads.present] + grads.adopted)
         self._last_total_norm = total
         self._norm_backwards = self._tracker.backwards
         self._clipped = (self._tracker.backwards, self._tracker.resets)

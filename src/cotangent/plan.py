@@ -29,7 +29,7 @@ def group_signature(group: dict) -> tuple:
     (values such as lr or betas are read at every call and need no signature)."""
     return (group["fused"], group["foreach"], bool(group["amsgrad"]), bool(group["maximize"]),
             merge.decay_kind(group), torch.is_tensor(group["lr"]), bool(group["capturable"]),
-            bool(group["differentiable"]))
+            bool(group["differentiable"]), merge.has_nan_scalar(group))
 
 
 @dataclass(slots=True)

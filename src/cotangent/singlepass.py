@@ -106,6 +106,7 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <omp.h>
 
 typedef void (*sqrt_fn_t)(int64_t, const float*, float*, long long);
 
@@ -355,11 +356,26 @@ int cot_singlepass_adamw_bf16(uint16_t* p, const uint16_t* g, uint16_t* m, uint1
   return 0;
 }
 
-int cot_singlepass_version() { return 8; }
+int cot_singlepass_version() { return 9; }
 
 // The calling thread's SSE control/status register (MXCSR): its flush-to-zero (bit 15),
 // denormals-are-zero (bit 6) and rounding-mode (bits 13-14) fields change float results.
 int cot_singlepass_mxcsr() { return static_cast<int>(__builtin_ia32_stmxcsr()); }
+
+// The OpenMP team an ATen-style `#pragma omp parallel num_threads(n)` gets here (its size
+// decides ATen's chunks; OMP_THREAD_LIMIT can make it smaller than n), each member's MXCSR into
+// mxcsr[0..n), and whether the runtime may change team sizes (omp_get_dynamic). Returns the
+// team size, or -1 with dynamic teams.
+int cot_singlepass_team(int n, int* mxcsr) {
+  int size = 0;
+#pragma omp parallel num_threads(n)
+  {
+    mxcsr[omp_get_thread_num()] = static_cast<int>(__builtin_ia32_stmxcsr());
+#pragma omp single
+    size = omp_get_num_threads();
+  }
+  return omp_get_dynamic() ? -1 : size;
+}
 
 // Square roots only (for the probe that picks the square root): r = sqrt(a) as the kernel
 // computes it, in blocks like the kernel.
@@ -528,6 +544,8 @@ def _build_locked() -> tuple[ctypes.CDLL, Build]:
                                         ctypes.c_void_p, ctypes.c_longlong]
     lib.cot_singlepass_mxcsr.restype = ctypes.c_int
     lib.cot_singlepass_mxcsr.argtypes = []
+    lib.cot_singlepass_team.restype = ctypes.c_int
+    lib.cot_singlepass_team.argtypes = [ctypes.c_int, ctypes.c_void_p]
     return lib, Build(str(target), cxx, cached, compile_s, key[:20])
 
 
@@ -746,6 +764,10 @@ def single_pass_adamw_(params: Tensor, grads: Tensor, exp_avgs: Tensor, exp_avg_
         raise ValueError("bfloat16 buffers: amsgrad and the clip multiply are not reproduced by "
                          "the single pass")
     segs = tuple((int(o), int(k)) for o, k in (segments if segments is not None else [(0, n)]))
+    step_dtypes = {steps.dtype} if isinstance(steps, Tensor) else {s.dtype for s in steps}
+    if implementation == "foreach" and not step_dtypes <= {torch.float32, torch.float64}:
+        raise ValueError("native foreach AdamW refuses step tensors that are not float32 or "
+                         "float64: native path (and its error)")
     if isinstance(steps, Tensor):
         if steps.dim() != 1 or steps.numel() != len(segs) or steps.device.type != "cpu":
             raise ValueError(f"{len(segs)} segments: steps must be a CPU tensor of that length")
@@ -787,9 +809,19 @@ def single_pass_adamw_(params: Tensor, grads: Tensor, exp_avgs: Tensor, exp_avg_
     values = [by_step[t] for t in stepped]
     if any(a != a or b != b for a, b in values):
         raise ValueError("a NaN step size: not reproduced by the single pass")
+    # ATen converts each scalar with c10::Scalar::to<float>(), which raises for a finite value
+    # beyond float32 (e.g. lr / (1 - beta1**step) > 3.4e38): native raises, so refuse
+    if any(math.isfinite(x) and abs(x) > FLT_MAX
+           for x in [*scalars, *(a for a, _ in values), *(b for _, b in values)]):
+        raise ValueError("a scalar beyond float32 (native raises converting it): native path")
     nstep = (ctypes.c_double * len(values))(*[a for a, _ in values])
     bc2s = (ctypes.c_double * len(values))(*[b for _, b in values])
-    pieces = _pieces(segs, threads or torch.get_num_threads(), unit, True)
+    if threads is None:
+        threads = team()[0]
+        if threads < 1:
+            raise SinglePassUnavailable("OpenMP may resize thread teams (OMP_DYNAMIC): ATen's "
+                                        "chunks are unknown")
+    pieces = _pieces(segs, threads, unit, True)
     flags = (1 if weight_decay != 0 else 0) | (2 if maximize else 0) | (4 if amsgrad else 0)
     flags |= 8 if clip_coef is not None else 0
     if isinstance(steps, Tensor):
@@ -1035,6 +1067,7 @@ ENV_SWITCH = "COTANGENT_SINGLE_PASS"  # "0" / "off" / "false" / "no": native's o
 ISAS = ("AVX2", "AVX512")  # ATen CPU capabilities whose kernels the probes have met
 PROBE_KIND = "adamw_single_pass"
 FLT_MIN = 1.1754943508222875e-38  # smallest normal float32
+FLT_MAX = 3.4028234663852886e38  # largest finite float32
 _NOT_CHECKED = object()
 
 
@@ -1141,6 +1174,18 @@ def lerp_branch(beta1: float) -> str:
     return "small" if abs(w) < 0.5 else ("one" if w == 1.0 else "large")
 
 
+def team() -> tuple[int, tuple[int, ...]]:
+    """(size, MXCSR result fields of each member) of the OpenMP team a parallel region asking
+    for `torch.get_num_threads()` threads gets now: ATen splits its work by that size (not by
+    the number asked for: OMP_THREAD_LIMIT caps it), and each member computes under its own
+    flush/rounding modes (`torch.set_flush_denormal` after the pool started sets the calling
+    thread's only). Size -1: the OpenMP runtime may change team sizes (OMP_DYNAMIC)."""
+    n = torch.get_num_threads()
+    out = (ctypes.c_int * n)()
+    size = int(_lib().cot_singlepass_team(n, ctypes.cast(out, ctypes.c_void_p)))
+    return size, tuple(int(x) & 0xE040 for x in out[:max(size, 0)])
+
+
 def mxcsr() -> int:
     """The calling thread's MXCSR fields that change float results (flush-to-zero,
     denormals-are-zero, rounding mode; e.g. after `torch.set_flush_denormal(True)`)."""
@@ -1185,6 +1230,12 @@ def key_parts(kind: str, group: dict, clip_coef: float | None = None,
         return "bfloat16 with amsgrad runs natively (its torch.maximum is not reproduced)"
     if dtype == torch.bfloat16 and clip_coef is not None:
         return "bfloat16: the clip multiply runs apart"
+    size, modes = team()
+    if size < 1:
+        return "the OpenMP runtime may resize thread teams (OMP_DYNAMIC): native path"
+    if len(set(modes)) > 1 or (modes and modes[0] != mxcsr()):
+        return ("threads compute under different float modes (set_flush_denormal after the "
+                "thread pool started): native path")
     lr_value = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
     decay = _scalar(1 - lr * wd) if wd != 0 else 1.0
     return (kind, str(dtype).removeprefix("torch."), "amsgrad" if group["amsgrad"] else "-",
@@ -1194,6 +1245,7 @@ def key_parts(kind: str, group: dict, clip_coef: float | None = None,
             "v2" + scalar_class(1 - beta2), "eps" + scalar_class(eps),
             "sqrt-" + ("hardware" if dtype == torch.bfloat16 else str(sqrt_kind())),
             f"unit{aten_vector_unit(dtype)}", f"build-{build().key}", f"mxcsr{mxcsr():#x}",
+            f"team{size}",
             "noclip" if clip_coef is None else "clip" + scalar_class(clip_coef))
 
 

@@ -41,6 +41,9 @@ class Gradients:
     # changing bits (their strides differ from the parameter's): used where they are
     foreign: dict[int, Tensor] = field(default_factory=dict)
     views_replaced: bool = False  # a view object was renewed (`p.grad.data = ...`)
+    # gradient tensors from outside the buffer whose values were copied into it this step
+    # (native would clip them in place: their version counters are bumped by the clip)
+    adopted: list[Tensor] = field(default_factory=list)
 
     def tensor(self, store: FlatStore, slot: int) -> Tensor:
         """The gradient of `slot` as native code would see it."""
@@ -249,15 +252,17 @@ class GradientTracker:
             if slot in outside:
                 outside.remove(slot)
                 foreign[slot] = grads[slot]
+        adopted = []
         with torch.no_grad():
             for slot in outside:  # validated above; now copy in
                 p = params[slot]
                 view = store.grad_views[slot]
                 if p.grad is not view:
                     view.copy_(p.grad)
+                    adopted.append(p.grad)
                     p.grad = view
                 self.has_grad[slot] = True
-        return Gradients(tuple(present), foreign, views_replaced)
+        return Gradients(tuple(present), foreign, views_replaced, adopted)
 
     @torch.no_grad()
     def take_in(self, slot: int, grad: Tensor) -> None:
