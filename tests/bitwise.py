@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from cotangent.verify import compare_updates, first_difference
@@ -31,3 +33,32 @@ def assert_same_update(native_params, native_state, our_params, our_state, what:
     assert not problems, f"{what}: {problems[0]}" + (
         f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
     return len(checks)
+
+
+@contextlib.contextmanager
+def threads(n: int):
+    """ATen's thread count set to `n` for the block, restored after (bit patterns of CPU
+    kernels depend on how work is split among threads, so comparisons name it)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def require_single_pass_kernel() -> None:
+    """Skip the calling test module (clearly, with the reason) where `cotangent.singlepass`
+    cannot run: not x86-64, or no C++ compiler / a failed build."""
+    import platform
+
+    import pytest
+
+    from cotangent import singlepass
+
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("the single-pass kernel is x86-64 only", allow_module_level=True)
+    try:
+        singlepass.build()
+    except singlepass.SinglePassUnavailable as e:
+        pytest.skip(f"single-pass kernel unavailable here: {e}", allow_module_level=True)

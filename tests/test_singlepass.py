@@ -5,39 +5,23 @@ COTANGENT_SINGLE_PASS=0, re-probing on edits) against clip_grad_norm_ + torch.op
 
 from __future__ import annotations
 
-import contextlib
-import platform
 import warnings
 
 import pytest
 import torch
 
 import cotangent
-from bitwise import assert_same_bits, assert_same_update, same_bits
+from bitwise import (assert_same_bits, assert_same_update, require_single_pass_kernel,
+                     same_bits, threads)
 from cotangent import calibration
 from cotangent import singlepass as sp
 from cotangent.calibration import sprinkle_special_values
 
-if platform.machine().lower() not in ("x86_64", "amd64"):
-    pytest.skip("the single-pass kernel is x86-64 only", allow_module_level=True)
-try:
-    sp.build()
-except sp.SinglePassUnavailable as e:
-    pytest.skip(f"single-pass kernel unavailable here: {e}", allow_module_level=True)
+require_single_pass_kernel()
 
 # around the vector unit (16) and the thread split (GRAIN_SIZE), one above 2 * GRAIN_SIZE whose
 # two thread chunks (2 threads) end in scalar tails
 LENGTHS = (1, 7, 15, 16, 17, 33, 100, 1000, 2049, 32769, 65553)
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def run_both(*, implementation="for-loop", lr=1e-3, betas=(0.9, 0.999), eps=1e-8,

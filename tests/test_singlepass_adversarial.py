@@ -23,7 +23,6 @@ import copy
 import io
 import math
 import os
-import platform
 import subprocess
 import sys
 import textwrap
@@ -34,31 +33,17 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
 import cotangent
-from bitwise import assert_same_bits, assert_same_update
+from bitwise import (assert_same_bits, assert_same_update, require_single_pass_kernel,
+                     threads)
 from cotangent import singlepass as sp
 from cotangent.verify import first_difference
 
-if platform.machine().lower() not in ("x86_64", "amd64"):
-    pytest.skip("the single-pass kernel is x86-64 only", allow_module_level=True)
-try:
-    sp.build()
-except sp.SinglePassUnavailable as e:
-    pytest.skip(f"single-pass kernel unavailable here: {e}", allow_module_level=True)
+require_single_pass_kernel()
 
 INF, NAN = float("inf"), float("nan")
 # 1 element (all scalar tail), 17 (body 16 + tail 1), a 2-D one, one above ATen's grain size
 # (two thread chunks at 2 threads, each with its own scalar tail), one 17 again (a bucket)
 SHAPES = [(1,), (17,), (3, 33), (40000,), (17,)]
-
-
-@contextlib.contextmanager
-def threads(n: int):
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 @contextlib.contextmanager
