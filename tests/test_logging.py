@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from cotangent.harness import campaign, cli, train
-from cotangent.harness.data import Corpus, SplitSource, sha256_bytes
+from corpora import synthetic_corpus
 from cotangent.harness.train import TrainConfig, run_train
 
 # The small --data-dir corpus is not WikiText-2; the harness says so in a warning.
@@ -41,20 +41,9 @@ def data(tmp_path) -> list[str]:
     embedded corpus takes seconds to read in a fresh process."""
     path = tmp_path / "data"
     path.mkdir()
-    for split, text in _corpus().splits.items():
+    for split, text in synthetic_corpus().splits.items():
         (path / f"{split}.txt").write_bytes(text)
     return ["--data-dir", str(path)]
-
-
-def _corpus() -> Corpus:
-    """A small structured byte corpus (60 KB of train), so no test reads files."""
-    lines = [f"{i:05d} the {['quick', 'lazy', 'brown'][i % 3]} fox jumps over {i * 7 % 97}\n"
-             for i in range(2000)]
-    data = "".join(lines).encode()
-    splits = {"train": data[:60_000], "valid": data[60_000:66_000], "test": data[66_000:72_000]}
-    sources = {s: SplitSource(f"synthetic[{s}]", sha256_bytes(v), False, len(v))
-               for s, v in splits.items()}
-    return Corpus("synthetic", splits, sources, "synthetic test corpus")
 
 
 def _tb_scalars(run_dir: Path) -> dict[tuple[str, int], float]:
@@ -158,7 +147,7 @@ def test_tensorboard_scalars_are_the_curve_values_in_float32(tmp_path, data, clo
 def test_study_arm_diagnostics_are_scalars_and_booleans_are_left_out(tmp_path):
     cfg = TrainConfig(model="recurrent-mini", steps=2, batch_size=2, val_bytes=1024,
                       eval_batch=16, out=str(tmp_path / "runs"), arms=("P",))
-    result = run_train(cfg, _corpus(), log=lambda *a: None, tensorboard=tmp_path / "tb")
+    result = run_train(cfg, synthetic_corpus(), log=lambda *a: None, tensorboard=tmp_path / "tb")
     run_dir = Path(result["P"]["run_dir"])
     rows = _read_curve(run_dir)
     assert all(isinstance(r["autograd_order"], bool) for r in rows)
@@ -188,7 +177,7 @@ def test_event_files_are_closed_when_the_run_stops(tmp_path, monkeypatch, closes
     cfg = TrainConfig(model="tiny", steps=4, val_bytes=512, eval_batch=16,
                       out=str(tmp_path / "runs"))
     with pytest.raises(stop):
-        run_train(cfg, _corpus(), log=lambda *a: None, tensorboard=tmp_path / "tb")
+        run_train(cfg, synthetic_corpus(), log=lambda *a: None, tensorboard=tmp_path / "tb")
     assert closes == [["cotangent", "native"]] and len(calls) == 2
     (run_root,) = (tmp_path / "runs").iterdir()
     for arm in ("native", "cotangent"):
@@ -331,7 +320,7 @@ def test_run_train_draws_a_bar_only_on_a_terminal_stderr(tmp_path, monkeypatch, 
     monkeypatch.setattr(sys, "stderr", err)
     cfg = TrainConfig(model="tiny", steps=2, val_bytes=512, eval_batch=16, arms=("native",),
                       out=str(tmp_path))
-    run_train(cfg, _corpus(), log=lambda *a: None)
+    run_train(cfg, synthetic_corpus(), log=lambda *a: None)
     assert _has_bar(err.getvalue()) if tty else err.getvalue() == ""
 
 

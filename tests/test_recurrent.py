@@ -14,7 +14,7 @@ import torch
 from bitwise import assert_same_bits, same_bits
 
 from cotangent.harness import cli
-from cotangent.harness.data import Corpus, SplitSource, sha256_bytes
+from corpora import synthetic_corpus
 from cotangent.harness.model import MODEL_CONFIGS, SHARINGS, build_model, model_config
 from cotangent.harness.train import (
     OCCURRENCE_KEYS,
@@ -136,17 +136,6 @@ def test_shared_and_replicated_forward_are_bitwise_equal_at_init():
 # The study arms in `cotangent train`
 
 
-def _corpus() -> Corpus:
-    """A small byte corpus: structured text (learnable in a few steps), 60 KB of train."""
-    lines = [f"{i:05d} the {['quick', 'lazy', 'brown'][i % 3]} fox jumps over {i * 7 % 97}\n"
-             for i in range(2000)]
-    data = "".join(lines).encode()
-    splits = {"train": data[:60_000], "valid": data[60_000:66_000], "test": data[66_000:72_000]}
-    sources = {s: SplitSource(f"synthetic[{s}]", sha256_bytes(v), False, len(v))
-               for s, v in splits.items()}
-    return Corpus("synthetic", splits, sources, "synthetic test corpus")
-
-
 def _steps(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "curve.jsonl").read_text().splitlines()]
     return [r for r in rows if "loss_bpb" in r]
@@ -158,7 +147,7 @@ def test_every_study_arm_trains_with_replicas_in_sync(tmp_path):
     cfg = TrainConfig(model=MINI, steps=4, seed=1, batch_size=4, val_bytes=2048,
                       out=str(tmp_path), arms=arms)
     validate_config(cfg)
-    result = run_train(cfg, _corpus(), log=lambda *a: None)
+    result = run_train(cfg, synthetic_corpus(), log=lambda *a: None)
     assert result["study_arms"] == list(STUDY_ARMS)
     # only the bitwise arms must agree; they do
     assert result["identical_final_hash"] is True
@@ -224,7 +213,7 @@ def test_replicas_out_of_sync_stop_the_run(tmp_path, monkeypatch, capsys):
                       arms=("S", "P"))
     with pytest.raises(OccurrenceSyncError, match=r"arm P: the replicas of the recurrent core "
                        r"differ after update 0 \(sync_error 0\.00"):
-        run_train(cfg, _corpus(), log=lambda *a: None)
+        run_train(cfg, synthetic_corpus(), log=lambda *a: None)
     (run_dir,) = tmp_path.glob("*/P")
     assert (run_dir / "INCOMPLETE").exists() and not (run_dir / "summary.json").exists()
     rows = [json.loads(line) for line in (run_dir / "curve.partial.jsonl").read_text()
@@ -233,7 +222,7 @@ def test_replicas_out_of_sync_stop_the_run(tmp_path, monkeypatch, capsys):
     # through the CLI: exit status 1 and a one-line error (a tiny --data-dir)
     data = tmp_path / "data"
     data.mkdir()
-    for split, content in _corpus().splits.items():
+    for split, content in synthetic_corpus().splits.items():
         (data / f"{split}.txt").write_bytes(content)
     with pytest.warns(UserWarning, match="not a known WikiText-2"):
         code = cli.main(["train", "--model", MINI, "--arms", "PA", "--steps", "2",

@@ -63,15 +63,22 @@ def sprinkle_special_values(rows: list[torch.Tensor], shift: int = 0) -> None:
         write_special(row, (11 * i + 5) % n, SPECIAL_VALUES[(i + 5) % k])
 
 
-def cache_path() -> Path | None:
-    """The cache file, or None when the file cache is off."""
+def cache_root() -> Path | None:
+    """Cotangent's cache folder: ``$COTANGENT_CACHE_DIR``, else ``$XDG_CACHE_HOME/cotangent``
+    (default ``~/.cache/cotangent``); None when ``COTANGENT_CACHE_DIR=off``."""
     root = os.environ.get("COTANGENT_CACHE_DIR")
     if root == "off":
         return None
     if not root:
         base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
         root = os.path.join(base, "cotangent")
-    return Path(root) / FILE_NAME
+    return Path(root)
+
+
+def cache_path() -> Path | None:
+    """The cache file, or None when the file cache is off."""
+    root = cache_root()
+    return None if root is None else root / FILE_NAME
 
 
 @cache

@@ -452,15 +452,11 @@ def _compiler() -> str | None:
 
 
 def _cache_dir() -> Path | None:
-    """Where compiled kernels are kept across processes: ``$COTANGENT_CACHE_DIR/kernels`` (default
-    ``~/.cache/cotangent/kernels``); None when ``COTANGENT_CACHE_DIR=off``."""
-    root = os.environ.get("COTANGENT_CACHE_DIR")
-    if root == "off":
-        return None
-    if not root:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(base, "cotangent")
-    return Path(root) / "kernels"
+    """Where compiled kernels are kept across processes: ``kernels`` in Cotangent's cache folder
+    (`cotangent.calibration.cache_root`; default ``~/.cache/cotangent/kernels``); None when
+    ``COTANGENT_CACHE_DIR=off``."""
+    root = calibration.cache_root()
+    return None if root is None else root / "kernels"
 
 
 def build() -> Build:
