@@ -253,3 +253,23 @@ def test_distributed_bench_rejects_bad_rank_counts(capsys):
     assert cli.main(["bench", "--distributed", "0", "--shapes", "many-small"]) == 2
     err = capsys.readouterr().err.strip()
     assert "at least 1 rank" in err and "Traceback" not in err
+
+
+def test_the_single_pass_line_says_what_happened(monkeypatch):
+    """The run's one line on the kernel: switched off by the environment, not asked for (only
+    fused rows), unavailable with the reason, or built / loaded with its probes."""
+    from cotangent import singlepass
+
+    built = dict(unavailable_reason=None, probes=1, probe_s=0.05,
+                 build=dict(key="abc", cached=False, compile_s=1.5, compiler="c++", flags=[]))
+    monkeypatch.setenv(singlepass.ENV_SWITCH, "0")
+    assert bench.single_pass_line(built).startswith("single pass: switched off (")
+    monkeypatch.delenv(singlepass.ENV_SWITCH)
+    assert "1 probe in 0.05 s" in bench.single_pass_line(built)
+    assert "built in 1.50 s by c++" in bench.single_pass_line(built)
+    cached = dict(built, probes=2, build=dict(built["build"], cached=True, compile_s=0.0))
+    assert "loaded from the kernel cache" in bench.single_pass_line(cached)
+    assert "2 probes" in bench.single_pass_line(cached)
+    assert "not asked for" in bench.single_pass_line(dict(built, unavailable_reason="not checked"))
+    assert "unavailable (no C++ compiler)" in bench.single_pass_line(
+        dict(built, unavailable_reason="no C++ compiler", build=None))

@@ -540,6 +540,10 @@ def _build_locked() -> tuple[ctypes.CDLL, Build]:
                                         ctypes.c_void_p, ctypes.c_longlong]
     lib.cot_singlepass_mxcsr.restype = ctypes.c_int
     lib.cot_singlepass_mxcsr.argtypes = []
+    if cached:
+        _log.info("single-pass kernel loaded from the cache: %s", target)
+    else:
+        _log.info("single-pass kernel compiled in %.2f s (%s): %s", compile_s, cxx, target)
     lib.cot_singlepass_team.restype = ctypes.c_int
     lib.cot_singlepass_team.argtypes = [ctypes.c_int, ctypes.c_void_p]
     return lib, Build(str(target), cxx, cached, compile_s, key[:20])

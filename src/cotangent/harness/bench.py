@@ -486,6 +486,10 @@ def single_pass_line(report: dict) -> str:
     process_report`): built (seconds) or loaded from the cache, probes and their seconds; or why
     it could not run."""
     reason, b = report["unavailable_reason"], report["build"]
+    if not singlepass.switched_on():
+        return (f"single pass: switched off ({singlepass.ENV_SWITCH}="
+                f"{os.environ.get(singlepass.ENV_SWITCH)}); for-loop/foreach rows ran native's op "
+                f"sequence")
     if reason == "not checked":
         return "single pass: not asked for in this run (no for-loop/foreach row)"
     if reason is not None:
@@ -493,8 +497,9 @@ def single_pass_line(report: dict) -> str:
                 f"sequence")
     built = ("loaded from the kernel cache (built by an earlier process)" if b["cached"] else
              f"built in {b['compile_s']:.2f} s by {b['compiler']}")
-    return (f"single pass: kernel {b['key']} {built}; {report['probes']} probes in "
-            f"{report['probe_s']:.2f} s (one-off costs, in no row's times)")
+    probes = report["probes"]
+    return (f"single pass: kernel {b['key']} {built}; {probes} probe{'' if probes == 1 else 's'} "
+            f"in {report['probe_s']:.2f} s (one-off costs, in no row's times)")
 
 
 def run_bench(shapes=SHAPES, impls=tuple(IMPLS), *, repeats: int = 20, warmup: int = 3,
