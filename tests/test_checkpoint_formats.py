@@ -416,7 +416,11 @@ def test_adamw_moments_shared_with_a_forked_worker_see_its_step():
         before = [(p.detach().clone(), opt.state[p]["exp_avg"].clone()) for p in m.parameters()]
         proc = mp.get_context("fork").Process(target=worker, args=(m, opt))
         proc.start()
-        proc.join()
+        proc.join(timeout=120)  # a forked child that hangs (e.g. in OpenMP) fails, not blocks
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+            pytest.fail(f"the forked worker of {cls.__name__} did not finish within 120 s")
         assert proc.exitcode == 0
         seen[cls.__module__] = [(p.detach().clone(), opt.state[p]["exp_avg"].clone())
                                 for p in m.parameters()]
