@@ -23,11 +23,11 @@ from torch import Tensor
 from cotangent import _compat
 from cotangent.clip import get_total_norm, scale_grads_
 from cotangent.norms import (
-    multiply_is_identity,
     calibrate_layout,
     check_finite,
     clip_coefficient,
     flat_multiply_is_exact,
+    multiply_is_identity,
     norm_program,
     run_norm_program,
     total_norm,

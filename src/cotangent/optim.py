@@ -282,7 +282,7 @@ class AdamW(torch.optim.AdamW):
             raise
         grad_scale = None if self._scale_applied else getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        clip_value, clip_layouts = self._settle_clip(calls)
+        clip_coef, clip_value, clip_layouts = self._settle_clip(calls)
         single, native, notes, clip_in_pass = 0, 0, set(), 0
         for call in calls.calls:
             group = self.param_groups[call.group_index]
@@ -295,7 +295,7 @@ class AdamW(torch.optim.AdamW):
                     continue
                 notes.add(why)
                 if joined:  # refused before touching anything: multiply as native, then step
-                    _compat.foreach_mul_(call.grads, self._deferred_coef)
+                    _compat.foreach_mul_(call.grads, clip_coef)
             elif call.single_note is not None:
                 notes.add(call.single_note)
             native += call.parameters
@@ -345,17 +345,16 @@ class AdamW(torch.optim.AdamW):
             self._pending_clip = (coef, value, pending)
         return set(pending)
 
-    def _settle_clip(self, calls) -> tuple[float | None, set[int]]:
-        """Consume the clip multiply `_defer_clip` left pending: returns (coefficient value,
-        layouts) where every clipped gradient of the layout, and nothing else, belongs to calls
-        that take the single pass now (`singlepass.decide` with the coefficient), which then
+    def _settle_clip(self, calls) -> tuple[Tensor | None, float | None, set[int]]:
+        """Consume the clip multiply `_defer_clip` left pending: returns (coefficient, its
+        value, layouts) where every clipped gradient of the layout, and nothing else, belongs to
+        calls that take the single pass now (`singlepass.decide` with the coefficient), which then
         multiply them in the pass; the other pending layouts are multiplied here, as the clip
         would have (`calls` None: all of them)."""
         pending, self._pending_clip = self._pending_clip, None
         if pending is None:
-            return None, set()
+            return None, None, set()
         coef, value, layouts = pending
-        self._deferred_coef = coef
         taken: dict[int, set[int]] = {}
         if calls is not None and getattr(self, "grad_scale", None) is None and getattr(
                 self, "found_inf", None) is None:
@@ -372,7 +371,7 @@ class AdamW(torch.optim.AdamW):
         rest = [entry for li, (entry, _) in layouts.items() if li not in joined]
         if rest:
             self._clipper.scale(rest, coef)
-        return value, joined
+        return coef, value, joined
 
     def _decide(self, call, group: dict, clip_coef: float | None) -> str | None:
         """`singlepass.decide` for `call`, asked once per step and argument (`_update` clears

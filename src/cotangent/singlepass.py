@@ -1233,7 +1233,7 @@ def key_parts(kind: str, group: dict, clip_coef: float | None = None,
     size, modes = team()
     if size < 1:
         return "the OpenMP runtime may resize thread teams (OMP_DYNAMIC): native path"
-    if len(set(modes)) > 1 or (modes and modes[0] != mxcsr()):
+    if len(set(modes)) > 1:  # member 0 is the calling thread (the team's master)
         return ("threads compute under different float modes (set_flush_denormal after the "
                 "thread pool started): native path")
     lr_value = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
@@ -1244,7 +1244,7 @@ def key_parts(kind: str, group: dict, clip_coef: float | None = None,
             "w" + scalar_class(1 - beta1), "b2" + scalar_class(beta2),
             "v2" + scalar_class(1 - beta2), "eps" + scalar_class(eps),
             "sqrt-" + ("hardware" if dtype == torch.bfloat16 else str(sqrt_kind())),
-            f"unit{aten_vector_unit(dtype)}", f"build-{build().key}", f"mxcsr{mxcsr():#x}",
+            f"unit{aten_vector_unit(dtype)}", f"build-{build().key}", f"mxcsr{modes[0]:#x}",
             f"team{size}",
             "noclip" if clip_coef is None else "clip" + scalar_class(clip_coef))
 
