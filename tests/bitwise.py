@@ -62,3 +62,70 @@ def require_single_pass_kernel() -> None:
         singlepass.build()
     except singlepass.SinglePassUnavailable as e:
         pytest.skip(f"single-pass kernel unavailable here: {e}", allow_module_level=True)
+
+
+def run_against_native(base, *, foreach, deliver, steps: int, max_norm=None, norm_type=2.0,
+                       edit=None, adamw=None, groups=None, clip_order=None,
+                       set_to_none: bool = True) -> list[tuple]:
+    """Native (``clip_grad_norm_`` + `torch.optim.AdamW`) and `cotangent.AdamW` stepped side by
+    side on two copies of the tensors `base` (parameters), the engine of the adversarial case
+    tables. Each step: ``edit(step, params, optimizer)`` on both arms, ``deliver(step, params)``
+    puts gradients on each arm's parameters (a backward or an assignment), native's clip (in
+    ``clip_order(params)`` order when given, which cotangent.AdamW also gets), both steps, then
+    both ``zero_grad(set_to_none)``. `groups`: param-group dicts whose "params" are indices
+    into `base`. Returns [(step, first problem or None, our update_path(), (native error, our
+    error))]: a problem is a byte difference anywhere (gradients, parameters, every state
+    entry, total norm; `first_difference`) or one arm raising where the other does not."""
+    adamw = adamw or {}
+    arms = [[torch.nn.Parameter(b.clone()) for b in base] for _ in range(2)]
+
+    def param_groups(params):
+        if groups is None:
+            return params
+        return [dict(g, params=[params[i] for i in g["params"]]) for g in groups]
+
+    def cloned(kw):
+        return {k: v.clone() if torch.is_tensor(v) else v for k, v in kw.items()}
+
+    import cotangent
+
+    native = torch.optim.AdamW(param_groups(arms[0]), foreach=foreach, **cloned(adamw))
+    extra = {} if clip_order is None else dict(clip_order=lambda: clip_order(arms[1]))
+    ours = cotangent.AdamW(param_groups(arms[1]), foreach=foreach, max_norm=max_norm,
+                           norm_type=norm_type, **extra, **cloned(adamw))
+    out = []
+    for step in range(steps):
+        if edit is not None:
+            edit(step, arms[0], native)
+            edit(step, arms[1], ours)
+        for params in arms:
+            deliver(step, params)
+        total = None
+        if max_norm is not None:
+            order = arms[0] if clip_order is None else clip_order(arms[0])
+            total = torch.nn.utils.clip_grad_norm_(order, max_norm, norm_type)
+        errors = []
+        for opt in (native, ours):
+            try:
+                opt.step()
+                errors.append(None)
+            except Exception as e:  # noqa: BLE001 - compared between the arms
+                errors.append(f"{type(e).__name__}: {e}")
+        problem = None
+        if (errors[0] is None) != (errors[1] is None):
+            problem = f"errors differ: {errors}"
+        for k, (a, b) in enumerate(zip(*arms)):
+            checks = [("gradient", a.grad, b.grad), ("parameter", a, b)]
+            sa, sb = native.state.get(a, {}), ours.state.get(b, {})
+            checks += [(key, sa.get(key), sb.get(key)) for key in sorted(set(sa) | set(sb))]
+            for what, x, y in checks:
+                d = first_difference(x, y)
+                if d is not None and problem is None:
+                    problem = f"{what} of parameter {k}: {d}"
+        if total is not None and errors[1] is None and problem is None:
+            d = first_difference(total, ours.last_total_norm)
+            problem = None if d is None else f"total norm: {d}"
+        out.append((step, problem, ours.update_path(), tuple(errors)))
+        native.zero_grad(set_to_none=set_to_none)
+        ours.zero_grad(set_to_none=set_to_none)
+    return out

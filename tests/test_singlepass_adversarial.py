@@ -34,7 +34,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
 
 import cotangent
 from bitwise import (assert_same_bits, assert_same_update, require_single_pass_kernel,
-                     threads)
+                     run_against_native, threads)
 from cotangent import singlepass as sp
 from cotangent.verify import first_difference
 
@@ -101,75 +101,25 @@ def sometimes_none(step, i, shape):
 def compare(*, foreach: bool, max_norm=1e-3, steps: int = 3, grads=mild_grad, edit=None,
             adamw=None, groups=None, norm_type=2.0, clip_order=None, set_grad="backward",
             set_to_none=True, shapes=SHAPES):
-    """Native (clip_grad_norm_ + torch.optim.AdamW) and cotangent.AdamW on equal parameters of
-    `shapes`. Each step: `edit(step, params, optimizer)` on both arms, gradients
-    ``grads(step, i, shape)`` (None: no gradient; delivered by a backward of
-    ``(p * g).sum()``, which gives exactly g, or assigned to ``p.grad`` with
-    ``set_grad="assign"``), native's clip (in `clip_order(params)` order), both steps. Returns
-    [(step, first problem or None, update_path, (native error, our error))]: a problem is a
-    byte difference anywhere (gradients, parameters, state, total norm) or one arm raising
-    where the other does not."""
-    adamw = adamw or {}
+    """`bitwise.run_against_native` on float32 parameters of `shapes`, gradients
+    ``grads(step, i, shape)`` (None: no gradient) delivered by a backward of ``(p * g).sum()``,
+    which gives exactly g, or assigned to ``p.grad`` with ``set_grad="assign"``."""
     gen = torch.Generator().manual_seed(0)
     base = [torch.randn(s, generator=gen) for s in shapes]
-    arms = [[torch.nn.Parameter(b.clone()) for b in base] for _ in range(2)]
 
-    def param_groups(params):
-        if groups is None:
-            return params
-        return [dict(g, params=[params[i] for i in g["params"]]) for g in groups]
+    def deliver(step, params):
+        for i, p in enumerate(params):
+            g = grads(step, i, p.shape) if p.requires_grad else None
+            if g is None:
+                continue
+            if set_grad == "assign":
+                p.grad = g.clone()
+            else:
+                (p * g).sum().backward()
 
-    def cloned(kw):
-        return {k: v.clone() if torch.is_tensor(v) else v for k, v in kw.items()}
-
-    native = torch.optim.AdamW(param_groups(arms[0]), foreach=foreach, **cloned(adamw))
-    extra = {} if clip_order is None else dict(clip_order=lambda: clip_order(arms[1]))
-    ours = cotangent.AdamW(param_groups(arms[1]), foreach=foreach, max_norm=max_norm,
-                           norm_type=norm_type, **extra, **cloned(adamw))
-    out = []
-    for step in range(steps):
-        if edit is not None:
-            edit(step, arms[0], native)
-            edit(step, arms[1], ours)
-        for params in arms:
-            for i, p in enumerate(params):
-                g = grads(step, i, p.shape) if p.requires_grad else None
-                if g is None:
-                    continue
-                if set_grad == "assign":
-                    p.grad = g.clone()
-                else:
-                    (p * g).sum().backward()
-        total = None
-        if max_norm is not None:
-            order = arms[0] if clip_order is None else clip_order(arms[0])
-            total = torch.nn.utils.clip_grad_norm_(order, max_norm, norm_type)
-        errors = []
-        for opt in (native, ours):
-            try:
-                opt.step()
-                errors.append(None)
-            except Exception as e:  # noqa: BLE001 - compared between the arms
-                errors.append(f"{type(e).__name__}: {e}")
-        problem = None
-        if (errors[0] is None) != (errors[1] is None):
-            problem = f"errors differ: {errors}"
-        else:
-            for k, (a, b) in enumerate(zip(*arms)):
-                checks = [("gradient", a.grad, b.grad), ("parameter", a, b)]
-                sa, sb = native.state.get(a, {}), ours.state.get(b, {})
-                checks += [(key, sa.get(key), sb.get(key)) for key in sorted(set(sa) | set(sb))]
-                for what, x, y in checks:
-                    d = first_difference(x, y)
-                    if d is not None and problem is None:
-                        problem = f"{what} of parameter {k}: {d}"
-            if total is not None and errors[1] is None and problem is None:
-                d = first_difference(total, ours.last_total_norm)
-                problem = None if d is None else f"total norm: {d}"
-        out.append((step, problem, ours.update_path(), tuple(errors)))
-        native.zero_grad(set_to_none=set_to_none)
-        ours.zero_grad(set_to_none=set_to_none)
-    return out
+    return run_against_native(base, foreach=foreach, deliver=deliver, steps=steps,
+                              max_norm=max_norm, norm_type=norm_type, edit=edit, adamw=adamw,
+                              groups=groups, clip_order=clip_order, set_to_none=set_to_none)
 
 
 def group_edit(step_at: int, **values):

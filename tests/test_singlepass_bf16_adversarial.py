@@ -27,7 +27,7 @@ import pytest
 import torch
 
 import cotangent
-from bitwise import assert_same_bits, require_single_pass_kernel, threads
+from bitwise import assert_same_bits, require_single_pass_kernel, run_against_native, threads
 from cotangent import singlepass as sp
 from cotangent.verify import first_difference
 
@@ -212,68 +212,25 @@ def special_grad(step, i, shape, dtype):
 
 def compare(*, foreach, max_norm=None, steps=2, grads=special_grad, edit=None, adamw=None,
             groups=None, dtypes=None, shapes=SHAPES, norm_type=2.0, strided_grads=False):
-    """Native (clip_grad_norm_ + torch.optim.AdamW) and cotangent.AdamW on equal parameters of
-    `shapes` (`dtypes`, default bfloat16). Each step: `edit(step, params, optimizer)` on both
-    arms, gradients ``grads(step, i, shape, dtype)`` assigned (payloads kept; with
-    `strided_grads`, 1-D ones as every other element of a larger tensor), native's clip, both
-    steps. Returns [(step, first problem or None, update_path)]: a problem is a byte difference
-    anywhere (gradients, parameters, state, total norm) or one arm raising where the other does
-    not (or another error type)."""
-    adamw = adamw or {}
+    """`bitwise.run_against_native` on parameters of `shapes` (`dtypes`, default bfloat16),
+    gradients ``grads(step, i, shape, dtype)`` assigned (payloads kept; with `strided_grads`,
+    1-D ones as every other element of a larger tensor). Returns [(step, first problem or
+    None, update_path)]."""
     dtypes = dtypes or [BF] * len(shapes)
     gen = torch.Generator().manual_seed(0)
     base = [torch.randn(s, generator=gen).to(d) for s, d in zip(shapes, dtypes)]
-    arms = [[torch.nn.Parameter(b.clone()) for b in base] for _ in range(2)]
 
-    def param_groups(params):
-        if groups is None:
-            return params
-        return [dict(g, params=[params[i] for i in g["params"]]) for g in groups]
+    def deliver(step, params):
+        for i, p in enumerate(params):
+            g = grads(step, i, p.shape, p.dtype)
+            if strided_grads and g.dim() == 1 and g.numel() > 1:
+                g = torch.stack([g, g], 1)[:, 0]
+            p.grad = g
 
-    def cloned(kw):
-        return {k: v.clone() if torch.is_tensor(v) else v for k, v in kw.items()}
-
-    native = torch.optim.AdamW(param_groups(arms[0]), foreach=foreach, **cloned(adamw))
-    ours = cotangent.AdamW(param_groups(arms[1]), foreach=foreach, max_norm=max_norm,
-                           norm_type=norm_type, **cloned(adamw))
-    out = []
-    for step in range(steps):
-        if edit is not None:
-            edit(step, arms[0], native)
-            edit(step, arms[1], ours)
-        for params in arms:
-            for i, p in enumerate(params):
-                g = grads(step, i, p.shape, p.dtype)
-                if strided_grads and g.dim() == 1 and g.numel() > 1:
-                    g = torch.stack([g, g], 1)[:, 0]
-                p.grad = g
-        errors, total = [], None
-        if max_norm is not None:
-            total = torch.nn.utils.clip_grad_norm_(arms[0], max_norm, norm_type)
-        for opt in (native, ours):
-            try:
-                opt.step()
-                errors.append(None)
-            except Exception as e:  # noqa: BLE001 - compared between the arms
-                errors.append(type(e).__name__)
-        problem = None
-        if (errors[0] is None) != (errors[1] is None):
-            problem = f"errors differ: {errors}"
-        for k, (a, b) in enumerate(zip(*arms)):
-            checks = [("gradient", a.grad, b.grad), ("parameter", a, b)]
-            sa, sb = native.state.get(a, {}), ours.state.get(b, {})
-            checks += [(key, sa.get(key), sb.get(key)) for key in sorted(set(sa) | set(sb))]
-            for what, x, y in checks:
-                d = first_difference(x, y)
-                if d is not None and problem is None:
-                    problem = f"{what} of parameter {k}: {d}"
-        if total is not None and errors[1] is None and problem is None:
-            d = first_difference(total, ours.last_total_norm)
-            problem = None if d is None else f"total norm: {d}"
-        out.append((step, problem, ours.update_path()))
-        native.zero_grad()
-        ours.zero_grad()
-    return out
+    out = run_against_native(base, foreach=foreach, deliver=deliver, steps=steps,
+                             max_norm=max_norm, norm_type=norm_type, edit=edit, adamw=adamw,
+                             groups=groups)
+    return [row[:3] for row in out]
 
 
 def group_edit(step_at: int, **values):
