@@ -260,13 +260,18 @@ def test_the_single_pass_line_says_what_happened(monkeypatch):
     fused rows), unavailable with the reason, or built / loaded with its probes."""
     from cotangent import singlepass
 
-    built = dict(unavailable_reason=None, probes=1, probe_s=0.05,
+    built = dict(unavailable_reason=None, probes=1, probe_s=0.05, square_root="emulated",
+                 sqrt_check_s=1.9,
                  build=dict(key="abc", cached=False, compile_s=1.5, compiler="c++", flags=[]))
     monkeypatch.setenv(singlepass.ENV_SWITCH, "0")
     assert bench.single_pass_line(built).startswith("single pass: switched off (")
     monkeypatch.delenv(singlepass.ENV_SWITCH)
     assert "1 probe in 0.05 s" in bench.single_pass_line(built)
     assert "built in 1.50 s by c++" in bench.single_pass_line(built)
+    assert "square root: emulated (checked against torch.sqrt in 1.90 s)" in (
+        bench.single_pass_line(built))
+    assert "square root: mkl (one-off" in bench.single_pass_line(
+        dict(built, square_root="mkl", sqrt_check_s=0.0))
     cached = dict(built, probes=2, build=dict(built["build"], cached=True, compile_s=0.0))
     assert "loaded from the kernel cache" in bench.single_pass_line(cached)
     assert "2 probes" in bench.single_pass_line(cached)

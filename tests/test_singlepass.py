@@ -137,7 +137,7 @@ def test_controls_the_comparison_catches_differences():
 def test_hardware_square_root_is_not_torch_sqrt(monkeypatch):
     """torch.sqrt (float32, CPU, MKL build) is MKL's vmsSqrt, not a correctly rounded square
     root; a pass with the hardware square root gives other parameters and the probe says so."""
-    if sp.sqrt_kind() != "mkl":
+    if sp.sqrt_kind() not in ("mkl", "emulated"):
         pytest.skip("this torch build's sqrt is not MKL's")
     x = torch.rand(100_000, generator=torch.Generator().manual_seed(0)) * 1e-3
     assert not same_bits(torch.sqrt(x), x.double().sqrt().float())  # CR sqrt != torch's
@@ -147,6 +147,82 @@ def test_hardware_square_root_is_not_torch_sqrt(monkeypatch):
         assert sp.matches_native(**kw)
         monkeypatch.setattr(sp, "sqrt_kind", lambda: "hardware")
         assert not sp.matches_native(**kw)
+
+
+# float32 bit patterns at every edge of the MKL square root imitation's branches: zeros,
+# subnormals, the smallest normals, 1 and 4 (exponent parities), the top 4096 finite values
+# (taken apart: MKL is correctly rounded there), infinities, NaN payloads of both signs,
+# negative subnormals and normals
+SQRT_EDGES = (0x00000000, 0x80000000, 0x00000001, 0x007FFFFF, 0x00800000, 0x00800001,
+              0x3F800000, 0x3F800001, 0x407FFFFF, 0x40800000, 0x7F7FEFFF, 0x7F7FF000,
+              0x7F7FF001, 0x7F7FFFFF, 0x7F800000, 0x7F800001, 0x7FC00000, 0x7FFFFFFF,
+              0xFF800000, 0xFF800001, 0xFFC00000, 0xFFFFFFFF, 0x80000001, 0x807FFFFF,
+              0x80800000, 0xBF800000, 0xFF7FFFFF)
+
+
+def _edge_patterns() -> torch.Tensor:
+    bits = torch.tensor([b - (1 << 32) if b >= 1 << 31 else b for b in SQRT_EDGES],
+                        dtype=torch.int64)
+    near = (bits[:, None] + torch.arange(-40, 41)).clamp(-(1 << 31), (1 << 31) - 1)
+    return near.reshape(-1).to(torch.int32).view(torch.float32).contiguous()
+
+
+def _emulated_sqrt(x: torch.Tensor) -> torch.Tensor:
+    out = torch.empty_like(x)
+    sp._lib().cot_singlepass_sqrt(x.numel(), x.data_ptr(), out.data_ptr(),
+                                  sp.emulated_sqrt_address(), sp.MKL_SQRT_MODE)
+    return out
+
+
+def test_emulated_square_root_is_torch_sqrt_at_every_edge():
+    """Where `sqrt_kind` chose the imitation of MKL's vmsSqrt (here: AMD Zen 5, after checking
+    2.17G inputs), it gives torch.sqrt's bytes at every branch edge (3 more lengths than a
+    block: the masked remainder), also with subnormals flushed in the calling thread (MKL runs
+    with flushing off, so does the imitation, and the caller's MXCSR comes back unchanged)."""
+    if sp.sqrt_kind() != "emulated":
+        pytest.skip("the MKL square root imitation was not proven on this CPU (another "
+                    "estimate table or MKL code path): the kernel calls MKL instead")
+    x = _edge_patterns()
+    for n in (x.numel(), 17, 5):
+        assert_same_bits(_emulated_sqrt(x[:n]), torch.sqrt(x[:n]), f"{n} edge patterns")
+    before = sp.mxcsr()
+    torch.set_flush_denormal(True)
+    try:
+        flushing = sp.mxcsr()
+        assert flushing != before
+        assert_same_bits(_emulated_sqrt(x), torch.sqrt(x), "flushing thread")
+        assert sp.mxcsr() == flushing
+    finally:
+        torch.set_flush_denormal(False)
+    # control: a correctly rounded square root is not torch.sqrt on the same kind of inputs
+    y = torch.rand(4096, generator=torch.Generator().manual_seed(3)) + 1.0
+    assert not same_bits(y.double().sqrt().float(), torch.sqrt(y))
+
+
+def test_emulation_gate_keeps_the_mkl_call_when_a_pattern_differs(monkeypatch, tmp_path):
+    """`emulation_matches` reports one differing pattern among those it checks; `sqrt_kind`
+    then keeps calling MKL (the previous path), and the verdict is cached per CPU model and
+    build."""
+    if sp.emulated_sqrt_address() is None or sp.mkl_sqrt_address() is None:
+        pytest.skip("no MKL square root imitation in this build (not AVX-512) or no MKL")
+    span = (range(0x3F800000, 0x3F800000 + 70_000),)
+    address = sp.emulated_sqrt_address()
+
+    def off_by_one_bit(x, out):
+        torch.sqrt(x, out=out)
+        out.view(torch.int32)[x.view(torch.int32) == 0x3F80F00D] ^= 1
+        return out
+
+    if sp.sqrt_kind() == "emulated":
+        assert sp.emulation_matches(address, patterns=span, chunk=1 << 14)
+    assert not sp.emulation_matches(address, off_by_one_bit, patterns=span, chunk=1 << 14)
+    monkeypatch.setenv("COTANGENT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(sp, "emulation_matches", lambda address: False)
+    sp.sqrt_kind.cache_clear()
+    try:
+        assert sp.sqrt_kind() == "mkl"
+    finally:
+        sp.sqrt_kind.cache_clear()
 
 
 def test_probe_passes_for_default_settings():

@@ -483,8 +483,9 @@ def format_table(rows: list[Row], pass_ms: float, method: str = "real-backward",
 
 def single_pass_line(report: dict) -> str:
     """One line on the single-pass kernel's one-off costs in this run (`cotangent.singlepass.
-    process_report`): built (seconds) or loaded from the cache, probes and their seconds; or why
-    it could not run."""
+    process_report`): built (seconds) or loaded from the cache, probes and their seconds, the
+    square root it reproduces torch.sqrt with (and the seconds checking it took, when not
+    cached); or why it could not run."""
     reason, b = report["unavailable_reason"], report["build"]
     if not singlepass.switched_on():
         return (f"single pass: switched off ({singlepass.ENV_SWITCH}="
@@ -498,8 +499,11 @@ def single_pass_line(report: dict) -> str:
     built = ("loaded from the kernel cache (built by an earlier process)" if b["cached"] else
              f"built in {b['compile_s']:.2f} s by {b['compiler']}")
     probes = report["probes"]
+    root, check = report["square_root"], report["sqrt_check_s"]
+    root = f"; square root: {root}" + (f" (checked against torch.sqrt in {check:.2f} s)"
+                                       if check else "")
     return (f"single pass: kernel {b['key']} {built}; {probes} probe{'' if probes == 1 else 's'} "
-            f"in {report['probe_s']:.2f} s (one-off costs, in no row's times)")
+            f"in {report['probe_s']:.2f} s{root} (one-off costs, in no row's times)")
 
 
 def run_bench(shapes=SHAPES, impls=tuple(IMPLS), *, repeats: int = 20, warmup: int = 3,
