@@ -144,6 +144,7 @@ CHILD = textwrap.dedent("""
             libm.fedisableexcept(0x01)
         out.append(p.detach().clone())
     print("DIFF", first_difference(out[0], out[1]))
+    print("NOTES", opt.update_path()["single_pass_notes"])
 """)
 
 
@@ -152,8 +153,11 @@ def test_invalid_trap_unmasked_negative_second_moment(foreach):
     """FE_INVALID unmasked (feenableexcept) and a negative exp_avg_sq loaded through a state
     dict: native's step survives (MKL's square root gives NaN without a trap) with NaN
     parameters; at 2c35afc the pass's hardware square root of the negative lanes raised the
-    trap and the process died of SIGFPE (exit -8)."""
+    trap and the process died of SIGFPE (exit -8). Now the single pass refuses wherever an
+    exception is unmasked (any of its operations could trap where native's do not), and the
+    square root runs under the default MXCSR anyway."""
     r = subprocess.run([sys.executable, "-c", CHILD, "1" if foreach else "0"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, f"child exited {r.returncode}: {r.stderr[-2000:]}"
     assert "DIFF None" in r.stdout, r.stdout
+    assert "unmasked floating-point exceptions" in r.stdout, r.stdout

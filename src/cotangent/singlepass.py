@@ -245,8 +245,11 @@ void hw_sqrt(int64_t n, const float* a, float* r) {
 //   s = x*r, h = 0.5*r, e = 0.5 - s*h, s = s + s*e, h = h + h*e, d = x - s*s, sqrt = s + d*h.
 // Everything else is correctly rounded there (the hardware square root: zeros, positive
 // subnormals, +inf, NaNs quieted with their payload, the top 4096 finite values) except
-// negative numbers, which give 0x7FC00000. MKL runs with flush-to-zero and denormals-are-zero
-// off (VML_FTZDAZ_OFF), so this does too.
+// negative numbers, which give 0x7FC00000. MKL's results ignore the caller's MXCSR (flush-to-zero
+// and denormals-are-zero are off under VML_FTZDAZ_OFF; directed rounding modes give the
+// round-to-nearest bytes; unmasked exceptions do not trap, measured), so this runs under the
+// default MXCSR (0x1F80: round to nearest, every exception masked, no flushing) and restores
+// the caller's after.
 constexpr int EMU_RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
 inline __m512 emu_sqrt16(__m512 x) {
@@ -281,15 +284,16 @@ inline __m512 emu_sqrt16(__m512 x) {
 
 void emulated_mkl_sqrt(int64_t n, const float* a, float* r, long long) {
   const unsigned csr = __builtin_ia32_stmxcsr();
-  const bool flushing = (csr & 0x8040u) != 0;  // FTZ (bit 15), DAZ (bit 6)
-  if (flushing) __builtin_ia32_ldmxcsr(csr & ~0x8040u);
+  // control fields (bits 6-15: DAZ, exception masks, rounding, FTZ) other than the default's
+  const bool other = (csr & 0xFFC0u) != 0x1F80u;
+  if (other) __builtin_ia32_ldmxcsr((csr & ~0xFFC0u) | 0x1F80u);
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) _mm512_storeu_ps(r + i, emu_sqrt16(_mm512_loadu_ps(a + i)));
   if (i < n) {
     const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1u);
     _mm512_mask_storeu_ps(r + i, m, emu_sqrt16(_mm512_maskz_loadu_ps(m, a + i)));
   }
-  if (flushing) __builtin_ia32_ldmxcsr(csr);
+  if (other) __builtin_ia32_ldmxcsr(csr);
 }
 #endif
 
@@ -668,16 +672,25 @@ def emulated_sqrt_address() -> int | None:
 
 @lru_cache(maxsize=None)
 def cpu_model() -> str:
-    """The CPU's model name (Linux: ``/proc/cpuinfo``; else `platform.processor()`), part of
-    the key of `emulation_matches` verdicts: the emulated square root depends on the CPU's
-    estimate table and MKL's per-CPU code path."""
+    """The CPU's vendor, family, model, stepping and model name (Linux: ``/proc/cpuinfo``;
+    else `platform.processor()`), part of the key of `emulation_matches` verdicts: the emulated
+    square root depends on the CPU's estimate table and MKL's per-CPU code path, and a
+    hypervisor may show a bare model name ("AMD EPYC") for several generations."""
+    fields = ("vendor_id", "cpu family", "model", "stepping", "model name")
+    found: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                name, _, value = line.partition(":")
+                name = name.strip()
+                if name in fields and name not in found:
+                    found[name] = value.strip()
+                if not line.strip() and found:
+                    break  # the first processor's block
     except OSError:
         pass
+    if found:
+        return " / ".join(found.get(k, "?") for k in fields)
     return platform.processor() or platform.machine()
 
 
@@ -1355,15 +1368,16 @@ def lerp_branch(beta1: float) -> str:
 
 
 def team() -> tuple[int, tuple[int, ...]]:
-    """(size, MXCSR result fields of each member) of the OpenMP team a parallel region asking
-    for `torch.get_num_threads()` threads gets now: ATen splits its work by that size (not by
-    the number asked for: OMP_THREAD_LIMIT caps it), and each member computes under its own
-    flush/rounding modes (`torch.set_flush_denormal` after the pool started sets the calling
-    thread's only). Size -1: the OpenMP runtime may change team sizes (OMP_DYNAMIC)."""
+    """(size, MXCSR control fields of each member: flush-to-zero, denormals-are-zero, rounding
+    mode, exception masks; bits 6-15) of the OpenMP team a parallel region asking for
+    `torch.get_num_threads()` threads gets now: ATen splits its work by that size (not by the
+    number asked for: OMP_THREAD_LIMIT caps it), and each member computes under its own modes
+    (`torch.set_flush_denormal` after the pool started sets the calling thread's only). Size -1:
+    the OpenMP runtime may change team sizes (OMP_DYNAMIC)."""
     n = torch.get_num_threads()
     out = (ctypes.c_int * n)()
     size = int(_lib().cot_singlepass_team(n, ctypes.cast(out, ctypes.c_void_p)))
-    return size, tuple(int(x) & 0xE040 for x in out[:max(size, 0)])
+    return size, tuple(int(x) & 0xFFC0 for x in out[:max(size, 0)])
 
 
 def mxcsr() -> int:
@@ -1416,6 +1430,9 @@ def key_parts(kind: str, group: dict, clip_coef: float | None = None,
     if len(set(modes)) > 1:  # member 0 is the calling thread (the team's master)
         return ("threads compute under different float modes (set_flush_denormal after the "
                 "thread pool started): native path")
+    if modes[0] & 0x1F80 != 0x1F80:
+        return ("unmasked floating-point exceptions (the kernel's operations could trap where "
+                "native's do not): native path")
     lr_value = float(lr.item()) if isinstance(lr, Tensor) else float(lr)
     decay = _scalar(1 - lr * wd) if wd != 0 else 1.0
     return (kind, str(dtype).removeprefix("torch."), "amsgrad" if group["amsgrad"] else "-",
