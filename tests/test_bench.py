@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import weakref
 
 import pytest
@@ -21,7 +22,8 @@ from cotangent.harness import bench, cli  # noqa: E402
 REQUIRED = {"shape", "params", "tensors", "native_impl", "method", "native_ms", "cotangent_ms",
             "ratio", "native_step_ms", "cotangent_step_ms", "step_ratio", "native_zero_grad_ms",
             "cotangent_zero_grad_ms", "native_backward_ms", "cotangent_backward_ms",
-            "native_loop_ms", "cotangent_loop_ms", "loop_ratio", "floor10_ms", "bitwise",
+            "native_loop_ms", "cotangent_loop_ms", "loop_ratio", "floor10_ms", "pass_ms",
+            "bitwise",
             "extra_persistent_bytes", "native_alloc_bytes", "cotangent_alloc_bytes",
             "native_largest_alloc_bytes", "cotangent_largest_alloc_bytes", "batch_size",
             "seq_len", "others_cpus", "busy"}
@@ -31,6 +33,26 @@ PASS_MS = 1e-7  # a made-up pass cost: the floor is not what these tests look at
 def _row(method: str, impl: str = "fused", shape: str = "tiny-transformer", **kw) -> bench.Row:
     return bench.bench_row(shape, impl, pass_ms=PASS_MS, repeats=2, warmup=1, method=method,
                            **kw)
+
+
+def test_each_row_times_its_own_pass_cost_in_its_interleaving(monkeypatch):
+    """Without a given pass cost a row times one large add before each repeat's arms and takes
+    the median of the timed repeats (the floor describes the minutes the row ran in)."""
+    costs = iter([5e-7, 1e-6, 2e-6, 4e-6])  # one warm-up, then three timed repeats
+    calls, real_probe = [], bench.pass_probe
+
+    def fake_probe(elements=bench.PASS_ELEMENTS, device="cpu"):
+        calls.append(elements)
+        return lambda: next(costs)
+
+    monkeypatch.setattr(bench, "pass_probe", fake_probe)
+    row = bench.bench_row("tiny-transformer", "fused", repeats=3, warmup=1)
+    assert calls == [bench.PASS_ELEMENTS]
+    assert row.pass_ms == 2e-6  # the median of the timed repeats, not the warm-up
+    assert row.floor10_ms == 10 * row.params * 2e-6
+    assert row.cotangent_over_floor == row.cotangent_ms / row.floor10_ms
+    real = real_probe(elements=1 << 16)()
+    assert 0 < real < 1e-3  # ms per element per pass
 
 
 def test_the_default_method_is_the_training_loops_real_backward():
@@ -198,8 +220,11 @@ def test_bench_rows_are_bitwise_and_complete(capsys):
         assert row["tensors"] == 146 and row["params"] == 644_817
         assert row["native_ms"] > 0 and row["cotangent_ms"] > 0 and row["floor10_ms"] > 0
         assert row["extra_persistent_bytes"] <= 0  # no more allocator blocks than native
+        # each row's floor from its own pass cost, timed in its interleaving
+        assert row["pass_ms"] > 0 and row["floor10_ms"] == 10 * row["params"] * row["pass_ms"]
     assert any(t["target"] == "bitwise" for t in result["targets"])
-    assert result["pass_ms_per_element"] > 0
+    assert result["pass_ms_per_element"] == statistics.median(
+        row["pass_ms"] for row in result["rows"])
 
 
 @pytest.mark.e2e

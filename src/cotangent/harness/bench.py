@@ -34,8 +34,11 @@ and the run reports the kernel's one-off costs (build or cache load, probes) apa
 per-step times (`cotangent.singlepass.process_report`).
 
 Floor: a pass over N elements costs what one pass costs in a large elementwise op
-(`torch.add(a, b, out=c)` over 2**25 float32 elements = 3 passes); the update needs at least 10
-passes (norm read, clip read + write, AdamW's 4 reads and 3 writes): floor10_ms = 10 * N * that.
+(`torch.add(a, b, out=c)` over 2**25 float32 elements = 3 passes), timed once per repeat in the
+row's own interleaving (median over the row's repeats: on a VM whose memory bandwidth drifts
+between minutes, a pass cost measured once per run describes other minutes than most rows);
+the update needs at least 10 passes (norm read, clip read + write, AdamW's 4 reads and 3
+writes): floor10_ms = 10 * N * that.
 """
 
 from __future__ import annotations
@@ -86,16 +89,24 @@ def bench_model(shape: str) -> nn.Module:
     return many_small_model() if shape == "many-small" else build_model(shape, 0)
 
 
-def pass_ms_per_element(repeats: int = 15) -> float:
-    """Milliseconds per element per pass of a large float32 elementwise op (2**25 elements)."""
-    n = 1 << 25
-    a, b, c = torch.rand(n), torch.rand(n), torch.empty(n)
-    times = []
-    for _ in range(repeats):
+PASS_ELEMENTS = 1 << 25  # float32 elements of the pass-cost probe (3 x 128 MiB, beyond caches)
+
+
+def pass_probe(elements: int = PASS_ELEMENTS, device: str = "cpu"):
+    """A function timing one pass-cost measurement: `torch.add(a, b, out=c)` over `elements`
+    float32 elements (3 passes), returning milliseconds per element per pass."""
+    dev = torch.device(device)
+    a, b, c = (torch.rand(elements, device=dev), torch.rand(elements, device=dev),
+               torch.empty(elements, device=dev))
+
+    def once() -> float:
+        sync(dev)
         t0 = time.perf_counter()
         torch.add(a, b, out=c)
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times[2:]) / (3 * n)
+        sync(dev)
+        return 1e3 * (time.perf_counter() - t0) / (3 * elements)
+
+    return once
 
 
 def persistent_bytes(params, opt) -> tuple[int, int]:
@@ -198,8 +209,9 @@ class Row:
     native_loop_ms: float  # backward + update of the same repeat, median
     cotangent_loop_ms: float
     loop_ratio: float
-    floor10_ms: float
+    floor10_ms: float  # 10 * params * pass_ms
     cotangent_over_floor: float  # cotangent_ms / floor10_ms
+    pass_ms: float  # ms per element per pass, measured in this row's interleaving (median)
     bitwise: bool
     extra_persistent_bytes: int  # allocator blocks (64 B granules): cotangent - native
     padding_bytes: int  # requested bytes: cotangent - native (the 64-byte segment alignment)
@@ -253,7 +265,8 @@ def _busy(others: float | None, cpus: int | None) -> bool | None:
     return (others + torch.get_num_threads()) / cpus > BUSY_DEMAND_RATIO
 
 
-def bench_row(shape: str, impl: str, *, pass_ms: float, repeats: int, warmup: int,
+def bench_row(shape: str, impl: str, *, pass_ms: float | None = None, repeats: int,
+              warmup: int,
               method: str = "real-backward", batch_size: int = BATCH_SIZE,
               seq_len: int = SEQ_LEN, max_norm: float = 1.0, device: str = "cpu") -> Row:
     """One row: native clip_grad_norm_ + torch.optim.AdamW(**IMPLS[impl]) against
@@ -268,7 +281,9 @@ def bench_row(shape: str, impl: str, *, pass_ms: float, repeats: int, warmup: in
     every loss of the run, then after one more gradient + clip + step the total norm, the
     clipped gradients, parameters, both moments and step counts, byte for byte. For `impl` in
     SINGLE_PASS_IMPLS a third arm, Cotangent with its single pass switched off, runs in the
-    same interleaving and the same byte checks (`cotangent_off_ms`).
+    same interleaving and the same byte checks (`cotangent_off_ms`). The floor's pass cost: a
+    `pass_probe` before every repeat's arms, median over the timed repeats (`pass_ms` None, the
+    default), or the given `pass_ms` (ms per element per pass).
     Raises ValueError for an unknown method, batch_size or seq_len < 1."""
     if method not in METHODS:
         raise ValueError(f"unknown method {method!r}; valid: {', '.join(METHODS)}")
@@ -321,7 +336,13 @@ def bench_row(shape: str, impl: str, *, pass_ms: float, repeats: int, warmup: in
     phases = ("backward", "step", "zero_grad", "update", "loop")
     times = {name: {ph: [] for ph in phases} for name in arms}
     order = list(arms)
+    probe = pass_probe(device=device) if pass_ms is None else None
+    pass_costs = []
     for i in range(warmup + repeats):
+        if probe is not None:
+            cost = probe()
+            if i >= warmup:
+                pass_costs.append(cost)
         for name in order:
             _, opt, _, update = arms[name]
             sync(dev)
@@ -358,6 +379,9 @@ def bench_row(shape: str, impl: str, *, pass_ms: float, repeats: int, warmup: in
           for name, t in times.items()}
     nat, cot = ms["native"], ms["cotangent"]
     n = sum(p.numel() for p in p1)
+    if probe is not None:
+        del probe  # its 384 MiB
+        pass_ms = statistics.median(pass_costs)
     floor10 = 10 * n * pass_ms
     native_exact, native_blocks = persistent_bytes(p1, native)
     ours_exact, ours_blocks = persistent_bytes(p2, ours)
@@ -374,7 +398,7 @@ def bench_row(shape: str, impl: str, *, pass_ms: float, repeats: int, warmup: in
         native_backward_ms=nat["backward"], cotangent_backward_ms=cot["backward"],
         native_loop_ms=nat["loop"], cotangent_loop_ms=cot["loop"],
         loop_ratio=cot["loop"] / nat["loop"],
-        floor10_ms=floor10, cotangent_over_floor=cot["update"] / floor10,
+        floor10_ms=floor10, cotangent_over_floor=cot["update"] / floor10, pass_ms=pass_ms,
         bitwise=bool(bitwise), extra_persistent_bytes=ours_blocks - native_blocks,
         padding_bytes=ours_exact - native_exact,
         native_alloc_bytes=allocs["native"][0], cotangent_alloc_bytes=allocs["cotangent"][0],
@@ -442,7 +466,7 @@ def format_table(rows: list[Row], pass_ms: float, method: str = "real-backward",
     head = (f"{'shape':<19}{'params':>11}{'tensors':>8}  {'native':<8}{'native_ms':>10}"
             f"{'cotangent_ms':>13}{'ratio':>7}  {'path':<12}{'off_ms':>8}{'off':>7}"
             f"{'step':>7}{'zero_grad n/c':>14}"
-            f"{'bwd n/c':>16}{'loop':>7}{'floor10_ms':>11}{'/floor':>7}  bitwise  "
+            f"{'bwd n/c':>16}{'loop':>7}{'pass_ns':>8}{'floor10_ms':>11}{'/floor':>7}  bitwise  "
             f"{'extra_B':>7}{'largest temp n/c (KiB)':>24}{'others':>8}")
     lines = [method_line(method, batch_size, seq_len),
              "update = clip + step + zero_grad (native_ms, cotangent_ms, ratio = cotangent / "
@@ -452,7 +476,9 @@ def format_table(rows: list[Row], pass_ms: float, method: str = "real-backward",
              "sequence, mixed); off_ms / off: Cotangent with COTANGENT_SINGLE_PASS=0 in the "
              "same interleaving (update phase; ratio to native): the path before the single "
              "pass",
-             f"pass cost: {pass_ms * 1e6:.3f} ns per element (large float32 add, 3 passes)",
+             f"pass cost: {pass_ms * 1e6:.3f} ns per element (large float32 add, 3 passes; "
+             f"median of the rows' own, each timed in its row's interleaving: "
+             f"pass_ns, floor10_ms = 10 passes at that cost)",
              head]
     for r in rows:
         others = "-" if r.others_cpus is None else f"{r.others_cpus:.2f}"
@@ -464,7 +490,7 @@ def format_table(rows: list[Row], pass_ms: float, method: str = "real-backward",
             f"{r.step_ratio:>7.3f}"
             f"{r.native_zero_grad_ms:>8.2f} /{r.cotangent_zero_grad_ms:>5.2f}"
             f"{r.native_backward_ms:>9.2f} /{r.cotangent_backward_ms:>6.2f}{r.loop_ratio:>7.3f}"
-            f"{r.floor10_ms:>11.2f}{r.cotangent_over_floor:>7.2f}  "
+            f"{r.pass_ms * 1e6:>8.3f}{r.floor10_ms:>11.2f}{r.cotangent_over_floor:>7.2f}  "
             f"{'yes' if r.bitwise else 'NO':<7}"
             f"{r.extra_persistent_bytes:>8}{r.native_largest_alloc_bytes / 1024:>13.0f} / "
             f"{r.cotangent_largest_alloc_bytes / 1024:<8.0f}{others:>8}{'*' if r.busy else ''}")
@@ -512,10 +538,11 @@ def run_bench(shapes=SHAPES, impls=tuple(IMPLS), *, repeats: int = 20, warmup: i
     """Run every (shape, impl) row with `method` (METHODS; see bench_row).
 
     Returns {environment, device, method, batch_size, seq_len (None for synthetic-grads),
-    pass_ms_per_element, loadavg_start, loadavg_end, host_cpus, others_cpus (CPUs other work
-    kept busy on average during the run, from /proc/stat as `cotangent.harness.contention`;
-    None where unreadable), busy_rows (rows measured on a busy machine), wall_s, single_pass
-    (`cotangent.singlepass.process_report` at the end: build and probe costs), rows, targets,
+    pass_ms_per_element (the median of the rows' own pass costs), loadavg_start, loadavg_end,
+    host_cpus, others_cpus (CPUs other work kept busy on average during the run, from
+    /proc/stat as `cotangent.harness.contention`; None where unreadable), busy_rows (rows
+    measured on a busy machine), wall_s, single_pass (`cotangent.singlepass.process_report` at
+    the end: build and probe costs), rows, targets,
     table}. Raises ValueError for an unknown
     method, batch_size or seq_len < 1."""
     if method not in METHODS:
@@ -525,21 +552,16 @@ def run_bench(shapes=SHAPES, impls=tuple(IMPLS), *, repeats: int = 20, warmup: i
     load_start = os.getloadavg()
     sampler = HostSampler()
     host0, cpu0, wall0 = sampler.sample(), time.process_time(), time.perf_counter()
-    pass_ms = pass_ms_per_element()
     rows = []
     for shape in shapes:
         for impl in impls:
-            row = bench_row(shape, impl, pass_ms=pass_ms, repeats=repeats, warmup=warmup,
-                            method=method, batch_size=batch_size, seq_len=seq_len,
-                            device=device)
+            row = bench_row(shape, impl, repeats=repeats, warmup=warmup, method=method,
+                            batch_size=batch_size, seq_len=seq_len, device=device)
             log(f"  {shape:<19} {impl:<8} native {row.native_ms:8.2f} ms  cotangent "
                 f"{row.cotangent_ms:8.2f} ms  ratio {row.ratio:.3f}  path {row.cotangent_path}"
                 f"  bitwise {row.bitwise}")
             rows.append(row)
-    pass_ms = min(pass_ms, pass_ms_per_element())  # re-measured at the end; the faster one
-    for r in rows:
-        r.floor10_ms = 10 * r.params * pass_ms
-        r.cotangent_over_floor = r.cotangent_ms / r.floor10_ms
+    pass_ms = statistics.median(r.pass_ms for r in rows)  # the header's summary only
     others = _others_cpus(sampler, host0, cpu0, wall0)
     real = method == "real-backward"
     return dict(environment=environment(), device=device, method=method,
