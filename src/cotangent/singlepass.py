@@ -665,8 +665,8 @@ def emulated_sqrt_address() -> int | None:
     from the CPU's 12-bit reciprocal square root estimate, one Goldschmidt step and a residual
     correction, each operation rounded on its own; see the kernel source), or None where the
     build has none (not an AVX-512 build). Its results equal MKL's only on CPUs whose estimate
-    table and MKL code path are the ones it was derived on (AMD Zen 5): `sqrt_kind` uses it only
-    after `emulation_matches` proved it on every float32 input here."""
+    table and MKL code path are the ones it was derived on (AMD Zen 5, where it equals MKL's on
+    all 2**32 inputs): `sqrt_kind` uses it only after `emulation_matches` proved it here."""
     return build().emulated_sqrt
 
 
@@ -756,7 +756,8 @@ def emulation_matches(address: int, reference=torch.sqrt, *, patterns=EMULATION_
 def sqrt_kind() -> str | None:
     """Which square root reproduces `torch.sqrt` (float32, CPU) byte for byte, in the kernel's
     blocks: "emulated" (the kernel's imitation of MKL's vmsSqrt, 3x faster than calling it,
-    where `emulation_matches` proved it on all 2**32 inputs), "mkl" (MKL's vmsSqrt, the one
+    where `emulation_matches` proved it on every non-negative float32 input and 34M negative
+    ones), "mkl" (MKL's vmsSqrt, the one
     torch calls), "hardware" (a correctly rounded square root, what ATen's vectorised kernel
     does without MKL) or None (none: no single pass). Every kind must also pass the same probe
     values at several call lengths."""
