@@ -110,6 +110,7 @@ _SOURCE = r"""
 // Single-pass AdamW (for-loop / foreach op sequence of torch.optim.AdamW, float32, CPU); see
 // cotangent/singlepass.py. Compiled with -ffp-contract=off: the only fused multiply-adds are
 // the explicit ones, where ATen's kernels have them.
+#include <algorithm>
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
@@ -387,13 +388,31 @@ void for_each_block(const int64_t* pieces, int64_t npieces, int nthreads,
     total += (pieces[4 * k + 1] + BLOCK - 1) / BLOCK;
   }
   first[npieces] = total;
+  // elements before each block, so that every thread gets about the same number of elements
+  // (not of blocks: many small tensors make many short blocks). Which thread updates an
+  // element does not change its bits (every member computes under the same float modes,
+  // checked by the caller).
+  int64_t* before = new int64_t[total + 1];
+  int64_t elements = 0;
+  for (int64_t k = 0, b = 0; k < npieces; k++) {
+    for (int64_t off = 0; off < pieces[4 * k + 1]; off += BLOCK, b++) {
+      before[b] = elements;
+      const int64_t left = pieces[4 * k + 1] - off;
+      elements += left < BLOCK ? left : BLOCK;
+    }
+  }
+  before[total] = elements;
 #pragma omp parallel num_threads(nthreads)
   {
     float* scratch = scratch_floats ? static_cast<float*>(
         std::aligned_alloc(64, scratch_floats * sizeof(float))) : nullptr;
+    const int64_t t = omp_get_thread_num(), size = omp_get_num_threads();
+    // blocks [lo, hi): those whose first element lies in this thread's share of the elements
+    const int64_t* lo_it = std::lower_bound(before, before + total, elements * t / size);
+    const int64_t* hi_it = std::lower_bound(before, before + total, elements * (t + 1) / size);
+    const int64_t lo = lo_it - before, hi = t + 1 == size ? total : hi_it - before;
     int64_t k = 0;
-#pragma omp for schedule(static)
-    for (int64_t b = 0; b < total; b++) {
+    for (int64_t b = lo; b < hi; b++) {
       while (first[k + 1] <= b) k++;
       while (first[k] > b) k--;
       const int64_t* pc = pieces + 4 * k;
@@ -403,6 +422,7 @@ void for_each_block(const int64_t* pieces, int64_t npieces, int nthreads,
     }
     std::free(scratch);
   }
+  delete[] before;
   delete[] first;
 }
 
