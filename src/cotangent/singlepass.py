@@ -1018,16 +1018,16 @@ def single_pass_adamw_(params: Tensor, grads: Tensor, exp_avgs: Tensor, exp_avg_
         if t not in by_step:
             by_step[t] = native_step_scalars(t, implementation=implementation, lr=lr,
                                              beta1=beta1, beta2=beta2)
-    values = [by_step[t] for t in stepped]
-    if any(a != a or b != b for a, b in values):
+    distinct = by_step.values()  # the checks need each distinct pair once (usually one)
+    if any(a != a or b != b for a, b in distinct):
         raise ValueError("a NaN step size: not reproduced by the single pass")
     # ATen converts each scalar with c10::Scalar::to<float>(), which raises for a finite value
     # beyond float32 (e.g. lr / (1 - beta1**step) > 3.4e38): native raises, so refuse
     if any(math.isfinite(x) and abs(x) > FLT_MAX
-           for x in [*scalars, *(a for a, _ in values), *(b for _, b in values)]):
+           for x in [*scalars, *(a for a, _ in distinct), *(b for _, b in distinct)]):
         raise ValueError("a scalar beyond float32 (native raises converting it): native path")
-    nstep = (ctypes.c_double * len(values))(*[a for a, _ in values])
-    bc2s = (ctypes.c_double * len(values))(*[b for _, b in values])
+    nstep = (ctypes.c_double * len(stepped))(*[by_step[t][0] for t in stepped])
+    bc2s = (ctypes.c_double * len(stepped))(*[by_step[t][1] for t in stepped])
     if threads is None:
         threads = team()[0]
         if threads < 1:
