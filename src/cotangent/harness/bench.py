@@ -266,8 +266,7 @@ def _busy(others: float | None, cpus: int | None) -> bool | None:
 
 
 def bench_row(shape: str, impl: str, *, pass_ms: float | None = None, repeats: int,
-              warmup: int,
-              method: str = "real-backward", batch_size: int = BATCH_SIZE,
+              warmup: int, method: str = "real-backward", batch_size: int = BATCH_SIZE,
               seq_len: int = SEQ_LEN, max_norm: float = 1.0, device: str = "cpu") -> Row:
     """One row: native clip_grad_norm_ + torch.optim.AdamW(**IMPLS[impl]) against
     cotangent.AdamW(max_norm=max_norm) on two copies of model `shape` (a name of SHAPES, or
