@@ -129,3 +129,19 @@ def run_against_native(base, *, foreach, deliver, steps: int, max_norm=None, nor
         native.zero_grad(set_to_none=set_to_none)
         ours.zero_grad(set_to_none=set_to_none)
     return out
+
+
+def group_edit(step_at: int, **values):
+    """An `edit` for `run_against_native` writing `values` into every param group at step
+    `step_at` (native's own checks at construction do not run: any value a training loop can
+    write; tensors are cloned per arm)."""
+    def edit(step, params, opt):
+        if step == step_at:
+            for g in opt.param_groups:
+                g.update({k: v.clone() if torch.is_tensor(v) else v for k, v in values.items()})
+    return edit
+
+
+def thread_flip(step, params, opt):
+    """An `edit` for `run_against_native`: ATen's thread count alternates 2, 1, 2, ... by step."""
+    torch.set_num_threads(1 if step % 2 else 2)

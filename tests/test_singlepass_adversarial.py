@@ -33,8 +33,8 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
 import cotangent
-from bitwise import (assert_same_bits, assert_same_update, require_single_pass_kernel,
-                     run_against_native, threads)
+from bitwise import (assert_same_bits, assert_same_update, group_edit,
+                     require_single_pass_kernel, run_against_native, thread_flip, threads)
 from cotangent import singlepass as sp
 from cotangent.verify import first_difference
 
@@ -122,26 +122,12 @@ def compare(*, foreach: bool, max_norm=1e-3, steps: int = 3, grads=mild_grad, ed
                               groups=groups, clip_order=clip_order, set_to_none=set_to_none)
 
 
-def group_edit(step_at: int, **values):
-    """An edit writing `values` into every param group at step `step_at` (native's own checks
-    at construction do not run: any value a training loop can write)."""
-    def edit(step, params, opt):
-        if step == step_at:
-            for g in opt.param_groups:
-                g.update({k: v.clone() if torch.is_tensor(v) else v for k, v in values.items()})
-    return edit
-
-
 def toggles(step, params, opt):
     for g in opt.param_groups:
         g["maximize"] = step % 2 == 1
         g["amsgrad"] = step != 1  # built with amsgrad (native's state has max_exp_avg_sq)
         g["betas"] = ((0.0, 0.999), (0.9, 0.0), (0.5, 0.999))[step % 3]
         g["lr"] = torch.tensor(2e-3) if step == 1 and not opt.defaults["foreach"] else 1e-3
-
-
-def thread_flip(step, params, opt):
-    torch.set_num_threads(1 if step % 2 else 2)
 
 
 def switch_flip(step, params, opt):

@@ -27,7 +27,8 @@ import pytest
 import torch
 
 import cotangent
-from bitwise import assert_same_bits, require_single_pass_kernel, run_against_native, threads
+from bitwise import (assert_same_bits, group_edit, require_single_pass_kernel,
+                     run_against_native, thread_flip, threads)
 from cotangent import singlepass as sp
 from cotangent.verify import first_difference
 
@@ -233,14 +234,6 @@ def compare(*, foreach, max_norm=None, steps=2, grads=special_grad, edit=None, a
     return [row[:3] for row in out]
 
 
-def group_edit(step_at: int, **values):
-    def edit(step, params, opt):
-        if step == step_at:
-            for g in opt.param_groups:
-                g.update({k: v.clone() if torch.is_tensor(v) else v for k, v in values.items()})
-    return edit
-
-
 def special_state_through_native(step, params, opt):
     """At step 1: the state dict saved, special bit patterns (NaNs, infinities, subnormals,
     max finite, negative exp_avg_sq) written into its moments, one step count set to 1000,
@@ -259,10 +252,6 @@ def special_state_through_native(step, params, opt):
     tmp = torch.optim.AdamW(params, foreach=opt.defaults["foreach"])
     tmp.load_state_dict(sd)
     opt.load_state_dict(copy.deepcopy(tmp.state_dict()))
-
-
-def thread_flip(step, params, opt):
-    torch.set_num_threads(1 if step % 2 else 2)
 
 
 def float64_steps(step, params, opt):
