@@ -781,6 +781,7 @@ def sqrt_kind() -> str | None:
     torch calls), "hardware" (a correctly rounded square root, what ATen's vectorised kernel
     does without MKL) or None (none: no single pass). Every kind must also pass the same probe
     values at several call lengths."""
+    global _SQRT_CHOSEN
     x = _sqrt_probe_values()
     want = torch.sqrt(x).view(torch.int32)
     lib = _lib()
@@ -801,9 +802,9 @@ def sqrt_kind() -> str | None:
                 break
         else:
             if kind != "emulated" or emulation_matches(address):
-                _SQRT_CHOSEN[0] = kind
+                _SQRT_CHOSEN = kind
                 return kind
-    _SQRT_CHOSEN[0] = None
+    _SQRT_CHOSEN = None
     return None
 
 
@@ -1294,7 +1295,7 @@ _VERDICTS: dict[tuple, bool] = {}  # verdict per key parts, this process
 _PROBES = 0  # probes run by `proven` in this process (introspection and tests)
 _PROBE_S = 0.0  # seconds those probes took
 _SQRT_CHECK_S = 0.0  # seconds `emulation_matches` spent checking in this process (not cached)
-_SQRT_CHOSEN: list = ["not checked"]  # what `sqrt_kind` chose in this process
+_SQRT_CHOSEN: str | None = "not checked"  # what `sqrt_kind` chose in this process
 _log = logging.getLogger("cotangent.singlepass")
 
 
@@ -1519,7 +1520,7 @@ def process_report() -> dict:
                 build=None if b is None else dict(compiler=b.compiler, cached=b.cached,
                                                   compile_s=b.compile_s, key=b.key,
                                                   flags=list(compile_flags())),
-                probes=_PROBES, probe_s=_PROBE_S, square_root=_SQRT_CHOSEN[0],
+                probes=_PROBES, probe_s=_PROBE_S, square_root=_SQRT_CHOSEN,
                 sqrt_check_s=_SQRT_CHECK_S)
 
 
