@@ -304,6 +304,9 @@ def test_probe_catches_a_kernel_that_rounds_one_branch_differently(tmp_path, mon
         wrong = sp._SOURCE.replace("TAIL       ? __builtin_fmaf(-d, omw, g)",
                                    "TAIL       ? __builtin_fmaf(wm1, d, g)")
         assert wrong != sp._SOURCE
+        fused = "TAIL       ? _mm512_fmadd_ps(_mm512_xor_ps(d, sign), omw, g)"
+        assert sp._SOURCE.count(fused) == 1  # the register path (AVX-512 builds)
+        wrong = wrong.replace(fused, "TAIL       ? _mm512_fmadd_ps(wm1, d, g)")
         monkeypatch.setenv("COTANGENT_CACHE_DIR", str(tmp_path))
         monkeypatch.setattr(sp, "_SOURCE", wrong)
         monkeypatch.setattr(sp, "_LIB", None)
@@ -314,6 +317,42 @@ def test_probe_catches_a_kernel_that_rounds_one_branch_differently(tmp_path, mon
             assert not sp.matches_native(**kw)
         finally:
             sp.sqrt_kind.cache_clear()
+
+
+def _load(source: str, tmp_path, monkeypatch) -> None:
+    """Make the next kernel call compile and load `source` (cache in `tmp_path`)."""
+    monkeypatch.setenv("COTANGENT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(sp, "_SOURCE", source)
+    for name in ("_LIB", "_BUILD", "_FAILURE"):
+        monkeypatch.setattr(sp, name, None)
+
+
+# each path's addcdiv_ division through the reciprocal (other bytes wherever that path runs)
+_REGISTER_DIV = ("_mm512_div_ps(t, den)",
+                 "_mm512_mul_ps(t, _mm512_div_ps(_mm512_set1_ps(1.0f), den))")
+_GENERAL_DIV = ("float q = t / den;", "float q = t * (1.0f / den);")
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
+                    reason="the register path is in AVX-512 builds only")
+@pytest.mark.parametrize("mutated,plain,equal", [
+    (_REGISTER_DIV, True, False),   # clean vectors take the register path
+    (_GENERAL_DIV, True, True),     # ... and never the general one
+    (_GENERAL_DIV, False, False),   # vectors with a NaN are redone by the general path
+], ids=["register-clean", "general-clean", "general-nan"])
+def test_register_path_takes_clean_vectors_and_the_general_path_those_with_a_nan(
+        mutated, plain, equal, tmp_path, monkeypatch):
+    """Which path updates which vector, shown by breaking one path at a time: the kernel keeps
+    a vector in registers unless one of its lanes meets a NaN, and then redoes it element by
+    element. (Both unbroken paths give native's bytes: the other tests.)"""
+    assert sp.sqrt_kind() in ("emulated", "hardware")  # the kinds the register path takes
+    old, new = mutated
+    assert sp._SOURCE.count(old) == 1
+    _load(sp._SOURCE.replace(old, new), tmp_path, monkeypatch)
+    with threads(2):
+        params, states, ours, steps = run_both(plain=plain, steps=2, weight_decay=0.1)
+    same = all(same_bits(o, q.detach()) for o, q in zip(ours[0], params))
+    assert same == equal
 
 
 # ------------------------------------------------------------ cotangent.AdamW with the single pass
@@ -500,6 +539,10 @@ def test_a_wrong_kernel_fails_its_probe_and_native_runs(fresh_verdicts, monkeypa
     (the control), gated its probe fails and the update keeps native's path and bytes."""
     wrong = sp._SOURCE.replace("float q = t / den;", "float q = t * (1.0f / den);")
     assert wrong != sp._SOURCE
+    # and in the register path (AVX-512 builds)
+    fused = "_mm512_div_ps(t, den)"
+    assert sp._SOURCE.count(fused) == 1
+    wrong = wrong.replace(fused, "_mm512_mul_ps(t, _mm512_div_ps(_mm512_set1_ps(1.0f), den))")
     monkeypatch.setattr(sp, "_SOURCE", wrong)
     for name in ("_LIB", "_BUILD", "_FAILURE"):
         monkeypatch.setattr(sp, name, None)

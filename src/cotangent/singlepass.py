@@ -115,6 +115,7 @@ _SOURCE = r"""
 #include <cstdlib>
 #include <cstring>
 #include <omp.h>
+#include <type_traits>
 #ifdef __AVX512F__
 #include <immintrin.h>
 #endif
@@ -296,6 +297,86 @@ void emulated_mkl_sqrt(int64_t n, const float* a, float* r, long long) {
   }
   if (other) __builtin_ia32_ldmxcsr(csr);
 }
+
+// ---- The same step with every element's whole op sequence in registers, 16 lanes at a time
+// (no scratch arrays between the moments, the square root and the update), for the float32
+// step without amsgrad where the square root is the imitation under the default MXCSR or the
+// hardware's. Where any lane of a vector meets a NaN (the gradient, clipped; grad - exp_avg;
+// value * exp_avg or its quotient) the vector is redone by the general path above, element by
+// element: every NaN rule of the general path is a select that leaves a non-NaN result as it
+// is, so on the vectors kept here both paths compute the same IEEE operations on the same
+// values (no fused multiply-adds but the explicit ones: -ffp-contract=off).
+template <typename F>
+inline void with_bool(bool b, F f) {
+  if (b) f(std::true_type{}); else f(std::false_type{});
+}
+
+template <bool MAXIMIZE, bool SMALL_WEIGHT, bool TAIL, bool CLIP, bool DECAY, bool EMU>
+void fused(int64_t n, float* __restrict g_, float* __restrict m_, float* __restrict v_,
+           float* __restrict p_, const Hyper& h, float bc2s, float nstep, float* scratch) {
+  const __m512 c = _mm512_set1_ps(h.clip), decay = _mm512_set1_ps(h.decay);
+  const __m512 w = _mm512_set1_ps(h.weight), wm1 = _mm512_set1_ps(h.weight_m1);
+  const __m512 omw = _mm512_set1_ps(h.one_minus_weight), b2 = _mm512_set1_ps(h.beta2);
+  const __m512 val = _mm512_set1_ps(h.value2), eps = _mm512_set1_ps(h.eps);
+  const __m512 bc = _mm512_set1_ps(bc2s), ns = _mm512_set1_ps(nstep);
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u)));
+  for (int64_t i = 0; i < n; i += 16) {
+    const int64_t len = n - i < 16 ? n - i : 16;
+    const __mmask16 valid = len == 16 ? 0xFFFF : static_cast<__mmask16>((1u << len) - 1u);
+    const bool full = len == 16;  // masked loads and stores only for the last vector
+    const __m512 g0 = full ? _mm512_loadu_ps(g_ + i) : _mm512_maskz_loadu_ps(valid, g_ + i);
+    const __m512 m = full ? _mm512_loadu_ps(m_ + i) : _mm512_maskz_loadu_ps(valid, m_ + i);
+    const __m512 v = full ? _mm512_loadu_ps(v_ + i) : _mm512_maskz_loadu_ps(valid, v_ + i);
+    const __m512 p = full ? _mm512_loadu_ps(p_ + i) : _mm512_maskz_loadu_ps(valid, p_ + i);
+    const __m512 pd = DECAY ? _mm512_mul_ps(p, decay) : p;
+    const __m512 gc = CLIP ? _mm512_mul_ps(g0, c) : g0;
+    const __m512 g = MAXIMIZE ? _mm512_xor_ps(gc, sign) : gc;
+    const __m512 d = _mm512_sub_ps(g, m);
+    const __m512 m1 = SMALL_WEIGHT ? _mm512_fmadd_ps(w, d, m)
+                      : TAIL       ? _mm512_fmadd_ps(_mm512_xor_ps(d, sign), omw, g)
+                                   : _mm512_fmadd_ps(wm1, d, g);
+    const __m512 v1 = _mm512_fmadd_ps(_mm512_mul_ps(val, g), g, _mm512_mul_ps(v, b2));
+    const __m512 r = EMU ? emu_sqrt16(v1) : _mm512_sqrt_ps(v1);
+    const __m512 den = _mm512_add_ps(_mm512_div_ps(r, bc), eps);
+    const __m512 t = _mm512_mul_ps(ns, m1);
+    const __m512 q = _mm512_div_ps(t, den);
+    const __m512 p1 = _mm512_add_ps(q, pd);
+    const __mmask16 nan = _mm512_mask_cmp_ps_mask(valid, g, d, _CMP_UNORD_Q) |
+                          _mm512_mask_cmp_ps_mask(valid, t, q, _CMP_UNORD_Q);
+    if (__builtin_expect(nan != 0, 0)) {
+      float* r_ = scratch + 16;
+      float* pd_ = scratch + 32;
+      moments<MAXIMIZE, SMALL_WEIGHT, false, TAIL, CLIP, DECAY>(
+          len, g_ + i, m_ + i, v_ + i, nullptr, scratch, p_ + i, pd_, h);
+      if (EMU) emulated_mkl_sqrt(len, v_ + i, r_, 0); else hw_sqrt(len, v_ + i, r_);
+      update(len, p_ + i, pd_, m_ + i, r_, bc2s, h.eps, nstep);
+      continue;
+    }
+    if (full) {
+      if (CLIP) _mm512_storeu_ps(g_ + i, gc);
+      _mm512_storeu_ps(m_ + i, m1);
+      _mm512_storeu_ps(v_ + i, v1);
+      _mm512_storeu_ps(p_ + i, p1);
+      continue;
+    }
+    if (CLIP) _mm512_mask_storeu_ps(g_ + i, valid, gc);
+    _mm512_mask_storeu_ps(m_ + i, valid, m1);
+    _mm512_mask_storeu_ps(v_ + i, valid, v1);
+    _mm512_mask_storeu_ps(p_ + i, valid, p1);
+  }
+}
+
+void fused_step(bool maximize, bool small, bool tail, bool clip, bool decay, bool emu,
+                int64_t n, float* g, float* m, float* v, float* p, const Hyper& h, float bc2s,
+                float nstep, float* scratch) {
+  with_bool(maximize, [&](auto MX) { with_bool(small, [&](auto SW) {
+    with_bool(tail && !small, [&](auto TL) { with_bool(clip, [&](auto CL) {
+      with_bool(decay, [&](auto DC) { with_bool(emu, [&](auto EM) {
+        fused<decltype(MX)::value, decltype(SW)::value, decltype(TL)::value,
+              decltype(CL)::value, decltype(DC)::value, decltype(EM)::value>(
+            n, g, m, v, p, h, bc2s, nstep, scratch);
+      }); }); }); }); }); });
+}
 #endif
 
 // ---- bfloat16 buffers. Each ATen op of the for-loop / foreach AdamW on bfloat16 tensors reads
@@ -448,7 +529,7 @@ int cot_singlepass_adamw_bf16(uint16_t* p, const uint16_t* g, uint16_t* m, uint1
   return 0;
 }
 
-int cot_singlepass_version() { return 9; }
+int cot_singlepass_version() { return 10; }
 
 // The calling thread's SSE control/status register (MXCSR): its flush-to-zero (bit 15),
 // denormals-are-zero (bit 6) and rounding-mode (bits 13-14) fields change float results.
@@ -502,6 +583,18 @@ int cot_singlepass_adamw(float* p, float* g, float* m, float* v, float* vmax,
   // decayed parameter)
   for_each_block(pieces, npieces, nthreads, 3 * BLOCK,
                  [&](const int64_t* pc, int64_t start, int64_t len, float* s) {
+#ifdef __AVX512F__
+    // the register path: the imitation needs the default MXCSR (it is what it was proven
+    // under; the general path switches to it around each call), the hardware's any
+    const bool emu = sq == &emulated_mkl_sqrt;
+    if (!ams && (sq == nullptr ||
+                 (emu && (__builtin_ia32_stmxcsr() & 0xFFC0u) == 0x1F80u))) {
+      fused_step(maximize, small, pc[3] != 0, clip, has_decay, emu, len, g + start,
+                 m + start, v + start, p + start, h, static_cast<float>(bc2s[pc[2]]),
+                 static_cast<float>(nstep[pc[2]]), s);
+      return;
+    }
+#endif
     float* r = s + BLOCK;
     float* pd = s + 2 * BLOCK;
     pick(maximize, small, ams, pc[3] != 0, clip, has_decay)(
