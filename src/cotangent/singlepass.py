@@ -116,9 +116,7 @@ _SOURCE = r"""
 #include <cstring>
 #include <omp.h>
 #include <type_traits>
-#ifdef __AVX512F__
 #include <immintrin.h>
-#endif
 
 typedef void (*sqrt_fn_t)(int64_t, const float*, float*, long long);
 
@@ -529,7 +527,36 @@ int cot_singlepass_adamw_bf16(uint16_t* p, const uint16_t* g, uint16_t* m, uint1
   return 0;
 }
 
-int cot_singlepass_version() { return 10; }
+// Every element of p[0, n) set to -0.0 (the bits 0x80000000) with non-temporal stores, which
+// write whole cache lines without reading them first (a plain fill reads each line before
+// writing it), split evenly among nthreads OpenMP threads (1: no parallel region).
+void cot_fill_negative_zero(float* p, int64_t n, int nthreads) {
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
+  {
+    const int64_t t = omp_get_thread_num(), size = omp_get_num_threads();
+    int64_t i = n * t / size;
+    const int64_t hi = n * (t + 1) / size;
+#ifdef __AVX512F__
+    constexpr int64_t W = 16;
+    const __m512 z = _mm512_set1_ps(-0.0f);
+#else
+    constexpr int64_t W = 8;
+    const __m256 z = _mm256_set1_ps(-0.0f);
+#endif
+    for (; i < hi && (reinterpret_cast<uintptr_t>(p + i) & (4 * W - 1)); i++) p[i] = -0.0f;
+    for (; i + W <= hi; i += W) {
+#ifdef __AVX512F__
+      _mm512_stream_ps(p + i, z);
+#else
+      _mm256_stream_ps(p + i, z);
+#endif
+    }
+    for (; i < hi; i++) p[i] = -0.0f;
+    _mm_sfence();  // the streamed stores are visible to every thread after this
+  }
+}
+
+int cot_singlepass_version() { return 11; }
 
 // The calling thread's SSE control/status register (MXCSR): its flush-to-zero (bit 15),
 // denormals-are-zero (bit 6) and rounding-mode (bits 13-14) fields change float results.
@@ -736,6 +763,8 @@ def _build_locked() -> tuple[ctypes.CDLL, Build]:
         _log.info("single-pass kernel loaded from the cache: %s", target)
     else:
         _log.info("single-pass kernel compiled in %.2f s (%s): %s", compile_s, cxx, target)
+    lib.cot_fill_negative_zero.restype = None
+    lib.cot_fill_negative_zero.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.cot_singlepass_team.restype = ctypes.c_int
     lib.cot_singlepass_team.argtypes = [ctypes.c_int, ctypes.c_void_p]
     emulated = None
@@ -750,6 +779,29 @@ def _lib() -> ctypes.CDLL:
     build()
     assert _LIB is not None
     return _LIB
+
+
+STREAM_FILL_MIN = 1 << 22  # elements (16 MiB of float32); measured below
+
+
+def fill_negative_zero_(t: Tensor) -> None:
+    """``t.fill_(-0.0)``: every element of `t` becomes -0.0 (bits 0x80000000 in float32), and
+    its version counter is bumped, as `fill_` does.
+
+    A contiguous float32 CPU tensor of at least `STREAM_FILL_MIN` elements is filled by the
+    kernel library with non-temporal stores, which write whole cache lines without first
+    reading them (a plain fill reads every line it writes): on a 2-core AMD EPYC (Zen 5),
+    19.3M elements 1.36 -> 1.06 ms, 2 threads, caches evicted before each fill. Smaller buffers
+    keep `fill_`, which leaves them in cache for the backward that accumulates into them next.
+    Also `fill_` where the single pass is switched off or its library is not loaded (never
+    compiles it)."""
+    lib = _LIB
+    if (lib is None or t.device.type != "cpu" or t.dtype != torch.float32
+            or not t.is_contiguous() or t.numel() < STREAM_FILL_MIN or not switched_on()):
+        t.fill_(-0.0)
+        return
+    lib.cot_fill_negative_zero(t.data_ptr(), t.numel(), torch.get_num_threads())
+    torch.autograd.graph.increment_version(t)
 
 
 @lru_cache(maxsize=None)

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from cotangent import _compat, calibration
+from cotangent import _compat, calibration, singlepass
 from cotangent.calibration import sprinkle_special_values
 from cotangent.store import FlatStore, describe, same_strides
 
@@ -159,7 +159,7 @@ class GradientTracker:
         keep = set() if set_to_none else {
             s for s in self.all_slots if self.tracked[s] and self.has_logical_grad(s)}
         for flat_g in store.flat_grads:
-            flat_g.fill_(-0.0)
+            singlepass.fill_negative_zero_(flat_g)
         views = store.grad_views
         n = len(views)
         kept_outside = set()
