@@ -877,3 +877,57 @@ def test_bfloat16_amsgrad_runs_natively_and_the_scalar_rounding_is_what_the_prob
             *_, opt = native_vs_cotangent(foreach=foreach, models=_bf16_models(),
                                           path="native")
             assert any("probe" in n for n in opt.update_path()["single_pass_notes"])
+
+
+@pytest.mark.parametrize("n,offset", [(1, 0), (17, 3), (4099, 1), (1 << 20, 0), ((1 << 20) + 5, 7)])
+@pytest.mark.parametrize("nthreads", [1, 2])
+def test_streaming_fill_writes_negative_zero_everywhere(n, offset, nthreads, monkeypatch):
+    """The non-temporal refill: every element of any length and alignment becomes -0.0
+    (0x80000000), nothing around it changes, and the version counter moves as `fill_`'s."""
+    sp.build()
+    monkeypatch.setattr(sp, "STREAM_FILL_MIN", 1)
+    base = torch.randn(n + offset + 9)
+    before = base.clone()
+    t = base[offset:offset + n]
+    version = t._version
+    with threads(nthreads):
+        sp.fill_negative_zero_(t)
+    assert t._version > version
+    assert bool((t.view(torch.int32) == -2**31).all())
+    assert same_bits(base[:offset], before[:offset])
+    assert same_bits(base[offset + n:], before[offset + n:])
+
+
+def test_streaming_fill_in_the_optimizer_gives_native_bytes(monkeypatch):
+    """zero_grad with every buffer refilled by the streaming fill (threshold lowered to 1):
+    the next backwards accumulate into -0.0 exactly as into fresh gradients."""
+    sp.build()
+    calls = []
+    real = sp._LIB.cot_fill_negative_zero
+
+    def counted(*args):
+        calls.append(args[1])
+        return real(*args)
+
+    class SignedZeroGradients(torch.nn.Module):
+        """`w`'s gradient is a scalar times `c`: zeros of both signs among other values, so a
+        refill with +0.0 instead of -0.0 would change the accumulated gradients' bytes."""
+
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(3)
+            self.lin = torch.nn.Linear(IN, 3)
+            self.w = torch.nn.Parameter(torch.randn(64))
+            c = torch.randn(64)
+            c[::3], c[1::3] = 0.0, -0.0
+            self.register_buffer("c", c)
+
+        def forward(self, x):
+            return self.lin(x) + (self.w * self.c).sum()
+
+    monkeypatch.setattr(sp, "STREAM_FILL_MIN", 1)
+    monkeypatch.setattr(sp._LIB, "cot_fill_negative_zero", counted)
+    with threads(2):
+        for models in (None, (SignedZeroGradients(), SignedZeroGradients())):
+            native_vs_cotangent(foreach=False, steps=4, max_norm=1.0, models=models)
+    assert calls  # the streaming fill ran
