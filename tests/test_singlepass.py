@@ -551,7 +551,8 @@ def test_a_wrong_kernel_fails_its_probe_and_native_runs(fresh_verdicts, monkeypa
     try:
         with threads(2):
             with monkeypatch.context() as forced:
-                forced.setattr(sp, "decide", lambda kind, group, clip_coef=None, dtype=None: None)
+                forced.setattr(sp, "decide",
+                               lambda kind, group, clip_coef=None, dtype=None, team_now=None: None)
                 with pytest.raises(AssertionError):
                     native_vs_cotangent(foreach=False, steps=3)
             *_, opt = native_vs_cotangent(foreach=False, steps=3, path="native")
@@ -869,7 +870,8 @@ def test_bfloat16_amsgrad_runs_natively_and_the_scalar_rounding_is_what_the_prob
         assert any("amsgrad" in n for n in opt.update_path()["single_pass_notes"])
         monkeypatch.setattr(sp, "_bf16_value", lambda x: x)
         with monkeypatch.context() as forced:
-            forced.setattr(sp, "decide", lambda kind, group, clip_coef=None, dtype=None: None)
+            forced.setattr(sp, "decide",
+                               lambda kind, group, clip_coef=None, dtype=None, team_now=None: None)
             with pytest.raises(AssertionError):
                 native_vs_cotangent(foreach=True, models=_bf16_models(), lr=0.1, eps=1e-3,
                                     weight_decay=0.5, betas=(0.9, 0.95))

@@ -380,8 +380,16 @@ class AdamW(torch.optim.AdamW):
         key = (call.kind, call.group_index, clip_coef, dtype)
         memo = self._decisions
         if key not in memo:
-            memo[key] = singlepass.decide(call.kind, group, clip_coef, dtype)
+            memo[key] = singlepass.decide(call.kind, group, clip_coef, dtype, self._team)
         return memo[key]
+
+    def _team(self) -> tuple[int, tuple[int, ...]]:
+        """`singlepass.team()`, asked once per step (nothing runs user code between this
+        step's decisions and its passes)."""
+        memo = self._decisions
+        if "team" not in memo:
+            memo["team"] = singlepass.team()
+        return memo["team"]
 
     def _single_pass(self, call, group: dict, clip_coef: float | None = None) -> str | None:
         """Run `call` as one `cotangent.singlepass.single_pass_adamw_` pass over its layout's
@@ -403,7 +411,7 @@ class AdamW(torch.optim.AdamW):
                 span.steps, segments=span.segments, implementation=call.kind, lr=group["lr"],
                 beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
                 maximize=bool(group["maximize"]), amsgrad=bool(group["amsgrad"]),
-                clip_coef=clip_coef)
+                threads=self._team()[0], clip_coef=clip_coef)
         except (ValueError, TypeError, ArithmeticError, singlepass.SinglePassUnavailable) as e:
             # raised before anything is modified (a NaN scalar, a step count giving a zero
             # bias correction): native runs, and fails or not, as native does

@@ -1554,7 +1554,7 @@ def mxcsr() -> int:
 
 
 def key_parts(kind: str, group: dict, clip_coef: float | None = None,
-              dtype: torch.dtype = torch.float32) -> tuple | str:
+              dtype: torch.dtype = torch.float32, team_now=None) -> tuple | str:
     """The parts of the calibration key of a single-pass verdict for a call of implementation
     `kind` with `group`'s hyperparameters as they are now, or the reason the single pass cannot
     take them (tensor betas, a tensor lr off the CPU or with foreach, a non-numeric scalar).
@@ -1565,7 +1565,8 @@ def key_parts(kind: str, group: dict, clip_coef: float | None = None,
     eps, the square root (`sqrt_kind`), ATen's vector unit, the kernel build's hash and the MXCSR
     modes, and whether the clip multiply joins the pass (with its coefficient's class: "clip+",
     "clip+0", "clipnan", ...; or "noclip"); `calibration.full_key` adds the CPU capability,
-    torch version and thread count. The
+    torch version and thread count. `team_now`: a function returning `team()` now (a caller
+    deciding several calls at one step asks the OpenMP team once); default `team`. The
     values themselves are not in the key: the kernel has no branch on them beyond these (the
     scalars are rounded to float32 once, as ATen rounds them), so an lr schedule does not probe
     at every step, while an edit that changes a branch or a class does."""
@@ -1591,7 +1592,7 @@ def key_parts(kind: str, group: dict, clip_coef: float | None = None,
         return "bfloat16 with amsgrad runs natively (its torch.maximum is not reproduced)"
     if dtype == torch.bfloat16 and clip_coef is not None:
         return "bfloat16: the clip multiply runs apart"
-    size, modes = team()
+    size, modes = (team_now or team)()
     if size < 1:
         return "the OpenMP runtime may resize thread teams (OMP_DYNAMIC): native path"
     if len(set(modes)) > 1:  # member 0 is the calling thread (the team's master)
@@ -1670,7 +1671,7 @@ def process_report() -> dict:
 
 
 def decide(kind: str, group: dict, clip_coef: float | None = None,
-           dtype: torch.dtype = torch.float32) -> str | None:
+           dtype: torch.dtype = torch.float32, team_now=None) -> str | None:
     """None when a for-loop/foreach call (float32, CPU; see `static_refusal`) with `group`'s
     hyperparameters as they are now (and the clip multiply by `clip_coef` joined to it, when
     given) may take the single pass; otherwise why not: switched off
@@ -1681,7 +1682,7 @@ def decide(kind: str, group: dict, clip_coef: float | None = None,
     reason = unavailable_reason()
     if reason is not None:
         return f"unavailable: {reason}"
-    parts = key_parts(kind, group, clip_coef, dtype)
+    parts = key_parts(kind, group, clip_coef, dtype, team_now)
     if isinstance(parts, str):
         return parts
     if not proven(kind, group, parts, clip_coef, dtype):
