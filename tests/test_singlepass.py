@@ -27,12 +27,13 @@ LENGTHS = (1, 7, 15, 16, 17, 33, 100, 1000, 2049, 32769, 65553)
 def run_both(*, implementation="for-loop", lr=1e-3, betas=(0.9, 0.999), eps=1e-8,
              weight_decay=0.01, maximize=False, amsgrad=False, steps=3, lengths=LENGTHS,
              seed=0, our_lr=None, our_threads=None, grid=True, plain=False, grid_copies=1,
-             step_buffer=False):
+             step_buffer=False, each_step=True):
     """torch.optim.AdamW on one tensor per segment of the probe layout (`sp.probe_data`: random
     lengths with special values sprinkled in, and with `grid` every combination of special
     gradient / moment values in vector-body and scalar-tail segments) vs the single pass over
-    the flat buffers. `plain`: random values only. Returns (native params, native states, our
-    views of param / exp_avg / exp_avg_sq / max_exp_avg_sq, our steps)."""
+    the flat buffers. `plain`: random values only. `each_step`: every byte compared after each
+    step too (a difference a later step overwrites still counts). Returns (native params,
+    native states, our views of param / exp_avg / exp_avg_sq / max_exp_avg_sq, our steps)."""
     segments, state, start, grad = sp.probe_data(tuple(lengths), seed, grid, grid_copies)
     if plain:
         gen = torch.Generator().manual_seed(seed)
@@ -62,6 +63,9 @@ def run_both(*, implementation="for-loop", lr=1e-3, betas=(0.9, 0.999), eps=1e-8
                 lr=lr if our_lr is None else our_lr, beta1=betas[0], beta2=betas[1], eps=eps,
                 weight_decay=weight_decay, maximize=maximize, amsgrad=amsgrad,
                 threads=our_threads)
+        if each_step:
+            assert_all_equal(params, [opt.state[q] for q in params], [views(t) for t in ours],
+                             our_steps, amsgrad, f"after step {k}")
     return params, [opt.state[q] for q in params], [views(t) for t in ours], our_steps
 
 
@@ -123,14 +127,14 @@ def test_one_thread_and_three_million_plain_values():
 def test_controls_the_comparison_catches_differences():
     # another lr: other bytes
     with threads(2):
-        params, states, ours, steps = run_both(our_lr=1.0001e-3, steps=2)
+        params, states, ours, steps = run_both(our_lr=1.0001e-3, steps=2, each_step=False)
     assert not same_bits(ours[0][9], params[9].detach())  # 32769 random elements
     # amsgrad with the tails of a 1-thread split while native split its work over 2 threads:
     # the NaNs torch.maximum writes in the tails of the thread chunks differ (0x7FC00000 vs
     # 0xFFFFFFFF), so where native's tails are is part of the result
     with threads(2):
         params, states, ours, steps = run_both(amsgrad=True, lengths=(65553,), our_threads=1,
-                                               steps=3, grid=False)
+                                               steps=3, grid=False, each_step=False)
     assert not same_bits(ours[3][0], states[0]["max_exp_avg_sq"])
 
 
@@ -340,8 +344,9 @@ _GENERAL_DIV = ("float q = t / den;", "float q = t * (1.0f / den);")
     (_GENERAL_DIV, True, True),     # ... and never the general one
     (_GENERAL_DIV, False, False),   # vectors with a NaN are redone by the general path
 ], ids=["register-clean", "general-clean", "general-nan"])
+@pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
 def test_register_path_takes_clean_vectors_and_the_general_path_those_with_a_nan(
-        mutated, plain, equal, tmp_path, monkeypatch):
+        mutated, plain, equal, amsgrad, tmp_path, monkeypatch):
     """Which path updates which vector, shown by breaking one path at a time: the kernel keeps
     a vector in registers unless one of its lanes meets a NaN, and then redoes it element by
     element. (Both unbroken paths give native's bytes: the other tests.)"""
@@ -350,9 +355,40 @@ def test_register_path_takes_clean_vectors_and_the_general_path_those_with_a_nan
     assert sp._SOURCE.count(old) == 1
     _load(sp._SOURCE.replace(old, new), tmp_path, monkeypatch)
     with threads(2):
-        params, states, ours, steps = run_both(plain=plain, steps=2, weight_decay=0.1)
+        params, states, ours, steps = run_both(plain=plain, steps=2, weight_decay=0.1,
+                                               amsgrad=amsgrad, each_step=False)
     same = all(same_bits(o, q.detach()) for o, q in zip(ours[0], params))
     assert same == equal
+
+
+# register-path edits a plausible rewrite could make, each giving other bytes somewhere
+REGISTER_MUTATIONS = {
+    # the tail's maximum computed like the body's: differs only for a -0.0 maximum against a
+    # +0.0 second moment, in the state of one step (the next step overwrites it)
+    "tail-maximum-as-body": (
+        "s = TAIL ? _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, v1, _CMP_LT_OQ), a, v1)",
+        "s = TAIL ? _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, v1, _CMP_GT_OQ), v1, a)"),
+    "body-maximum-as-tail": (
+        ": _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, v1, _CMP_GT_OQ), v1, a);",
+        ": _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, v1, _CMP_LT_OQ), a, v1);"),
+    # a NaN maximum left in the register path (torch.maximum makes its own NaN)
+    "nan-maximum-kept": (
+        "(AMSGRAD ? _mm512_mask_cmp_ps_mask(valid, a, v1, _CMP_UNORD_Q) : 0)", "0"),
+}
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
+                    reason="the register path is in AVX-512 builds only")
+@pytest.mark.parametrize("name", sorted(REGISTER_MUTATIONS))
+def test_probe_rejects_a_register_path_that_differs_from_native(name, tmp_path, monkeypatch):
+    kw = dict(implementation="for-loop", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+              weight_decay=0.1, maximize=False, amsgrad=True)
+    old, new = REGISTER_MUTATIONS[name]
+    assert sp._SOURCE.count(old) == 1
+    with threads(2):
+        assert sp.matches_native(**kw)  # the shipped kernel
+        _load(sp._SOURCE.replace(old, new), tmp_path, monkeypatch)
+        assert not sp.matches_native(**kw)
 
 
 # ------------------------------------------------------------ cotangent.AdamW with the single pass
