@@ -86,8 +86,10 @@ def run_native_adamw(kind: str, params, grads, exp_avgs, exp_avg_sqs, max_exp_av
 def merge_key(kind: str, device: torch.device, dtype: torch.dtype, numel: int,
               group: dict) -> str:
     """The calibration key of a merge verdict: implementation, device type, dtype, length and
-    the hyperparameter branches that change the kernel path (amsgrad, maximize, decay, lr kind)."""
-    return calibration.full_key("adamw_merge", device.type, (
+    the hyperparameter branches that change the kernel path (amsgrad, maximize, decay, lr kind).
+    ("adamw_merge2": verdicts of the probe that compares after every step, not those of the
+    earlier one that compared after the last.)"""
+    return calibration.full_key("adamw_merge2", device.type, (
         kind, dtype, numel, "amsgrad" if group["amsgrad"] else "-",
         "maximize" if group["maximize"] else "-", decay_kind(group),
         "tensor_lr" if torch.is_tensor(group["lr"]) else "float_lr"))
@@ -118,7 +120,8 @@ def merge_is_exact(kind: str, device: torch.device, dtype: torch.dtype, numel: i
     The probe uses `group`'s betas, eps, weight decay, amsgrad and maximize, lr 1e-2 (a tensor if
     the group's lr is one), and 6 steps three times: with a random gradient, with one whose rows
     also hold inf, NaNs, signed zeros and a subnormal, and with such values in the parameters
-    too; the verdict is cached per `merge_key`.
+    too; parameters and moments compared byte for byte after every step. The verdict is cached
+    per `merge_key`.
     Lengths too large for a merged call of this implementation are never merged.
     """
     if has_nan_scalar(group):
@@ -165,11 +168,13 @@ def merge_is_exact(kind: str, device: torch.device, dtype: torch.dtype, numel: i
             else:
                 views = lambda t: [t[o:o + numel] for o in offsets]  # noqa: E731
                 steps = [step_dtype.clone() for _ in offsets]
+            snapshots = []  # after every step: a difference a later step overwrites counts
             for _ in range(6):
                 g = g0.clone()
                 run_native_adamw(kind, views(p), views(g), views(m), views(v),
                                  views(vmax) if group["amsgrad"] else [], steps, group=probe_group)
-            results.append([torch.cat([t[o:o + numel] for o in offsets]) for t in (p, m, v, vmax)])
+                snapshots += [torch.cat([t[o:o + numel] for o in offsets]) for t in (p, m, v, vmax)]
+            results.append(snapshots)
         verdict = verdict and all(
             torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*results))
     calibration.record(key, verdict)
@@ -191,11 +196,12 @@ def direct_fused_is_exact(device: torch.device, dtype: torch.dtype, group: dict)
 
     Probe: tensors of 1-40, 63-65 and 1000 elements (half of them holding inf, NaN, signed zeros
     and a subnormal), `group`'s hyperparameter branches, 6 steps, each path on its own copy;
-    parameters, every moment and the steps compared. Cached like the others.
+    parameters, every moment and the steps compared after every step. Cached like the others
+    ("fused_direct2": verdicts of this per-step comparison).
     """
     if not group.get("decoupled_weight_decay", True):
         return False  # the direct call is `_fused_adamw_` (decoupled) only
-    key = calibration.full_key("fused_direct", device.type, (
+    key = calibration.full_key("fused_direct2", device.type, (
         dtype, "amsgrad" if group["amsgrad"] else "-", "maximize" if group["maximize"] else "-",
         decay_kind(group),
         "tensor_lr" if torch.is_tensor(group["lr"]) else "float_lr"))
@@ -216,6 +222,7 @@ def direct_fused_is_exact(device: torch.device, dtype: torch.dtype, group: dict)
         p = [t.clone() for t in start]
         m, v, vmax = ([torch.zeros_like(t) for t in start] for _ in range(3))
         steps = [_compat.new_step_tensor(t, fused=True, capturable=False) for t in start]
+        snapshots = []  # after every step: a difference a later step overwrites counts
         for _ in range(6):
             g = [t.clone() for t in grad]
             args = (p, g, m, v, vmax if group["amsgrad"] else [], steps)
@@ -223,7 +230,8 @@ def direct_fused_is_exact(device: torch.device, dtype: torch.dtype, group: dict)
                 run_direct_fused(*args, group=probe_group)
             else:
                 run_native_adamw("fused", *args, group=probe_group)
-        results.append(p + m + v + vmax + steps)
+            snapshots += [t.clone() for t in p + m + v + vmax + steps]
+        results.append(snapshots)
     verdict = all(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
                   for a, b in zip(*results))
     calibration.record(key, verdict)
