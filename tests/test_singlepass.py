@@ -323,9 +323,16 @@ def test_probe_catches_a_kernel_that_rounds_one_branch_differently(tmp_path, mon
             sp.sqrt_kind.cache_clear()
 
 
-def _load(source: str, tmp_path, monkeypatch) -> None:
-    """Make the next kernel call compile and load `source` (cache in `tmp_path`)."""
-    monkeypatch.setenv("COTANGENT_CACHE_DIR", str(tmp_path))
+@pytest.fixture(scope="module")
+def mutants_cache(tmp_path_factory):
+    """One kernel cache for this module's mutated kernels: each source compiles once (its
+    build key names its file) and its square root check is cached with it."""
+    return tmp_path_factory.mktemp("mutated-kernels")
+
+
+def _load(source: str, cache_dir, monkeypatch) -> None:
+    """Make the next kernel call compile (or load from `cache_dir`) and use `source`."""
+    monkeypatch.setenv("COTANGENT_CACHE_DIR", str(cache_dir))
     monkeypatch.setattr(sp, "_SOURCE", source)
     for name in ("_LIB", "_BUILD", "_FAILURE"):
         monkeypatch.setattr(sp, name, None)
@@ -346,14 +353,14 @@ _GENERAL_DIV = ("float q = t / den;", "float q = t * (1.0f / den);")
 ], ids=["register-clean", "general-clean", "general-nan"])
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
 def test_register_path_takes_clean_vectors_and_the_general_path_those_with_a_nan(
-        mutated, plain, equal, amsgrad, tmp_path, monkeypatch):
+        mutated, plain, equal, amsgrad, mutants_cache, monkeypatch):
     """Which path updates which vector, shown by breaking one path at a time: the kernel keeps
     a vector in registers unless one of its lanes meets a NaN, and then redoes it element by
     element. (Both unbroken paths give native's bytes: the other tests.)"""
     assert sp.sqrt_kind() in ("emulated", "hardware")  # the kinds the register path takes
     old, new = mutated
     assert sp._SOURCE.count(old) == 1
-    _load(sp._SOURCE.replace(old, new), tmp_path, monkeypatch)
+    _load(sp._SOURCE.replace(old, new), mutants_cache, monkeypatch)
     with threads(2):
         params, states, ours, steps = run_both(plain=plain, steps=2, weight_decay=0.1,
                                                amsgrad=amsgrad, each_step=False)
@@ -380,14 +387,15 @@ REGISTER_MUTATIONS = {
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
                     reason="the register path is in AVX-512 builds only")
 @pytest.mark.parametrize("name", sorted(REGISTER_MUTATIONS))
-def test_probe_rejects_a_register_path_that_differs_from_native(name, tmp_path, monkeypatch):
+def test_probe_rejects_a_register_path_that_differs_from_native(name, mutants_cache,
+                                                                monkeypatch):
     kw = dict(implementation="for-loop", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
               weight_decay=0.1, maximize=False, amsgrad=True)
     old, new = REGISTER_MUTATIONS[name]
     assert sp._SOURCE.count(old) == 1
     with threads(2):
         assert sp.matches_native(**kw)  # the shipped kernel
-        _load(sp._SOURCE.replace(old, new), tmp_path, monkeypatch)
+        _load(sp._SOURCE.replace(old, new), mutants_cache, monkeypatch)
         assert not sp.matches_native(**kw)
 
 
