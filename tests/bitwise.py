@@ -47,6 +47,17 @@ def threads(n: int):
         torch.set_num_threads(before)
 
 
+@contextlib.contextmanager
+def flush_denormal():
+    """`torch.set_flush_denormal(True)` for the block (the calling thread's FTZ/DAZ; ATen's
+    pool threads only if they start inside it), off after."""
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
 def require_single_pass_kernel() -> None:
     """Skip the calling test module (clearly, with the reason) where `cotangent.singlepass`
     cannot run: not x86-64, or no C++ compiler / a failed build."""

@@ -18,7 +18,6 @@ Two parts:
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import io
 import math
@@ -33,7 +32,7 @@ from torch.optim.optimizer import (register_optimizer_step_post_hook,
                                    register_optimizer_step_pre_hook)
 
 import cotangent
-from bitwise import (assert_same_bits, assert_same_update, group_edit,
+from bitwise import (assert_same_bits, assert_same_update, flush_denormal, group_edit,
                      require_single_pass_kernel, run_against_native, thread_flip, threads)
 from cotangent import singlepass as sp
 from cotangent.verify import first_difference
@@ -44,15 +43,6 @@ INF, NAN = float("inf"), float("nan")
 # 1 element (all scalar tail), 17 (body 16 + tail 1), a 2-D one, one above ATen's grain size
 # (two thread chunks at 2 threads, each with its own scalar tail), one 17 again (a bucket)
 SHAPES = [(1,), (17,), (3, 33), (40000,), (17,)]
-
-
-@contextlib.contextmanager
-def flush_denormal():
-    torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(False)
 
 
 def random_grad(step: int, i: int, shape) -> torch.Tensor:

@@ -42,7 +42,6 @@ is caught.
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
 import ctypes.util
 import sys
@@ -50,7 +49,7 @@ import sys
 import pytest
 import torch
 
-from bitwise import require_single_pass_kernel, run_against_native, threads
+from bitwise import flush_denormal, require_single_pass_kernel, run_against_native, threads
 from cotangent import singlepass as sp
 
 require_single_pass_kernel()
@@ -334,15 +333,6 @@ def test_control_a_kernel_without_the_nan_flags_is_caught(tmp_path, monkeypatch)
 
 LIBM = ctypes.CDLL(ctypes.util.find_library("m") or "libm.so.6") if sys.platform.startswith(
     "linux") else None
-
-
-@contextlib.contextmanager
-def flush_denormal():
-    torch.set_flush_denormal(True)
-    try:
-        yield
-    finally:
-        torch.set_flush_denormal(False)
 
 
 @pytest.mark.skipif(LIBM is None, reason="fesetround through glibc's libm: Linux only")
