@@ -977,3 +977,15 @@ def test_streaming_fill_in_the_optimizer_gives_native_bytes(monkeypatch):
         for models in (None, (SignedZeroGradients(), SignedZeroGradients())):
             native_vs_cotangent(foreach=False, steps=4, max_norm=1.0, models=models)
     assert calls  # the streaming fill ran
+
+
+def test_streaming_fill_refuses_an_inference_tensor_as_fill_does(monkeypatch):
+    sp.build()
+    monkeypatch.setattr(sp, "STREAM_FILL_MIN", 1)
+    with torch.inference_mode():
+        t = torch.ones(64)
+    with pytest.raises(RuntimeError, match="inference tensor outside InferenceMode"):
+        t.fill_(-0.0)
+    with pytest.raises(RuntimeError, match="inference tensor outside InferenceMode"):
+        sp.fill_negative_zero_(t)
+    assert bool((t == 1.0).all())  # untouched

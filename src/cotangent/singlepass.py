@@ -812,10 +812,12 @@ def fill_negative_zero_(t: Tensor) -> None:
     19.3M elements 1.36 -> 1.06 ms, 2 threads, caches evicted before each fill. Smaller buffers
     keep `fill_`, which leaves them in cache for the backward that accumulates into them next.
     Also `fill_` where the single pass is switched off or its library is not loaded (never
-    compiles it)."""
+    compiles it), and for inference tensors (whose in-place update outside inference mode
+    `fill_` refuses with its RuntimeError)."""
     lib = _LIB
     if (lib is None or t.device.type != "cpu" or t.dtype != torch.float32
-            or not t.is_contiguous() or t.numel() < STREAM_FILL_MIN or not switched_on()):
+            or not t.is_contiguous() or t.numel() < STREAM_FILL_MIN or t.is_inference()
+            or not switched_on()):
         t.fill_(-0.0)
         return
     lib.cot_fill_negative_zero(t.data_ptr(), t.numel(), torch.get_num_threads())
