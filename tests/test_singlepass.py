@@ -983,9 +983,9 @@ def test_streaming_fill_refuses_an_inference_tensor_as_fill_does(monkeypatch):
     sp.build()
     monkeypatch.setattr(sp, "STREAM_FILL_MIN", 1)
     with torch.inference_mode():
-        t = torch.ones(64)
+        native, ours = torch.ones(64), torch.ones(64)
     with pytest.raises(RuntimeError, match="inference tensor outside InferenceMode"):
-        t.fill_(-0.0)
+        native.fill_(-0.0)
     with pytest.raises(RuntimeError, match="inference tensor outside InferenceMode"):
-        sp.fill_negative_zero_(t)
-    assert bool((t == 1.0).all())  # untouched
+        sp.fill_negative_zero_(ours)
+    assert same_bits(ours, native)  # whatever fill_ leaves (torch 2.13: written, then raised)
