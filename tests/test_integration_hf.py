@@ -283,16 +283,23 @@ def test_cotangent_trainer_refuses_two_clips_or_another_order(tmp_path, tmp_path
 
 
 def test_gradient_accumulation(tmp_path, tmp_path_factory):
-    """`gradient_accumulation_steps=2` (the backward accumulates into the -0.0 buffer views
-    `KeepGradientsPacked` makes at each step's first micro-batch)."""
+    """`gradient_accumulation_steps=2`: each step's first micro-batch finds ``.grad`` None (the
+    Trainer's ``model.zero_grad()``, then `KeepGradientsPacked`'s), its backward's fresh
+    gradients are copied into the flat buffer's views, and the second accumulates there."""
     ref = native_run(tmp_path_factory, "accumulate", steps=3, gradient_accumulation_steps=2)
-    seen = []
+    seen, packed = [], []
 
     class Look(transformers.TrainerCallback):  # runs after KeepGradientsPacked
         def on_step_begin(self, args, state, control, model=None, **kwargs):
-            if state.global_step > 0:  # (a fresh optimizer leaves .grad None, as native)
-                seen.append(all(same_bits(p.grad, torch.full_like(p, -0.0))
-                                for p in model.parameters()))
+            if state.global_step > 0:
+                seen.append(all(p.grad is None for p in model.parameters()))
+
+        def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None,
+                                  **kwargs):
+            flat = {b.untyped_storage().data_ptr()
+                    for b in unwrap_optimizer(optimizer)._store.flat_grads}
+            packed.append(all(p.grad.untyped_storage().data_ptr() in flat
+                              for p in model.parameters()))
 
     class Trainer_(CotangentTrainer):
         def __init__(self, *args, **kwargs):
@@ -301,7 +308,7 @@ def test_gradient_accumulation(tmp_path, tmp_path_factory):
 
     assert_same_run(ref, train(tmp_path / "c", ours(1.0), 1.0, cls=Trainer_, steps=3,
                                gradient_accumulation_steps=2), "CotangentTrainer, accumulation")
-    assert seen == [True, True]  # the backward accumulates into the buffer's -0.0 views
+    assert seen == [True, True] and packed == [True, True, True]
     assert_same_run(ref, train(tmp_path / "p", ours(None), 1.0, steps=3,
                                gradient_accumulation_steps=2),
                     "Trainer(max_norm=None), accumulation")

@@ -131,8 +131,8 @@ class PackedClipper:
                 classes = ("finite", "nonfinite")
             exact = whole and all(self._multiply_exact(li, coef_dev.dtype, c) for c in classes)
             if exact:
-                # absent gradients' views are multiplied too: they are refilled by zero_grad
-                # before any backward can accumulate into them
+                # absent gradients' views are multiplied too: nothing reads them before a
+                # backward's fresh gradient is copied over them, or zero_grad refills them
                 self.store.flat_grads[li].mul_(coef_dev)
             else:
                 _compat.foreach_mul_([self.store.grad_views[s] for s in slots], coef_dev)

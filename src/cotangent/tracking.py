@@ -75,10 +75,14 @@ class GradientTracker:
         self.tracked = [p.requires_grad for p in store.params]  # hooked at construction
         self.has_grad = [False] * n  # a gradient arrived in the view since the last zero_grad
         self.sparse = [False] * n
+        self.fresh = [False] * n  # autograd is storing a fresh `.grad` (see `can_copy_in`)
         self.callback_queued = False
         self.backwards = backwards
         self.resets = resets
         self.all_slots = tuple(range(n))
+        # the memory a fresh gradient must not share to be copied in (`can_copy_in`)
+        self.storages = {t.untyped_storage().data_ptr() for t in (
+            store.flat_grads + store.flat_params + [store.params[s] for s in store.detached])}
         # slots whose dtype keeps a gradient's bits when accumulated into -0.0: zero_grad
         # points their .grad at the buffer; the others get None, as native, and a fresh tensor
         self.prefilled = [accumulate_into_negative_zero_is_exact(
@@ -103,11 +107,18 @@ class GradientTracker:
                     p.grad = None
 
         def make_hooks(slot: int):
-            def accumulated(_: Tensor) -> None:
+            def accumulated(p: Tensor) -> None:
                 tracker = ref()
                 if tracker is None:
                     return
                 tracker.has_grad[slot] = True
+                if tracker.fresh[slot]:  # autograd has just made `.grad`: take it in
+                    tracker.fresh[slot] = False
+                    g = p.grad
+                    if tracker.can_copy_in(g, p):
+                        view = tracker.store.grad_views[slot]
+                        view.copy_(g)  # the same bytes; autograd's fresh tensor is freed
+                        p.grad = view
                 if not tracker.callback_queued:  # the first gradient of this backward
                     tracker.callback_queued = True
                     tracker.backwards += 1
@@ -115,8 +126,13 @@ class GradientTracker:
 
             def incoming(grad: Tensor) -> None:
                 tracker = ref()
-                if tracker is not None and grad.layout is not torch.strided:
+                if tracker is None:
+                    return
+                if grad.layout is not torch.strided:
                     tracker.sparse[slot] = True
+                # None now: autograd is about to store a fresh tensor (its own or a clone of
+                # `grad`) as `.grad`; anything else it accumulates into where it is
+                tracker.fresh[slot] = tracker.store.params[slot].grad is None
 
             return accumulated, incoming
 
@@ -127,6 +143,23 @@ class GradientTracker:
                 handles.append(p.register_post_accumulate_grad_hook(accumulated))
                 handles.append(p.register_hook(incoming))
         self._finalizer = weakref.finalize(self, _remove_handles, handles)
+
+    def can_copy_in(self, g: Tensor | None, p: Tensor) -> bool:
+        """Whether the fresh gradient `g` that a backward has just stored as ``p.grad`` is
+        copied into its buffer view at once, the view then becoming ``.grad``.
+
+        Bits are unchanged (a copy between tensors of the same dtype, shape and strides), and
+        no one else holds the fresh tensor: autograd stores either the incoming gradient
+        itself, when nothing else refers to it, or a clone. This replaces accumulating into a
+        -0.0 prefill (`zero_grad` then writes nothing, and the backward reads one buffer less)
+        and takes in dtypes where that accumulation is not exact. Not for: a gradient that
+        requires grad (``create_graph=True``: native keeps its graph), sparse or laid out unlike
+        its parameter, one sharing memory with the flat buffers, or under torch.distributed
+        (DistributedDataParallel's bucket views and copies keep today's prefill there)."""
+        return (g is not None and g.layout is torch.strided and not g.requires_grad
+                and g.dtype == p.dtype and g.shape == p.shape and g.device == p.device
+                and same_strides(g, p) and g.untyped_storage().data_ptr() not in self.storages
+                and not _distributed())
 
     def remove_hooks(self) -> None:
         """Remove this tracker's hooks from the parameters (before a repack replaces it)."""
@@ -154,12 +187,16 @@ class GradientTracker:
         view (the optimizers pass it while their ``state`` is empty: code such as
         `torch.distributed.checkpoint`'s optimizer-state initialisation reads "no state and
         every ``.grad`` None" as a fresh optimizer); the next step copies the backward's fresh
-        gradients into the buffer."""
+        gradients into the buffer.
+
+        Outside torch.distributed nothing is prefilled and nothing written: every gradient not
+        kept reads None, as native, and the backward's fresh gradients are copied into their
+        views as they arrive (`can_copy_in`). In a process group the buffer is refilled with
+        -0.0 and the views stay ``.grad`` (where `prefill` and the dtype allow), for the
+        backward to accumulate into."""
         store = self.store
         keep = set() if set_to_none else {
             s for s in self.all_slots if self.tracked[s] and self.has_logical_grad(s)}
-        for flat_g in store.flat_grads:
-            singlepass.fill_negative_zero_(flat_g)
         views = store.grad_views
         n = len(views)
         kept_outside = set()
@@ -168,8 +205,12 @@ class GradientTracker:
         # DDP hands a globally unused parameter whose gradient is defined a zero bucket view
         # instead of leaving it None (without it, DDP writes into the defined gradients).
         allowed, prefill = prefill, self.prefilled
-        if not allowed or (not self.prefill_in_process_group and _distributed()):
+        distributed = _distributed()
+        if not allowed or not distributed or not self.prefill_in_process_group:
             prefill = [False] * n
+        if any(prefill):
+            for flat_g in store.flat_grads:
+                singlepass.fill_negative_zero_(flat_g)
         # Only gradients that are not their buffer view need a look (none in the usual step).
         for slot, (p, g, view) in enumerate(zip(store.params, map(_GRAD, store.params), views)):
             if g is view and self.tracked[slot] and (prefill[slot] or slot in keep):
@@ -188,6 +229,7 @@ class GradientTracker:
             p.grad = view
         self.has_grad = [False] * n
         self.sparse = [False] * n
+        self.fresh = [False] * n
         self.callback_queued = False  # in case a failed backward never ran its callback
         for slot in keep - kept_outside:
             views[slot].zero_()

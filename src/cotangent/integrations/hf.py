@@ -53,11 +53,12 @@ def unwrap_optimizer(optimizer):
 class KeepGradientsPacked(TrainerCallback):
     """Keeps `cotangent.AdamW`'s gradients in its flat buffer under the Trainer.
 
-    The Trainer resets gradients with ``model.zero_grad()`` (``.grad = None``), so each backward
-    allocates fresh gradients that the optimizer copies into its buffer at the next step. At the
-    start of every optimizer step (``on_step_begin``, before the first micro-batch) this calls the
-    optimizer's own ``zero_grad()``, which makes each ``.grad`` its buffer view filled with -0.0:
-    the backward then accumulates in place and produces the same bits (README, "Known
+    The Trainer resets gradients with ``model.zero_grad()`` (``.grad = None``). At the start of
+    every optimizer step (``on_step_begin``, before the first micro-batch) this calls the
+    optimizer's own ``zero_grad()`` as well. Outside torch.distributed that changes nothing:
+    ``.grad`` reads None and the optimizer's hooks copy each backward's fresh gradients into its
+    buffer as they arrive. In a process group it makes each ``.grad`` its buffer view filled
+    with -0.0, which the backward accumulates into in place with the same bits (README, "Known
     differences": the -0.0 fill). Does nothing for other optimizers.
     """
 
