@@ -75,6 +75,22 @@ def require_single_pass_kernel() -> None:
         pytest.skip(f"single-pass kernel unavailable here: {e}", allow_module_level=True)
 
 
+def require_register_path() -> None:
+    """Skip the calling test (or module) where the single pass's register path does not run:
+    it needs the kernel (`require_single_pass_kernel`) and a square root it can compute in
+    registers, the MKL imitation or the hardware's (`singlepass.sqrt_kind`); with MKL's own call
+    every block takes the general path."""
+    import pytest
+
+    from cotangent import singlepass
+
+    require_single_pass_kernel()
+    kind = singlepass.sqrt_kind()
+    if kind not in ("emulated", "hardware"):
+        pytest.skip(f"the register path does not run here (square root: {kind})",
+                    allow_module_level=True)
+
+
 def run_against_native(base, *, foreach, deliver, steps: int, max_norm=None, norm_type=2.0,
                        edit=None, adamw=None, groups=None, clip_order=None,
                        set_to_none: bool = True) -> list[tuple]:

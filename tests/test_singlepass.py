@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import cotangent
-from bitwise import (assert_same_bits, assert_same_update, require_single_pass_kernel,
-                     same_bits, threads)
+from bitwise import (assert_same_bits, assert_same_update, require_register_path,
+                     require_single_pass_kernel, same_bits, threads)
 from cotangent import calibration
 from cotangent import singlepass as sp
 from cotangent.calibration import sprinkle_special_values
@@ -208,7 +208,7 @@ def test_emulation_gate_keeps_the_mkl_call_when_a_pattern_differs(monkeypatch, t
     then keeps calling MKL (the previous path), and the verdict is cached per CPU model and
     build."""
     if sp.emulated_sqrt_address() is None or sp.mkl_sqrt_address() is None:
-        pytest.skip("no MKL square root imitation in this build (not AVX-512) or no MKL")
+        pytest.skip("no MKL square root imitation in this build or no MKL")
     span = (range(0x3F800000, 0x3F800000 + 70_000),)
     address = sp.emulated_sqrt_address()
 
@@ -308,9 +308,9 @@ def test_probe_catches_a_kernel_that_rounds_one_branch_differently(tmp_path, mon
         wrong = sp._SOURCE.replace("TAIL       ? __builtin_fmaf(-d, omw, g)",
                                    "TAIL       ? __builtin_fmaf(wm1, d, g)")
         assert wrong != sp._SOURCE
-        fused = "TAIL       ? _mm512_fmadd_ps(_mm512_xor_ps(d, sign), omw, g)"
-        assert sp._SOURCE.count(fused) == 1  # the register path (AVX-512 builds)
-        wrong = wrong.replace(fused, "TAIL       ? _mm512_fmadd_ps(wm1, d, g)")
+        fused = "TAIL       ? L::fma(L::xor_(d, sign), omw, g)"
+        assert sp._SOURCE.count(fused) == 1  # the register path
+        wrong = wrong.replace(fused, "TAIL       ? L::fma(wm1, d, g)")
         monkeypatch.setenv("COTANGENT_CACHE_DIR", str(tmp_path))
         monkeypatch.setattr(sp, "_SOURCE", wrong)
         monkeypatch.setattr(sp, "_LIB", None)
@@ -339,13 +339,10 @@ def _load(source: str, cache_dir, monkeypatch) -> None:
 
 
 # each path's addcdiv_ division through the reciprocal (other bytes wherever that path runs)
-_REGISTER_DIV = ("_mm512_div_ps(t, den)",
-                 "_mm512_mul_ps(t, _mm512_div_ps(_mm512_set1_ps(1.0f), den))")
+_REGISTER_DIV = ("L::div(t, den)", "L::mul(t, L::div(L::set1(1.0f), den))")
 _GENERAL_DIV = ("float q = t / den;", "float q = t * (1.0f / den);")
 
 
-@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
-                    reason="the register path is in AVX-512 builds only")
 @pytest.mark.parametrize("mutated,plain,equal", [
     (_REGISTER_DIV, True, False),   # clean vectors take the register path
     (_GENERAL_DIV, True, True),     # ... and never the general one
@@ -357,6 +354,7 @@ def test_register_path_takes_clean_vectors_and_the_general_path_those_with_a_nan
     """Which path updates which vector, shown by breaking one path at a time: the kernel keeps
     a vector in registers unless one of its lanes meets a NaN, and then redoes it element by
     element. (Both unbroken paths give native's bytes: the other tests.)"""
+    require_register_path()
     assert sp.sqrt_kind() in ("emulated", "hardware")  # the kinds the register path takes
     old, new = mutated
     assert sp._SOURCE.count(old) == 1
@@ -373,24 +371,21 @@ REGISTER_MUTATIONS = {
     # the tail's maximum computed like the body's: differs only for a -0.0 maximum against a
     # +0.0 second moment, in the state of one step (the next step overwrites it)
     "tail-maximum-as-body": (
-        "s = TAIL ? _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, v1, _CMP_LT_OQ), a, v1)",
-        "s = TAIL ? _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, v1, _CMP_GT_OQ), v1, a)"),
+        "s = TAIL ? L::where_lt(a, v1, v1, a)", "s = TAIL ? L::where_gt(a, v1, a, v1)"),
     "body-maximum-as-tail": (
-        ": _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, v1, _CMP_GT_OQ), v1, a);",
-        ": _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, v1, _CMP_LT_OQ), a, v1);"),
+        ": L::where_gt(a, v1, a, v1);", ": L::where_lt(a, v1, v1, a);"),
     # a NaN maximum left in the register path (torch.maximum makes its own NaN)
     "nan-maximum-kept": (
-        "(AMSGRAD ? _mm512_mask_cmp_ps_mask(valid, a, v1, _CMP_UNORD_Q) : 0)", "0"),
+        "(AMSGRAD ? L::unordered(a, v1) : 0u)", "0u"),
 }
 
 
-@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512",
-                    reason="the register path is in AVX-512 builds only")
 @pytest.mark.parametrize("name", sorted(REGISTER_MUTATIONS))
 def test_probe_rejects_a_register_path_that_differs_from_native(name, mutants_cache,
                                                                 monkeypatch):
     kw = dict(implementation="for-loop", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
               weight_decay=0.1, maximize=False, amsgrad=True)
+    require_register_path()
     old, new = REGISTER_MUTATIONS[name]
     assert sp._SOURCE.count(old) == 1
     with threads(2):
@@ -583,10 +578,10 @@ def test_a_wrong_kernel_fails_its_probe_and_native_runs(fresh_verdicts, monkeypa
     (the control), gated its probe fails and the update keeps native's path and bytes."""
     wrong = sp._SOURCE.replace("float q = t / den;", "float q = t * (1.0f / den);")
     assert wrong != sp._SOURCE
-    # and in the register path (AVX-512 builds)
-    fused = "_mm512_div_ps(t, den)"
+    # and in the register path
+    fused, reciprocal = _REGISTER_DIV
     assert sp._SOURCE.count(fused) == 1
-    wrong = wrong.replace(fused, "_mm512_mul_ps(t, _mm512_div_ps(_mm512_set1_ps(1.0f), den))")
+    wrong = wrong.replace(fused, reciprocal)
     monkeypatch.setattr(sp, "_SOURCE", wrong)
     for name in ("_LIB", "_BUILD", "_FAILURE"):
         monkeypatch.setattr(sp, name, None)
@@ -698,16 +693,15 @@ def test_single_pass_adds_no_persistent_bytes(monkeypatch):
         with threads(2):
             model = small_model()
             opt = cotangent.AdamW(model.parameters(), foreach=False, max_norm=1.0)
-            before = None
-            for step in range(3):
+            after_step = []
+            for _ in range(3):
                 model(torch.ones(2, IN)).sum().backward()
                 opt.step()
-                if step == 1:
-                    before = held(model, opt)
+                after_step.append(held(model, opt))
                 opt.zero_grad()
-            assert held(model, opt) == before
+            assert after_step[1] == after_step[2]
             assert opt.update_path()["path"] == ("native" if switch == "0" else "single-pass")
-        results[switch] = (opt.state_bytes(), sum(n for _, n in held(model, opt)))
+        results[switch] = (opt.state_bytes(), sum(n for _, n in after_step[2]))
     assert results["0"] == results["1"]
 
 
@@ -944,9 +938,11 @@ def test_streaming_fill_writes_negative_zero_everywhere(n, offset, nthreads, mon
     assert same_bits(base[offset + n:], before[offset + n:])
 
 
-def test_streaming_fill_in_the_optimizer_gives_native_bytes(monkeypatch):
-    """zero_grad with every buffer refilled by the streaming fill (threshold lowered to 1):
-    the next backwards accumulate into -0.0 exactly as into fresh gradients."""
+def test_zero_grad_outside_a_process_group_writes_nothing_and_gives_native_bytes(monkeypatch):
+    """Outside torch.distributed `zero_grad` neither refills the buffers (the streaming fill,
+    threshold lowered to 1, is never called, nor `fill_`) nor keeps the views: ``.grad`` reads
+    None, and each backward's fresh gradients, zeros of both signs among them, are copied into
+    the views with native's bytes."""
     sp.build()
     calls = []
     real = sp._LIB.cot_fill_negative_zero
@@ -956,8 +952,7 @@ def test_streaming_fill_in_the_optimizer_gives_native_bytes(monkeypatch):
         return real(*args)
 
     class SignedZeroGradients(torch.nn.Module):
-        """`w`'s gradient is a scalar times `c`: zeros of both signs among other values, so a
-        refill with +0.0 instead of -0.0 would change the accumulated gradients' bytes."""
+        """`w`'s gradient is a scalar times `c`: zeros of both signs among other values."""
 
         def __init__(self):
             super().__init__()
@@ -976,7 +971,19 @@ def test_streaming_fill_in_the_optimizer_gives_native_bytes(monkeypatch):
     with threads(2):
         for models in (None, (SignedZeroGradients(), SignedZeroGradients())):
             native_vs_cotangent(foreach=False, steps=4, max_norm=1.0, models=models)
-    assert calls  # the streaming fill ran
+        model = SignedZeroGradients()
+        opt = cotangent.AdamW(model.parameters(), max_norm=1.0)
+        for _ in range(2):
+            model(torch.ones(2, IN)).sum().backward()
+            opt.step()
+            grads = [p.grad for p in model.parameters()]
+            with monkeypatch.context() as m:
+                m.setattr(torch.Tensor, "fill_", lambda *a: pytest.fail("fill_ called"))
+                opt.zero_grad()
+            assert all(p.grad is None for p in model.parameters())
+            assert {g.untyped_storage().data_ptr() for g in grads} == {
+                opt._store.flat_grads[0].untyped_storage().data_ptr()}
+    assert calls == []
 
 
 def test_streaming_fill_refuses_an_inference_tensor_as_fill_does(monkeypatch):

@@ -235,13 +235,83 @@ void hw_sqrt(int64_t n, const float* a, float* r) {
   for (int64_t i = 0; i < n; i++) r[i] = __builtin_sqrtf(a[i]);
 }
 
+// ---- 16 (AVX-512) or 8 (AVX2) float lanes: the operations the register path and the MKL
+// square root imitation use, each one IEEE operation per lane, rounded as the MXCSR says
+// (callers run them under the default MXCSR only; the AVX-512 imitation also names its
+// rounding). Partial vectors (len < W) load zeros into their unused lanes and store nothing
+// there.
 #ifdef __AVX512F__
-// MKL's vmsSqrt as measured on AMD Zen 5 (torch 2.13.0+cpu's MKL, black-box: its outputs for
-// every one of the 2**32 float32 inputs, no look at its code). For a positive normal x below
+struct Lanes {
+  typedef __m512 V;
+  static constexpr int W = 16;
+  static __mmask16 valid(int64_t len) {
+    return len >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << len) - 1u);
+  }
+  static V set1(float x) { return _mm512_set1_ps(x); }
+  static V bits(uint32_t u) { return _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(u))); }
+  static V load(const float* p) { return _mm512_loadu_ps(p); }
+  static V load_part(const float* p, int64_t len) { return _mm512_maskz_loadu_ps(valid(len), p); }
+  static void store(float* p, V x) { _mm512_storeu_ps(p, x); }
+  static void store_part(float* p, int64_t len, V x) { _mm512_mask_storeu_ps(p, valid(len), x); }
+  static V add(V a, V b) { return _mm512_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm512_div_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }  // a * b + c, rounded once
+  static V xor_(V a, V b) { return _mm512_xor_ps(a, b); }
+  static V sqrt(V a) { return _mm512_sqrt_ps(a); }
+  // lanes where a < b (ordered): x, else y; lanes where a > b: x, else y
+  static V where_lt(V a, V b, V x, V y) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_LT_OQ), y, x);
+  }
+  static V where_gt(V a, V b, V x, V y) {
+    return _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, b, _CMP_GT_OQ), y, x);
+  }
+  // bit i set where lane i of a or of b is NaN
+  static unsigned unordered(V a, V b) { return _mm512_cmp_ps_mask(a, b, _CMP_UNORD_Q); }
+  static unsigned all_lanes(int64_t len) { return valid(len); }
+};
+#else
+struct Lanes {
+  typedef __m256 V;
+  static constexpr int W = 8;
+  static __m256i valid(int64_t len) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(len)),
+                              _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+  }
+  static V set1(float x) { return _mm256_set1_ps(x); }
+  static V bits(uint32_t u) { return _mm256_castsi256_ps(_mm256_set1_epi32(static_cast<int>(u))); }
+  static V load(const float* p) { return _mm256_loadu_ps(p); }
+  static V load_part(const float* p, int64_t len) { return _mm256_maskload_ps(p, valid(len)); }
+  static void store(float* p, V x) { _mm256_storeu_ps(p, x); }
+  static void store_part(float* p, int64_t len, V x) { _mm256_maskstore_ps(p, valid(len), x); }
+  static V add(V a, V b) { return _mm256_add_ps(a, b); }
+  static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
+  static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+  static V div(V a, V b) { return _mm256_div_ps(a, b); }
+  static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  static V xor_(V a, V b) { return _mm256_xor_ps(a, b); }
+  static V sqrt(V a) { return _mm256_sqrt_ps(a); }
+  static V where_lt(V a, V b, V x, V y) {
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_LT_OQ));
+  }
+  static V where_gt(V a, V b, V x, V y) {
+    return _mm256_blendv_ps(y, x, _mm256_cmp_ps(a, b, _CMP_GT_OQ));
+  }
+  static unsigned unordered(V a, V b) {
+    return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(a, b, _CMP_UNORD_Q)));
+  }
+  static unsigned all_lanes(int64_t len) { return len >= 8 ? 0xFFu : (1u << len) - 1u; }
+};
+#endif
+
+// MKL's vmsSqrt as measured on AMD EPYC CPUs (torch 2.13.0+cpu's MKL, black-box: its outputs
+// for every one of the 2**32 float32 inputs, no look at its code; Zen 5 with AVX-512, and a
+// 2-core "AMD EPYC" VM with AVX2 only, MKL taking its AVX2 path). For a positive normal x below
 // 0x7F7FF000: the 12-bit hardware estimate r ~ 1/sqrt(x) (VRSQRTPS; the estimate table is the
 // CPU's own, so this holds only where `sqrt_kind` proved it against torch.sqrt), one
 // Goldschmidt step and a residual correction, every product and sum rounded on its own (no
-// fused multiply-add; the explicit round-to-nearest forms cannot be contracted):
+// fused multiply-add: -ffp-contract=off, and the AVX-512 forms name their rounding):
 //   s = x*r, h = 0.5*r, e = 0.5 - s*h, s = s + s*e, h = h + h*e, d = x - s*s, sqrt = s + d*h.
 // Everything else is correctly rounded there (the hardware square root: zeros, positive
 // subnormals, +inf, NaNs quieted with their payload, the top 4096 finite values) except
@@ -250,9 +320,10 @@ void hw_sqrt(int64_t n, const float* a, float* r) {
 // round-to-nearest bytes; unmasked exceptions do not trap, measured), so this runs under the
 // default MXCSR (0x1F80: round to nearest, every exception masked, no flushing) and restores
 // the caller's after.
+#ifdef __AVX512F__
 constexpr int EMU_RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
-inline __m512 emu_sqrt16(__m512 x) {
+inline __m512 emu_sqrt(__m512 x) {
   const __m512 half = _mm512_set1_ps(0.5f);
   const __m256 r_lo = _mm256_rsqrt_ps(_mm512_castps512_ps256(x));
   const __m256 r_hi = _mm256_rsqrt_ps(_mm512_extractf32x8_ps(x, 1));
@@ -281,31 +352,61 @@ inline __m512 emu_sqrt16(__m512 x) {
   }
   return out;
 }
+#else
+// unsigned a < b for 32-bit lanes (AVX2 compares signed: flip the sign bits)
+inline __m256i lt_epu32(__m256i a, __m256i b) {
+  const __m256i flip = _mm256_set1_epi32(static_cast<int>(0x80000000u));
+  return _mm256_cmpgt_epi32(_mm256_xor_si256(b, flip), _mm256_xor_si256(a, flip));
+}
+
+inline __m256 emu_sqrt(__m256 x) {  // the same formula on 8 lanes, under the default MXCSR
+  const __m256 half = _mm256_set1_ps(0.5f);
+  const __m256 r = _mm256_rsqrt_ps(x);
+  __m256 s = _mm256_mul_ps(x, r);
+  __m256 h = _mm256_mul_ps(half, r);
+  const __m256 e = _mm256_sub_ps(half, _mm256_mul_ps(s, h));
+  s = _mm256_add_ps(s, _mm256_mul_ps(s, e));
+  h = _mm256_add_ps(h, _mm256_mul_ps(h, e));
+  const __m256 d = _mm256_sub_ps(x, _mm256_mul_ps(s, s));
+  __m256 out = _mm256_add_ps(s, _mm256_mul_ps(d, h));
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i formula = lt_epu32(_mm256_sub_epi32(bits, _mm256_set1_epi32(0x00800000)),
+                                   _mm256_set1_epi32(0x7EFFF000));
+  if (__builtin_expect(_mm256_movemask_ps(_mm256_castsi256_ps(formula)) != 0xFF, 0)) {
+    __m256 other = _mm256_sqrt_ps(x);
+    const __m256i negative = lt_epu32(
+        _mm256_sub_epi32(bits, _mm256_set1_epi32(static_cast<int>(0x80000001u))),
+        _mm256_set1_epi32(0x7F800000));
+    other = _mm256_blendv_ps(other, _mm256_castsi256_ps(_mm256_set1_epi32(0x7FC00000)),
+                             _mm256_castsi256_ps(negative));
+    out = _mm256_blendv_ps(other, out, _mm256_castsi256_ps(formula));
+  }
+  return out;
+}
+#endif
 
 void emulated_mkl_sqrt(int64_t n, const float* a, float* r, long long) {
   const unsigned csr = __builtin_ia32_stmxcsr();
   // control fields (bits 6-15: DAZ, exception masks, rounding, FTZ) other than the default's
   const bool other = (csr & 0xFFC0u) != 0x1F80u;
   if (other) __builtin_ia32_ldmxcsr((csr & ~0xFFC0u) | 0x1F80u);
+  constexpr int W = Lanes::W;
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(r + i, emu_sqrt16(_mm512_loadu_ps(a + i)));
-  if (i < n) {
-    const __mmask16 m = static_cast<__mmask16>((1u << (n - i)) - 1u);
-    _mm512_mask_storeu_ps(r + i, m, emu_sqrt16(_mm512_maskz_loadu_ps(m, a + i)));
-  }
+  for (; i + W <= n; i += W) Lanes::store(r + i, emu_sqrt(Lanes::load(a + i)));
+  if (i < n) Lanes::store_part(r + i, n - i, emu_sqrt(Lanes::load_part(a + i, n - i)));
   if (other) __builtin_ia32_ldmxcsr(csr);
 }
 
-// ---- The same step with every element's whole op sequence in registers, 16 lanes at a time
+// ---- The same step with every element's whole op sequence in registers, W lanes at a time
 // (no scratch arrays between the moments, the square root and the update), for the float32
 // step where the square root is the imitation under the default MXCSR or the hardware's
-// (measured, 2-core AMD EPYC Zen 5, 2 threads: 3.3M / 19.3M elements 1.32 / 10.65 -> 0.81 /
-// 5.20 ms). Where any lane of a vector meets a NaN (the gradient, clipped; grad - exp_avg;
-// value * exp_avg or its quotient; with amsgrad either operand of the maximum) the vector is
-// redone by the general path above, element by element: every NaN rule of the general path is
-// a select that leaves a non-NaN result as it is, so on the vectors kept here both paths
-// compute the same IEEE operations on the same values (no fused multiply-adds but the
-// explicit ones: -ffp-contract=off).
+// (measured, 2-core AMD EPYC Zen 5, AVX-512, 2 threads: 3.3M / 19.3M elements 1.32 / 10.65 ->
+// 0.81 / 5.20 ms). Where any lane of a vector meets a NaN (the gradient, clipped; grad -
+// exp_avg; value * exp_avg or its quotient; with amsgrad either operand of the maximum) the
+// vector is redone by the general path above, element by element: every NaN rule of the
+// general path is a select that leaves a non-NaN result as it is, so on the vectors kept here
+// both paths compute the same IEEE operations on the same values (no fused multiply-adds but
+// the explicit ones: -ffp-contract=off).
 template <typename F>
 inline void with_bool(bool b, F f) {
   if (b) f(std::true_type{}); else f(std::false_type{});
@@ -316,45 +417,46 @@ template <bool MAXIMIZE, bool SMALL_WEIGHT, bool AMSGRAD, bool TAIL, bool CLIP, 
 void fused(int64_t n, float* __restrict g_, float* __restrict m_, float* __restrict v_,
            float* __restrict vmax_, float* __restrict p_, const Hyper& h, float bc2s,
            float nstep, float* scratch) {
-  const __m512 c = _mm512_set1_ps(h.clip), decay = _mm512_set1_ps(h.decay);
-  const __m512 w = _mm512_set1_ps(h.weight), wm1 = _mm512_set1_ps(h.weight_m1);
-  const __m512 omw = _mm512_set1_ps(h.one_minus_weight), b2 = _mm512_set1_ps(h.beta2);
-  const __m512 val = _mm512_set1_ps(h.value2), eps = _mm512_set1_ps(h.eps);
-  const __m512 bc = _mm512_set1_ps(bc2s), ns = _mm512_set1_ps(nstep);
-  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(static_cast<int>(0x80000000u)));
-  for (int64_t i = 0; i < n; i += 16) {
-    const int64_t len = n - i < 16 ? n - i : 16;
-    const __mmask16 valid = len == 16 ? 0xFFFF : static_cast<__mmask16>((1u << len) - 1u);
-    const bool full = len == 16;  // masked loads and stores only for the last vector
-    const __m512 g0 = full ? _mm512_loadu_ps(g_ + i) : _mm512_maskz_loadu_ps(valid, g_ + i);
-    const __m512 m = full ? _mm512_loadu_ps(m_ + i) : _mm512_maskz_loadu_ps(valid, m_ + i);
-    const __m512 v = full ? _mm512_loadu_ps(v_ + i) : _mm512_maskz_loadu_ps(valid, v_ + i);
-    const __m512 p = full ? _mm512_loadu_ps(p_ + i) : _mm512_maskz_loadu_ps(valid, p_ + i);
-    const __m512 pd = DECAY ? _mm512_mul_ps(p, decay) : p;
-    const __m512 gc = CLIP ? _mm512_mul_ps(g0, c) : g0;
-    const __m512 g = MAXIMIZE ? _mm512_xor_ps(gc, sign) : gc;
-    const __m512 d = _mm512_sub_ps(g, m);
-    const __m512 m1 = SMALL_WEIGHT ? _mm512_fmadd_ps(w, d, m)
-                      : TAIL       ? _mm512_fmadd_ps(_mm512_xor_ps(d, sign), omw, g)
-                                   : _mm512_fmadd_ps(wm1, d, g);
-    const __m512 v1 = _mm512_fmadd_ps(_mm512_mul_ps(val, g), g, _mm512_mul_ps(v, b2));
+  typedef Lanes L;
+  typedef L::V V;
+  constexpr int W = L::W;
+  const V c = L::set1(h.clip), decay = L::set1(h.decay);
+  const V w = L::set1(h.weight), wm1 = L::set1(h.weight_m1);
+  const V omw = L::set1(h.one_minus_weight), b2 = L::set1(h.beta2);
+  const V val = L::set1(h.value2), eps = L::set1(h.eps);
+  const V bc = L::set1(bc2s), ns = L::set1(nstep);
+  const V sign = L::bits(0x80000000u);
+  for (int64_t i = 0; i < n; i += W) {
+    const int64_t len = n - i < W ? n - i : W;
+    const bool full = len == W;  // masked loads and stores only for the last vector
+    const V g0 = full ? L::load(g_ + i) : L::load_part(g_ + i, len);
+    const V m = full ? L::load(m_ + i) : L::load_part(m_ + i, len);
+    const V v = full ? L::load(v_ + i) : L::load_part(v_ + i, len);
+    const V p = full ? L::load(p_ + i) : L::load_part(p_ + i, len);
+    const V pd = DECAY ? L::mul(p, decay) : p;
+    const V gc = CLIP ? L::mul(g0, c) : g0;
+    const V g = MAXIMIZE ? L::xor_(gc, sign) : gc;
+    const V d = L::sub(g, m);
+    const V m1 = SMALL_WEIGHT ? L::fma(w, d, m)
+                 : TAIL       ? L::fma(L::xor_(d, sign), omw, g)
+                              : L::fma(wm1, d, g);
+    const V v1 = L::fma(L::mul(val, g), g, L::mul(v, b2));
     // amsgrad: torch.maximum(max_exp_avg_sq, exp_avg_sq) without NaNs (a lane with one goes to
     // the general path): the vector body keeps exp_avg_sq unless max_exp_avg_sq is greater,
     // the scalar tail keeps max_exp_avg_sq unless exp_avg_sq is greater (+0.0 vs -0.0)
-    __m512 a = v1, s = v1;
+    V a = v1, s = v1;
     if (AMSGRAD) {
-      a = full ? _mm512_loadu_ps(vmax_ + i) : _mm512_maskz_loadu_ps(valid, vmax_ + i);
-      s = TAIL ? _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, v1, _CMP_LT_OQ), a, v1)
-               : _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a, v1, _CMP_GT_OQ), v1, a);
+      a = full ? L::load(vmax_ + i) : L::load_part(vmax_ + i, len);
+      s = TAIL ? L::where_lt(a, v1, v1, a) : L::where_gt(a, v1, a, v1);
     }
-    const __m512 r = EMU ? emu_sqrt16(s) : _mm512_sqrt_ps(s);
-    const __m512 den = _mm512_add_ps(_mm512_div_ps(r, bc), eps);
-    const __m512 t = _mm512_mul_ps(ns, m1);
-    const __m512 q = _mm512_div_ps(t, den);
-    const __m512 p1 = _mm512_add_ps(q, pd);
-    const __mmask16 nan = _mm512_mask_cmp_ps_mask(valid, g, d, _CMP_UNORD_Q) |
-                          _mm512_mask_cmp_ps_mask(valid, t, q, _CMP_UNORD_Q) |
-                          (AMSGRAD ? _mm512_mask_cmp_ps_mask(valid, a, v1, _CMP_UNORD_Q) : 0);
+    const V r = EMU ? emu_sqrt(s) : L::sqrt(s);
+    const V den = L::add(L::div(r, bc), eps);
+    const V t = L::mul(ns, m1);
+    const V q = L::div(t, den);
+    const V p1 = L::add(q, pd);
+    // (unused lanes of a partial vector hold zeros, whose quotient may be NaN: not counted)
+    const unsigned nan = (L::unordered(g, d) | L::unordered(t, q) |
+                          (AMSGRAD ? L::unordered(a, v1) : 0u)) & L::all_lanes(len);
     if (__builtin_expect(nan != 0, 0)) {
       float* r_ = scratch + 16;
       float* pd_ = scratch + 32;
@@ -366,18 +468,18 @@ void fused(int64_t n, float* __restrict g_, float* __restrict m_, float* __restr
       continue;
     }
     if (full) {
-      if (CLIP) _mm512_storeu_ps(g_ + i, gc);
-      _mm512_storeu_ps(m_ + i, m1);
-      _mm512_storeu_ps(v_ + i, v1);
-      if (AMSGRAD) _mm512_storeu_ps(vmax_ + i, s);
-      _mm512_storeu_ps(p_ + i, p1);
+      if (CLIP) L::store(g_ + i, gc);
+      L::store(m_ + i, m1);
+      L::store(v_ + i, v1);
+      if (AMSGRAD) L::store(vmax_ + i, s);
+      L::store(p_ + i, p1);
       continue;
     }
-    if (CLIP) _mm512_mask_storeu_ps(g_ + i, valid, gc);
-    _mm512_mask_storeu_ps(m_ + i, valid, m1);
-    _mm512_mask_storeu_ps(v_ + i, valid, v1);
-    if (AMSGRAD) _mm512_mask_storeu_ps(vmax_ + i, valid, s);
-    _mm512_mask_storeu_ps(p_ + i, valid, p1);
+    if (CLIP) L::store_part(g_ + i, len, gc);
+    L::store_part(m_ + i, len, m1);
+    L::store_part(v_ + i, len, v1);
+    if (AMSGRAD) L::store_part(vmax_ + i, len, s);
+    L::store_part(p_ + i, len, p1);
   }
 }
 
@@ -394,7 +496,6 @@ void fused_step(bool maximize, bool small, bool ams, bool tail, bool clip, bool 
                 decltype(EM)::value>(n, g, m, v, vmax, p, h, bc2s, nstep, scratch);
         }); }); }); }); }); }); });
 }
-#endif
 
 // ---- bfloat16 buffers. Each ATen op of the for-loop / foreach AdamW on bfloat16 tensors reads
 // bfloat16, computes in float (the same float formulas as above) and rounds its result to
@@ -575,7 +676,7 @@ void cot_fill_negative_zero(float* p, int64_t n, int nthreads) {
   }
 }
 
-int cot_singlepass_version() { return 12; }
+int cot_singlepass_version() { return 13; }
 
 // The calling thread's SSE control/status register (MXCSR): its flush-to-zero (bit 15),
 // denormals-are-zero (bit 6) and rounding-mode (bits 13-14) fields change float results.
@@ -596,10 +697,8 @@ int cot_singlepass_team(int n, int* mxcsr) {
   return omp_get_dynamic() ? -1 : size;
 }
 
-#ifdef __AVX512F__
-// The address of the MKL vmsSqrt emulation (a sqrt_fn for the kernels), in AVX-512 builds only.
+// The address of the MKL vmsSqrt emulation (a sqrt_fn for the kernels).
 void* cot_singlepass_emulated_sqrt() { return reinterpret_cast<void*>(&emulated_mkl_sqrt); }
-#endif
 
 // Square roots only (for the probe that picks the square root): r = sqrt(a) as the kernel
 // computes it, in blocks like the kernel.
@@ -629,7 +728,6 @@ int cot_singlepass_adamw(float* p, float* g, float* m, float* v, float* vmax,
   // decayed parameter)
   for_each_block(pieces, npieces, nthreads, 3 * BLOCK,
                  [&](const int64_t* pc, int64_t start, int64_t len, float* s) {
-#ifdef __AVX512F__
     // the register path: the imitation needs the default MXCSR (it is what it was proven
     // under; the general path switches to it around each call), the hardware's any
     const bool emu = sq == &emulated_mkl_sqrt;
@@ -639,7 +737,6 @@ int cot_singlepass_adamw(float* p, float* g, float* m, float* v, float* vmax,
                  static_cast<float>(bc2s[pc[2]]), static_cast<float>(nstep[pc[2]]), s);
       return;
     }
-#endif
     float* r = s + BLOCK;
     float* pd = s + 2 * BLOCK;
     pick(maximize, small, ams, pc[3] != 0, clip, has_decay)(
