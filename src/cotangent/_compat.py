@@ -264,7 +264,8 @@ def compiled_strictly(active: bool):
 
 def foreach_copy_(dst: list[Tensor], src: list[Tensor]) -> None:
     """`torch._foreach_copy_`: the copy back into the parameters that MuonAdamW's published
-    (reference) path makes after stepping its stacks."""
+    (reference) path makes after stepping its stacks; small fresh gradients into their flat
+    buffer views at the end of a backward."""
     torch._foreach_copy_(dst, src)
 
 
