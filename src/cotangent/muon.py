@@ -343,13 +343,14 @@ class Muon(torch.optim.Muon):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """`Optimizer.zero_grad` over packed gradients: ``set_to_none=True``: no gradient counts
-        as present until the next backward (``.grad`` is a view of the buffer filled with -0.0,
-        so that the backward's accumulation reproduces a fresh gradient bit for bit; while
-        ``state`` is empty it reads None, as native, and the step copies the backward's fresh
-        gradient in); ``set_to_none=False`` zeroes the existing gradients in place."""
+        as present until the next backward (``.grad`` reads None, as native, and the backward's
+        fresh gradients are copied into the buffer as they arrive; under torch.distributed, once
+        ``state`` exists, it is instead a view of the buffer filled with -0.0, which the
+        backward accumulates into with the same bits); ``set_to_none=False`` zeroes the existing
+        gradients in place."""
         _compat.refuse_under_compile("cotangent.Muon.zero_grad()")
         self._refresh()
-        # no state yet (a fresh optimizer): .grad reads None as native, not the -0.0 view
+        # no state yet (a fresh optimizer): .grad reads None as native, in a process group too
         # (torch.distributed.checkpoint tells a fresh optimizer by exactly that)
         self._tracker.zero_grad(set_to_none, prefill=bool(self.state))
 

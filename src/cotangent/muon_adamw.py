@@ -309,14 +309,14 @@ class MuonAdamW(torch.optim.Optimizer):
                         "save and load optimizer.state_dict() instead")
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As `Optimizer.zero_grad`; packed Muon gradients stay in their buffer (-0.0 filled,
-        reading None until a backward delivers one)."""
+        """As `Optimizer.zero_grad`; packed Muon gradients read None until a backward delivers
+        one, which is copied into their buffer (see `cotangent.Muon.zero_grad`)."""
         if not self.packed:
             return super().zero_grad(set_to_none)
         _compat.refuse_under_compile("cotangent.MuonAdamW.zero_grad()")
         self._refresh()
         super().zero_grad(set_to_none)  # the AdamW parameters; Muon views are reset below
-        # no state yet (a fresh optimizer): .grad reads None as native, not the -0.0 view
+        # no state yet (a fresh optimizer): .grad reads None as native, in a process group too
         # (torch.distributed.checkpoint tells a fresh optimizer by exactly that)
         self._tracker.zero_grad(set_to_none, prefill=bool(self.state))
 

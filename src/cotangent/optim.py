@@ -775,13 +775,15 @@ class AdamW(torch.optim.AdamW):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Reset gradients, as `torch.optim.Optimizer.zero_grad`, keeping them in the flat buffer.
 
-        ``set_to_none=True`` (default): every parameter counts as having no gradient until the next
-        backward; the buffer holds -0.0 so that backward's accumulation reproduces a fresh
-        gradient bit for bit. ``set_to_none=False``: gradients that exist become +0.0 in place, as
-        native; those that are ``None`` stay absent. While ``state`` is empty (before the first
-        update, or after it was cleared) ``.grad`` reads None instead of the -0.0 view, as
-        native: `torch.distributed.checkpoint` initialises the state of an optimizer only when
-        it has no state and no gradient.
+        ``set_to_none=True`` (default): every ``.grad`` reads None, as native, and nothing is
+        written; the next backward's fresh gradients are copied into the flat buffer as they
+        arrive. Under torch.distributed the buffer is filled with -0.0 instead and ``.grad`` is
+        that view, so that the backward's accumulation reproduces a fresh gradient bit for bit
+        (except while ``state`` is empty, before the first update or after it was cleared:
+        then ``.grad`` reads None, as native; `torch.distributed.checkpoint` initialises the
+        state of an optimizer only when it has no state and no gradient).
+        ``set_to_none=False``: gradients that exist become +0.0 in place, as native; those that
+        are ``None`` stay absent.
 
         Raises:
             RuntimeError: a parameter's storage was replaced (e.g. ``model.half()`` after the
@@ -793,7 +795,7 @@ class AdamW(torch.optim.AdamW):
         self._refresh_structure()
         if self._store.sync_params():
             self._planner.invalidate()
-        # no state yet (a fresh optimizer): .grad reads None as native, not the -0.0 view
+        # no state yet (a fresh optimizer): .grad reads None as native, in a process group too
         # (torch.distributed.checkpoint tells a fresh optimizer by exactly that)
         self._tracker.zero_grad(set_to_none, prefill=bool(self.state))
 

@@ -1,15 +1,20 @@
 """Gradient tracking: which parameters received a gradient since `zero_grad`, and where it is.
 
 Native AdamW updates exactly the parameters whose ``.grad`` is not None. With packed gradients
-``.grad`` is a view of the flat gradient buffer that `zero_grad` fills with -0.0, the identity of
-floating-point addition, so that a backward's in-place accumulation reproduces a freshly
-allocated gradient byte for byte. Hooks tell which views really received a gradient:
+``.grad`` is a view of the flat gradient buffer once a backward has delivered a gradient. Outside
+torch.distributed `zero_grad` sets ``.grad`` to None, as native, and the hooks copy each fresh
+gradient autograd stores into its view (`GradientTracker.can_copy_in`); later backwards
+accumulate into the view, as native accumulates into its ``.grad``. In a process group
+`zero_grad` instead fills the buffer with -0.0, the identity of floating-point addition, and
+leaves the views as ``.grad``, so that a backward's in-place accumulation reproduces a freshly
+allocated gradient byte for byte. The hooks:
 
 - a post-accumulate-grad hook per trainable parameter (a gradient arrived in ``.grad``;
-  `torch.autograd.grad` does not trigger it);
-- a tensor hook seeing each incoming gradient (to notice sparse ones);
-- an end-of-backward callback that sets ``.grad`` back to None for parameters that received
-  nothing, as native code would show them.
+  `torch.autograd.grad` does not trigger it): copies a large fresh gradient in at once;
+- a tensor hook seeing each incoming gradient (to notice sparse ones, and whether ``.grad`` is
+  None just before: then autograd stores a fresh tensor);
+- an end-of-backward callback that copies the small fresh gradients in, in one call, and sets
+  ``.grad`` back to None for views that received nothing, as native code would show them.
 
 `GradientTracker.scan` then lists the present gradients for `step()`: the usual case is a
 comparison of a few lists; anything unusual (a gradient assigned from outside, written in place
