@@ -8,7 +8,7 @@ after every step (CPU, float32 and bfloat16, torch's for-loop and foreach implem
 
 from __future__ import annotations
 
-import weakref
+import copy
 
 import pytest
 import torch
@@ -103,24 +103,23 @@ def test_grad_reads_none_after_zero_grad_and_views_after_the_backward():
     assert all(p.grad is None for p in params)
 
 
-def test_large_fresh_gradient_is_freed_in_its_hook_small_ones_at_the_end():
-    """The large gradient's fresh tensor is gone (copied and dropped) before the backward ends;
-    the small ones are still `.grad` then, until the end-of-backward copy."""
+def test_large_fresh_gradient_is_copied_in_its_hook_small_ones_at_the_end(monkeypatch):
+    """The end-of-backward copy takes the two small gradients in one call; the large one was
+    copied in its own hook (and its fresh tensor freed there)."""
     params = [torch.nn.Parameter(b) for b in _base()]
     opt = cotangent.AdamW(params)
-    seen = {}
+    batches = []
+    real = tracking._compat.foreach_copy_
 
-    def late(p):  # registered after the optimizer's hook: runs after it
-        seen[len(seen)] = (p.numel(), weakref.ref(p.grad), p.grad.untyped_storage().data_ptr())
+    def counted(dst, src):
+        batches.append(sorted(t.numel() for t in dst))
+        real(dst, src)
 
-    for p in params:
-        p.register_post_accumulate_grad_hook(late)
+    monkeypatch.setattr(tracking._compat, "foreach_copy_", counted)
     _backward(0, params)
+    assert batches == [sorted([SMALL, 20])]
     flat = opt._store.flat_grads[0].untyped_storage().data_ptr()
-    in_flat = {numel: ptr == flat for numel, _, ptr in seen.values()}
-    assert in_flat == {SMALL: False, 20: False, BIG: True}
     assert all(p.grad.untyped_storage().data_ptr() == flat for p in params)
-    assert all(ref() is None for numel, ref, _ in seen.values() if numel != BIG)
 
 
 def test_a_gradient_replaced_before_the_end_of_the_backward_is_left_alone():
@@ -186,3 +185,85 @@ def test_a_gradient_sharing_memory_with_a_parameter_is_refused(deliver):
     assert all(same_bits(a, b) for a, b in zip(before, params))
     assert all(same_bits(v, opt.state[p][k]) for p, st in zip(params, state)
                for k, v in st.items())
+
+
+@pytest.mark.parametrize("numel", [4, BIG], ids=["small", "large"])
+@pytest.mark.parametrize("before", [True, False], ids=["hook-first", "optimizer-first"])
+def test_a_gradient_kept_by_a_user_hook_stays_the_live_gradient(numel, before):
+    """A post-accumulate-grad hook that keeps `p.grad` and edits it after the backward: native's
+    step sees the edit (it is the live gradient), and so must ours. Such parameters keep the
+    -0.0 view as `.grad` (found by an adversarial review: copy-in replaced the kept tensor)."""
+    def run(make):
+        p = torch.nn.Parameter(torch.ones(numel))
+        held = []
+
+        def keep(p):
+            held.append(p.grad)
+
+        if before:
+            p.register_post_accumulate_grad_hook(keep)
+        opt = make([p])
+        if not before:
+            p.register_post_accumulate_grad_hook(keep)
+        for step in range(3):
+            held.clear()
+            (p * torch.arange(float(numel))).sum().backward()
+            held[0].mul_(0.5).add_(1.0)  # the user's edit of the gradient it kept
+            assert held[0] is p.grad
+            opt.step()
+            opt.zero_grad()
+        return p.detach().clone(), opt.state[p]
+
+    native_p, native_state = run(lambda ps: torch.optim.AdamW(ps, lr=0.1))
+    ours_p, ours_state = run(lambda ps: cotangent.AdamW(ps, lr=0.1, max_norm=1e9))
+    assert same_bits(native_p, ours_p)
+    assert all(same_bits(native_state[k], ours_state[k]) for k in native_state)
+
+
+def test_a_failed_backward_then_model_zero_grad_does_not_stop_copy_in():
+    """A backward that raises (its end-of-backward callback never runs), then the loop resets
+    with `model.zero_grad()` only: later backwards still copy in (nothing piles up), count as
+    new gradients (`clip_grad_norm_()` then a second backward: the step clips again), and the
+    bytes stay native's (found by an adversarial review: the first gradient's flag stuck)."""
+    def loop(model, clip_then_step):
+        x = torch.randn(4, 8, generator=torch.Generator().manual_seed(0))
+
+        def boom(g):
+            raise RuntimeError("simulated failure")
+
+        h = model[0](x)
+        h.register_hook(boom)
+        with pytest.raises(RuntimeError, match="simulated failure"):
+            model[1](h).sum().backward()
+        model.zero_grad()
+        for step in range(3):
+            model(x * (step + 1)).square().sum().backward()
+            clip_then_step(model)
+            model.zero_grad()
+
+    torch.manual_seed(0)
+    native_model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
+    ours_model = copy.deepcopy(native_model)
+    native = torch.optim.AdamW(native_model.parameters(), lr=0.1)
+    ours = cotangent.AdamW(ours_model.parameters(), lr=0.1, max_norm=1.0)
+
+    def native_step(m):
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        m(torch.ones(4, 8)).sum().backward()  # a second backward after the clip
+        torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+        native.step()
+
+    def our_step(m):
+        ours.clip_grad_norm_()
+        m(torch.ones(4, 8)).sum().backward()
+        assert not ours._tracker.pending  # copied in at the end of each backward
+        ours.step()  # clips the new gradients again, as native's second clip
+
+    loop(native_model, native_step)
+    loop(ours_model, our_step)
+    for a, b in zip(native_model.parameters(), ours_model.parameters()):
+        assert same_bits(a, b)
+        assert all(same_bits(native.state[a][k], ours.state[b][k]) for k in native.state[a])
+    flat = ours._store.flat_grads[0].untyped_storage().data_ptr()
+    ours_model(torch.ones(4, 8)).sum().backward()
+    assert all(p.grad.untyped_storage().data_ptr() == flat for p in ours_model.parameters())

@@ -95,6 +95,19 @@ def queue_backward_callback(fn) -> None:
     torch.autograd.Variable._execution_engine.queue_callback(fn)
 
 
+def graph_task_id() -> int | None:
+    """The id of the autograd graph task (one backward pass) running the calling hook, unique in
+    the process (`torch._C._current_graph_task_id`); None where torch lacks it."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return None if current is None else current()
+
+
+def post_accumulate_grad_hook_count(p: Tensor) -> int:
+    """How many post-accumulate-grad hooks `p` has (`Tensor._post_accumulate_grad_hooks`)."""
+    hooks = getattr(p, "_post_accumulate_grad_hooks", None)
+    return len(hooks) if hooks else 0
+
+
 def fused_adamw_one_group(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
                           exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor],
                           steps: list[Tensor], *, amsgrad: bool, beta1, beta2, lr,

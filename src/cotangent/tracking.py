@@ -90,6 +90,7 @@ class GradientTracker:
         self.pending: list[tuple[int, Tensor]] = []  # small fresh gradients to copy in
         self.big = [p.numel() >= COPY_NOW_MIN for p in store.params]  # copied in at once
         self.copy_in = True  # this backward copies fresh gradients in (not distributed)
+        self.task: int | None = None  # the autograd graph task of the last backward seen
         self.callback_queued = False
         self.backwards = backwards
         self.resets = resets
@@ -129,12 +130,18 @@ class GradientTracker:
                 if tracker is None:
                     return
                 tracker.has_grad[slot] = True
-                if not tracker.callback_queued:  # the first gradient of this backward
-                    tracker.callback_queued = True
+                # the first gradient of this backward: by graph task where torch tells it (a
+                # backward that raised never ran its callback; the next one queues its own)
+                task = _compat.graph_task_id()
+                if not tracker.callback_queued if task is None else task != tracker.task:
+                    tracker.callback_queued, tracker.task = True, task
                     tracker.backwards += 1
                     tracker.copy_in = not _distributed()
                     _compat.queue_backward_callback(end_of_backward)
-                if tracker.fresh[slot] and tracker.copy_in:  # autograd has just made `.grad`
+                # autograd has just made `.grad`; another post-accumulate-grad hook may hold
+                # that tensor (native's live gradient): then it stays `.grad`
+                if (tracker.fresh[slot] and tracker.copy_in
+                        and _compat.post_accumulate_grad_hook_count(p) == 1):
                     tracker.fresh[slot] = False
                     g = p.grad
                     if not tracker.big[slot]:  # copied with the others at the end
@@ -176,9 +183,11 @@ class GradientTracker:
         -0.0 prefill (`zero_grad` then writes nothing, and the backward reads one buffer less)
         and takes in dtypes where that accumulation is not exact. Not for: a gradient that
         requires grad (``create_graph=True``: native keeps its graph), sparse or laid out unlike
-        its parameter, or sharing memory with the flat buffers; nor under torch.distributed
-        (checked once per backward: DistributedDataParallel's bucket views and copies keep
-        today's prefill there)."""
+        its parameter, or sharing memory with the flat buffers; nor for a parameter with
+        post-accumulate-grad hooks besides this tracker's (checked by the hook: they see the
+        fresh tensor and may keep it as the live gradient; `zero_grad` gives such parameters
+        the -0.0 view instead); nor under torch.distributed (checked once per backward:
+        DistributedDataParallel's bucket views and copies keep today's prefill there)."""
         return (g is not None and g.layout is torch.strided and not g.requires_grad
                 and g.dtype == p.dtype and g.shape == p.shape and g.device == p.device
                 and (g.stride() == p.stride() or same_strides(g, p))
@@ -249,10 +258,17 @@ class GradientTracker:
         # DDP hands a globally unused parameter whose gradient is defined a zero bucket view
         # instead of leaving it None (without it, DDP writes into the defined gradients).
         allowed, prefill = prefill, self.prefilled
-        distributed = _distributed()
-        if not allowed or not distributed or not self.prefill_in_process_group:
+        if not allowed or (not self.prefill_in_process_group and _distributed()):
             prefill = [False] * n
-        if any(prefill):
+        elif not _distributed():
+            # outside a process group only parameters with post-accumulate-grad hooks of their
+            # own (which may keep the `.grad` they see) keep the -0.0 view: the others are copied
+            # in as their gradients arrive (`can_copy_in`)
+            prefill = [pre and _compat.post_accumulate_grad_hook_count(p) > 1
+                       for pre, p in zip(prefill, store.params)]
+            for slot in (s for s in self.all_slots if prefill[s]):
+                views[slot].fill_(-0.0)
+        else:
             for flat_g in store.flat_grads:
                 singlepass.fill_negative_zero_(flat_g)
         # Only gradients that are not their buffer view need a look (none in the usual step).
