@@ -27,7 +27,7 @@ AVX512 machines alike):
   for subnormals and the top 4096 finite values): the kernel computes that itself, 3x faster
   than the call (0.10 against 0.34 ns per element, one thread, L2-resident), where
   `emulation_matches` proved it against `torch.sqrt` on this machine (all 2**31 non-negative
-  inputs and 34M negative ones, about 2 s once, cached); elsewhere it calls that same function
+  inputs and 25.3M negative ones, about 2 s once, cached); elsewhere it calls that same function
   on each block (`sqrt_kind`);
 * where two operands of one ATen operation are NaN, the NaN kept is the gradient's (lerp,
   addcmul), then ``value * exp_avg`` over the denominator over the parameter (addcdiv);
@@ -994,7 +994,7 @@ def emulation_matches(address: int, reference=torch.sqrt, *, patterns=EMULATION_
     """Whether the square root at `address` (a kernel sqrt function) gives `reference`'s
     bytes (``reference(x, out=...)``; `torch.sqrt`, float32, CPU) for every float32 bit pattern
     of the int32 ranges `patterns` (default `EMULATION_PATTERNS`: all 2**31 non-negative
-    patterns and 34M negative ones), called in blocks as the kernel calls it. The verdict for
+    patterns and 25.3M negative ones), called in blocks as the kernel calls it. The verdict for
     the defaults is cached in the calibration file under the CPU model (`cpu_model`) and the
     kernel build, so a machine pays the check once.
 
@@ -1038,7 +1038,7 @@ def emulation_matches(address: int, reference=torch.sqrt, *, patterns=EMULATION_
 def sqrt_kind() -> str | None:
     """Which square root reproduces `torch.sqrt` (float32, CPU) byte for byte, in the kernel's
     blocks: "emulated" (the kernel's imitation of MKL's vmsSqrt, 3x faster than calling it,
-    where `emulation_matches` proved it on every non-negative float32 input and 34M negative
+    where `emulation_matches` proved it on every non-negative float32 input and 25.3M negative
     ones), "mkl" (MKL's vmsSqrt, the one
     torch calls), "hardware" (a correctly rounded square root, what ATen's vectorised kernel
     does without MKL) or None (none: no single pass). Every kind must also pass the same probe
