@@ -242,11 +242,12 @@ class GradientTracker:
         every ``.grad`` None" as a fresh optimizer); the next step copies the backward's fresh
         gradients into the buffer.
 
-        Outside torch.distributed nothing is prefilled and nothing written: every gradient not
-        kept reads None, as native, and the backward's fresh gradients are copied into their
-        views as they arrive (`can_copy_in`). In a process group the buffer is refilled with
-        -0.0 and the views stay ``.grad`` (where `prefill` and the dtype allow), for the
-        backward to accumulate into."""
+        Outside torch.distributed every gradient not kept reads None, as native, and the
+        backward's fresh gradients are copied into their views as they arrive (`can_copy_in`);
+        only a parameter with post-accumulate-grad hooks of its own gets its view filled with
+        -0.0 as ``.grad``. In a process group the whole buffer is refilled with -0.0 and the
+        views stay ``.grad`` (where `prefill` and the dtype allow), for the backward to
+        accumulate into."""
         store = self.store
         keep = set() if set_to_none else {
             s for s in self.all_slots if self.tracked[s] and self.has_logical_grad(s)}
@@ -258,9 +259,10 @@ class GradientTracker:
         # DDP hands a globally unused parameter whose gradient is defined a zero bucket view
         # instead of leaving it None (without it, DDP writes into the defined gradients).
         allowed, prefill = prefill, self.prefilled
-        if not allowed or (not self.prefill_in_process_group and _distributed()):
+        distributed = _distributed()
+        if not allowed or (not self.prefill_in_process_group and distributed):
             prefill = [False] * n
-        elif not _distributed():
+        elif not distributed:
             # outside a process group only parameters with post-accumulate-grad hooks of their
             # own (which may keep the `.grad` they see) keep the -0.0 view: the others are copied
             # in as their gradients arrive (`can_copy_in`)
