@@ -118,6 +118,8 @@ def run_against_native(base, *, foreach, deliver, steps: int, max_norm=None, nor
 
     native = torch.optim.AdamW(param_groups(arms[0]), foreach=foreach, **cloned(adamw))
     extra = {} if clip_order is None else dict(clip_order=lambda: clip_order(arms[1]))
+    if clip_order is None and groups is not None:  # native clips `base` order: say so
+        extra = dict(clip_order=arms[1])
     ours = cotangent.AdamW(param_groups(arms[1]), foreach=foreach, max_norm=max_norm,
                            norm_type=norm_type, **extra, **cloned(adamw))
     out = []

@@ -186,7 +186,9 @@ class Case:
     max_norm: float | None = 0.05
     opt: dict = field(default_factory=dict)  # more optimizer arguments (both sides)
     ours: dict = field(default_factory=dict)  # cotangent.AdamW-only arguments
-    clip_order_is_model: bool = False  # clip over model.parameters() (groups reordered)
+    # what both sides clip: None (the optimizer's one group), "model" (model.parameters(): the
+    # usual loop) or "param_groups" (the groups concatenated); with groups it must be stated
+    clip_order: str | None = None
     precision: str = "fp32"  # or "bf16": forward under CPU autocast
     zero_grad: str = "optimizer"  # "optimizer" | "model" (set_to_none) | "keep" (set_to_none=False)
     micro_batches: int = 1
@@ -216,10 +218,13 @@ def _lm_cases():
 
 
 CASES: list[Case] = _lm_cases() + [
-    Case("param groups, no decay on biases and norms", groups=no_decay_groups,
+    Case("param groups, no decay on biases and norms, clip_order=model",
+         groups=no_decay_groups, clip_order="model", expect=frozenset({"clip-active"})),
+    Case("param groups, no decay on biases and norms, clip_order='param_groups'",
+         groups=no_decay_groups, clip_order="param_groups", impls=("fused", "for-loop"),
          expect=frozenset({"clip-active"})),
-    Case("groups out of model order, clip_order=model.parameters()",
-         groups=groups_out_of_model_order, clip_order_is_model=True, impls=("fused",),
+    Case("groups out of model order, clip_order=model",
+         groups=groups_out_of_model_order, clip_order="model", impls=("fused",),
          expect=frozenset({"clip-active"})),
     Case("amsgrad", opt=dict(amsgrad=True), expect=frozenset({"clip-active"})),
     Case("maximize", opt=dict(maximize=True), expect=frozenset({"clip-active"})),
@@ -272,8 +277,8 @@ def run_case(case: Case, impl: str) -> set[str]:
     norm_type = kw.pop("norm_type", 2.0)
     spec1 = case.groups(m1) if case.groups else m1.parameters()
     spec2 = case.groups(m2) if case.groups else m2.parameters()
-    order1 = m1.parameters() if case.clip_order_is_model else None
-    order2 = m2.parameters() if case.clip_order_is_model else None
+    order1, order2 = ((m1, m2) if case.clip_order == "model"
+                      else (case.clip_order, case.clip_order))
     ref = cotangent.ReferenceUpdate(spec1, max_norm=case.max_norm, norm_type=norm_type,
                                     clip_order=order1, **copy.deepcopy(kw))
     opt = cotangent.AdamW(spec2, max_norm=case.max_norm, norm_type=norm_type, clip_order=order2,

@@ -52,8 +52,11 @@ def test_zero_grad_keep_and_model_zero_grad():
 def test_add_param_group_after_construction():
     m1 = mlp()
     m2 = copy.deepcopy(m1)
-    n = cotangent.ReferenceUpdate(m1[0].parameters(), 0.05, fused=True, **HP)
-    o = cotangent.AdamW(m2[0].parameters(), max_norm=0.05, fused=True, **HP)
+    # the clip takes the param groups in order, as the loop that clips opt's parameters does
+    n = cotangent.ReferenceUpdate(m1[0].parameters(), 0.05, fused=True,
+                                  clip_order="param_groups", **HP)
+    o = cotangent.AdamW(m2[0].parameters(), max_norm=0.05, fused=True,
+                        clip_order="param_groups", **HP)
 
     def add_head(step, side):
         model, opt = side

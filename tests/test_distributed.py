@@ -245,8 +245,9 @@ def _zero_config(rank: int, world: int, cfg: dict) -> list[str]:
         elif kind == "native-zero":
             opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **kw)
         else:
+            # clip order stated: a second param group joins later (native clips the groups)
             opt = cotangent.AdamW(model.parameters(), max_norm=0.05, shard="zero1",
-                                  shard_norms=cfg["norms"], **kw)
+                                  shard_norms=cfg["norms"], clip_order="param_groups", **kw)
         return model, ddp, opt
 
     native, zero, ours = side("native"), side("native-zero"), side("cotangent")

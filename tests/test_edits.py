@@ -28,6 +28,8 @@ def pair(make=mlp, *, groups=None, max_norm=0.05, impl="fused", **kw):
     m1 = make()
     m2 = copy.deepcopy(m1)
     opts = dict(HP, **IMPLS[impl], **kw)
+    if groups:  # both clip the param groups in order (the clip order must be stated)
+        opts.setdefault("clip_order", "param_groups")
     ref = cotangent.ReferenceUpdate(groups(m1) if groups else m1.parameters(),
                                     max_norm=max_norm, **copy.deepcopy(opts))
     opt = cotangent.AdamW(groups(m2) if groups else m2.parameters(), max_norm=max_norm,

@@ -260,10 +260,10 @@ def test_non_finite_norm_step(tmp_path, tmp_path_factory):
 
 
 def test_cotangent_trainer_refuses_two_clips_or_another_order(tmp_path, tmp_path_factory):
-    """Two different thresholds, or an optimizer clip order other than `model.parameters()` (the
-    Trainer's own param groups: decay / no decay), are a ValueError at the first step, before
-    any parameter moves; `clip_order=model` fixes the order and gives native's bits for the
-    optimizer the Trainer builds itself (`optimizer_cls_and_kwargs`)."""
+    """Two different thresholds are a ValueError at the first step, and the Trainer's own param
+    groups (decay / no decay) without a `clip_order` one when the Trainer builds the optimizer
+    (`optimizer_cls_and_kwargs`), before any parameter moves; `clip_order=model` states the
+    Trainer's order and gives native's bits."""
     model = fresh_model()
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(ValueError, match="two different clips"):
@@ -273,6 +273,15 @@ def test_cotangent_trainer_refuses_two_clips_or_another_order(tmp_path, tmp_path
     with pytest.raises(ValueError, match="clip_order=model"):
         train(tmp_path / "o", cls=CotangentTrainer, weight_decay=0.1,
               cls_and_kwargs=lambda m: (cotangent.AdamW, {"lr": LR, "max_norm": 1.0}))
+    # a stated order other than the Trainer's: refused at the first step
+    model = fresh_model()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="CotangentTrainer: the Trainer clips"):
+        train(tmp_path / "p", cls=CotangentTrainer, weight_decay=0.1, model=model,
+              cls_and_kwargs=lambda m: (cotangent.AdamW, {"lr": LR, "max_norm": 1.0,
+                                                          "clip_order": "param_groups"}))
+    for p, q in zip(before, model.parameters()):
+        assert_same_bits(p, q.detach(), "no parameter moved")
     ref = native_run(tmp_path_factory, "groups", weight_decay=0.1,
                      cls_and_kwargs=lambda m: (torch.optim.AdamW, {"lr": LR}))
     assert len(ref.optimizer.param_groups) == 2

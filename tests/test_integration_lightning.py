@@ -13,7 +13,8 @@ backward, then `on_before_optimizer_step` and the Trainer's clip:
 `configure_gradient_clipping` -> `LightningModule.clip_gradients` ->
 `Precision.clip_gradients` -> `torch.nn.utils.clip_grad_norm_(p for g in
 optimizer.param_groups for p in g["params"], gradient_clip_val)`, i.e. the optimizer's
-parameter order, which is also `cotangent.AdamW`'s default clip order.
+parameter order: `cotangent.AdamW`'s own with one param group, and ``clip_order="param_groups"``
+with several (without it `cotangent.AdamW` refuses them).
 """
 
 from __future__ import annotations
@@ -469,7 +470,7 @@ def test_calls_through_the_lightning_optimizer_wrapper_reach_the_optimizer():
     torch.manual_seed(0)
     model, reference = nn.Linear(6, 3), nn.Linear(6, 3)
     reference.load_state_dict(model.state_dict())
-    opt = cotangent.AdamW(model.parameters(), lr=LR, max_norm=0.5)
+    opt = cotangent.AdamW(model.parameters(), lr=LR, max_norm=0.5, clip_order="param_groups")
     native_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
     wrapper = LightningOptimizer(opt)
     own = set(vars(wrapper))
@@ -568,3 +569,29 @@ def test_cotangent_clipping_mixin_refuses_a_clip_order_lightning_does_not_use():
         trainer.fit(module, batches(2))
     for a, b in zip(before, module.parameters()):
         assert_same_bits(a, b.detach(), "parameter after the refused clip")
+
+
+def _groups(params):
+    """Decay / no-decay groups of the module's parameters (biases last: not module order)."""
+    params = list(params)
+    return [{"params": [p for p in params if p.ndim >= 2]},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
+@pytest.mark.parametrize("mixin", [False, True], ids=["plain", "CotangentClipping"])
+def test_param_groups_need_the_clip_order_lightning_uses(mixin):
+    """Two param groups: `cotangent.AdamW(groups, max_norm=1.0)` without `clip_order` is refused
+    in `configure_optimizers` (nothing trained); with ``clip_order="param_groups"`` (the order
+    Lightning's `gradient_clip_val` clips) the run has the native Lightning run's bits."""
+    def make(order):
+        return lambda params: cotangent.AdamW(_groups(params), lr=LR, weight_decay=WD,
+                                              max_norm=1.0, **order)
+    build = (lambda m: _clipping_net(m)) if mixin else (lambda m: (lambda: Net(m)))
+    with pytest.raises(ValueError, match="clip_order='param_groups'"):
+        fit(None, build=build(make({})), gradient_clip_val=1.0 if mixin else None)
+    reference = fit(lambda params: torch.optim.AdamW(_groups(params), lr=LR, weight_decay=WD),
+                    gradient_clip_val=1.0)
+    run = fit(None, build=build(make({"clip_order": "param_groups"})),
+              gradient_clip_val=1.0 if mixin else None)
+    assert_same_run(reference, run, "param groups, clip_order='param_groups'")
+    assert_norms_match(reference, run, "param groups, clip_order='param_groups'")

@@ -421,9 +421,10 @@ class LoRALinear(nn.Module):
 
 def lora_mid_run(side):
     """Full fine-tuning for 2 steps, then the model is frozen (norms stay trainable), two layers
-    are wrapped with LoRA adapters and the adapters join the optimizer via `add_param_group`."""
+    are wrapped with LoRA adapters and the adapters join the optimizer via `add_param_group`
+    (a second group: Cotangent is told the clip order, native's `model.parameters()`)."""
     model = side.model
-    opt = side.adamw(model.parameters())
+    opt = side.adamw(model.parameters(), clip_order=model)
     for i in range(6):
         if i == 2:
             model.requires_grad_(False)
@@ -1407,10 +1408,11 @@ def new_task_head(side, order, clip_order):
     """Continual / transfer learning: a new classification head replaces the old one after 3
     steps and joins the optimizer with `add_param_group` (after it is attached to the model, or
     before, as some loops write it); the old head stays in the optimizer (no gradients any
-    more). Native clips `model.parameters()`; Cotangent clips in its default order (the same
-    here: the old head has no gradient) or gets the live `clip_order=model`."""
+    more). Native clips `model.parameters()`; Cotangent gets the live `clip_order=model`, or
+    ``"param_groups"`` (the same here: the old head has no gradient). A second group needs one
+    of them (`test_a_second_group_without_a_clip_order_is_refused_mid_run`)."""
     model = side.model
-    opt = side.adamw(model.parameters(), clip_order=model if clip_order == "model" else None)
+    opt = side.adamw(model.parameters(), clip_order=model if clip_order == "model" else clip_order)
     for i in range(6):
         if i == 3:
             old = model[5]
@@ -1433,10 +1435,27 @@ def new_task_head(side, order, clip_order):
 
 
 @pytest.mark.parametrize("impl, order, clip_order", [
-    *[(impl, "attach, then add", "default") for impl in ALL],
+    *[(impl, "attach, then add", "param_groups") for impl in ALL],
     ("fused", "attach, then add", "model"), ("for-loop", "add, then attach", "model")])
 def test_new_task_head_added_mid_run(impl, order, clip_order):
     lockstep(new_task_head, impl, "new head", order=order, clip_order=clip_order)
+
+
+def test_a_second_group_without_a_clip_order_is_refused_mid_run():
+    """The same loop without `clip_order`: `add_param_group` raises (naming ``clip_order=model``)
+    and leaves the optimizer as it was, which goes on stepping."""
+    model = net()
+    opt = cotangent.AdamW(model.parameters(), max_norm=MAX_NORM, **HP)
+    model(torch.ones(2, 8)).square().sum().backward()
+    opt.step()
+    head = nn.Linear(16, 8)
+    with pytest.raises(ValueError, match="clip_order=model"):
+        opt.add_param_group({"params": head.parameters(), "lr": 1e-2})
+    assert len(opt.param_groups) == 1 and head.weight not in opt.state
+    opt.zero_grad()
+    model(torch.ones(2, 8)).square().sum().backward()
+    opt.step()
+    assert int(opt.state[model[0].weight]["step"]) == 2
 
 
 class Symmetric(nn.Module):
@@ -1490,7 +1509,8 @@ def lr_zero_freeze(side):
     still advance, weight decay multiplies by exactly 1), then warmed up."""
     model = side.model
     backbone = [*model[0].parameters(), *model[1].parameters(), *model[3].parameters()]
-    opt = side.adamw([{"params": backbone, "lr": 0.0}, {"params": model[5].parameters()}])
+    opt = side.adamw([{"params": backbone, "lr": 0.0}, {"params": model[5].parameters()}],
+                     clip_order=model)
     w = model[0].weight.detach().clone()
     for i in range(5):
         if i == 3:

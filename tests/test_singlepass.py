@@ -832,7 +832,7 @@ def test_clip_multiply_never_reaches_parameters_the_clip_leaves_out():
                         dict(params=list(m[2].parameters()) + list(m[3].parameters()),
                              betas=(torch.tensor(0.9), torch.tensor(0.999)))]
     ref = torch.optim.AdamW(groups(m1))
-    opt = cotangent.AdamW(groups(m2), max_norm=0.01)
+    opt = cotangent.AdamW(groups(m2), max_norm=0.01, clip_order=m2)  # native clips the model
     with threads(2):
         for step in range(3):
             x = torch.randn(4, IN, generator=gen)

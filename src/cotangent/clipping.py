@@ -176,18 +176,79 @@ def clip_actual_tensors(grads: list[Tensor], max_norm: float, norm_type: float,
     return total
 
 
+PARAM_GROUPS = "param_groups"  # clip_order naming the optimizer's own order
+
+
+def normalize_clip_order(clip_order):
+    """`clip_order` as the optimizers and `ReferenceUpdate` keep it: None (not given),
+    `PARAM_GROUPS`, a module, a zero-argument callable, or a list snapshot of an iterable of
+    tensors (as `clip_grad_norm_` takes one).
+
+    Raises:
+        ValueError: a string other than ``"param_groups"``, or an iterable holding something
+            that is not a tensor.
+    """
+    if clip_order is None or isinstance(clip_order, torch.nn.Module) or (
+            callable(clip_order) and not isinstance(clip_order, Tensor)):
+        return clip_order
+    if isinstance(clip_order, str):
+        if clip_order != PARAM_GROUPS:
+            raise ValueError(f"clip_order must be a module, a zero-argument callable, an "
+                             f"iterable of parameters or {PARAM_GROUPS!r}, got {clip_order!r}")
+        return clip_order
+    order = [clip_order] if isinstance(clip_order, Tensor) else list(clip_order)
+    for t in order:
+        if not isinstance(t, Tensor):
+            raise ValueError(f"clip_order holds {type(t).__name__!r}, not a tensor")
+    return order
+
+
+def check_clip_order_known(param_groups: list[dict], max_norm, clip_order) -> None:
+    """The clip-order rule of every Cotangent optimizer that clips: its order must be known.
+
+    The bits of the total norm depend on the order in which `clip_grad_norm_` meets the
+    gradients. With one param group (holding parameters) the optimizer's order is the list the
+    user built it from, the list a native loop passes to both. With two or more, native loops
+    differ: most clip ``clip_grad_norm_(model.parameters(), ...)`` (model order: PyTorch
+    examples, Hugging Face's Trainer, Accelerate), some clip the optimizer's parameters
+    (Lightning's ``gradient_clip_val``), and the optimizer cannot see the model to tell whether
+    the two agree. So there ``clip_order`` must say which: ``clip_order=model`` (or what you
+    pass to `clip_grad_norm_`) or ``clip_order="param_groups"``.
+
+    Args:
+        param_groups: the optimizer's param groups (dicts with a ``"params"`` list).
+        max_norm: the optimizer's clipping threshold (None: no clip, nothing to check).
+        clip_order: the normalized `clip_order` (`normalize_clip_order`).
+    Raises:
+        ValueError: `max_norm` is set, `clip_order` is None and two or more param groups hold
+            parameters.
+    """
+    if max_norm is None or clip_order is not None:
+        return
+    holding = sum(1 for g in param_groups if g["params"])
+    if holding >= 2:
+        raise ValueError(
+            f"max_norm is set and the {holding} param groups make the clip order ambiguous: "
+            "the total norm's bits depend on the order clip_grad_norm_ meets the gradients. "
+            "Pass clip_order=model if your native loop calls "
+            "clip_grad_norm_(model.parameters(), ...) (or clip_order=<what you pass to "
+            "clip_grad_norm_>), or clip_order='param_groups' if it clips the optimizer's "
+            "parameters in param-group order (as Lightning's gradient_clip_val does)")
+
+
 class ClipOrder:
     """What the clip covers, in which order: `clip_grad_norm_`'s parameter list.
 
     `source` is a module (its ``parameters()`` read at every clip, as a loop calling
     ``clip_grad_norm_(model.parameters(), ...)`` reads them), a zero-argument callable, a fixed
-    list, or None (the optimizer's parameters in param-group order). As with native code,
-    optimizer parameters missing from it are updated unclipped, and parameters in it that the
-    optimizer does not hold are clipped too (where their gradients are).
+    list, or None / ``"param_groups"`` (the optimizer's parameters in param-group order). As
+    with native code, optimizer parameters missing from it are updated unclipped, and
+    parameters in it that the optimizer does not hold are clipped too (where their gradients
+    are).
     """
 
     def __init__(self, source, params: list[Tensor]) -> None:
-        self.source = source
+        self.source = None if isinstance(source, str) else source
         self.resolve(params)
 
     @property

@@ -22,7 +22,13 @@ import torch
 from torch import Tensor
 
 from cotangent import _compat, merge, sharding, singlepass
-from cotangent.clipping import ClipOrder, PackedClipper, clip_actual_tensors
+from cotangent.clipping import (
+    ClipOrder,
+    PackedClipper,
+    check_clip_order_known,
+    clip_actual_tensors,
+    normalize_clip_order,
+)
 from cotangent.plan import Planner, StepPlan
 from cotangent.store import (
     FlatStore,
@@ -121,10 +127,16 @@ class AdamW(torch.optim.AdamW):
         clip_order: what you would pass to `clip_grad_norm_`; its order decides the bits of the
             total norm. A module (``clip_order=model``: its ``parameters()`` are read afresh at
             every clip, so wrapping or pruning mid-run is followed), a zero-argument callable
-            returning parameters, or a fixed iterable of them (e.g. ``model.parameters()`` as
-            it is now). Default: the optimizer's order (param groups concatenated). As with
-            native code, optimizer parameters missing from it are updated unclipped, and others
-            in it are clipped too.
+            returning parameters, a fixed iterable of them (e.g. ``model.parameters()`` as
+            it is now), or ``"param_groups"`` (the optimizer's parameters, param groups
+            concatenated, as Lightning's ``gradient_clip_val`` clips). Default (None): the
+            optimizer's order when one param group holds parameters; with two or more and
+            ``max_norm`` set, the order is ambiguous (native loops clip
+            ``model.parameters()`` or the param groups, and the optimizer cannot see the model),
+            so clip_order is required there: a ValueError at construction, or at the
+            `add_param_group` / edit that makes the second group, names ``clip_order=model``.
+            As with native code, optimizer parameters missing from the order are updated
+            unclipped, and others in it are clipped too.
         batched_norms: use calibrated batched norms (default). ``False`` computes every
             per-tensor norm with the native call, keeping everything else packed: the
             "packing-only" cell of a factorial experiment.
@@ -159,7 +171,10 @@ class AdamW(torch.optim.AdamW):
             complex, integer, on the meta device, a DTensor or other wrapper subclass, an
             uninitialised lazy parameter, or not dense; non-numeric `max_norm`; an unknown
             `shard` or `shard_norms`; ``shard="zero1"`` without an initialised process group
-            or with parameters on more than one device.
+            or with parameters on more than one device; ``max_norm`` with two or more param
+            groups holding parameters and no `clip_order` (also from `add_param_group`,
+            `step()` and `zero_grad()` after an edit that makes it so); a `clip_order` string
+            other than ``"param_groups"``.
         NotImplementedError: ``capturable=True`` or ``differentiable=True`` (also when set on a
             group later).
         RuntimeError from `step()`, `clip_grad_norm_()` and `zero_grad()`, before anything is
@@ -212,10 +227,9 @@ class AdamW(torch.optim.AdamW):
         self.norm_type = norm_type
         self.error_if_nonfinite = bool(error_if_nonfinite)
         self.batched_norms = bool(batched_norms)
-        if clip_order is not None and not (isinstance(clip_order, torch.nn.Module)
-                                           or callable(clip_order)):
-            clip_order = list(clip_order)  # a snapshot of an iterable, as clip_grad_norm_ takes
-        self._clip_order_params = clip_order
+        # a snapshot of an iterable, as clip_grad_norm_ takes one; the rule before packing
+        self._clip_order_params = normalize_clip_order(clip_order)
+        check_clip_order_known(self.param_groups, max_norm, self._clip_order_params)
         self._last_total_norm: Tensor | None = None
         self._norm_backwards = -1  # tracker.backwards when the norm was computed
         self._clipped: tuple[int, int] | None = None  # (backwards, resets) of clipped gradients
@@ -525,6 +539,7 @@ class AdamW(torch.optim.AdamW):
         changed."""
         groups = self.param_groups
         params = self._store.params
+        check_clip_order_known(groups, self.max_norm, self._clip_order_params)  # max_norm edits
         if ([len(g["params"]) for g in groups] != self._group_sizes or not all(
                 map(operator.is_, chain.from_iterable(g["params"] for g in groups), params))):
             self._repack()
@@ -588,6 +603,7 @@ class AdamW(torch.optim.AdamW):
         Everything is validated before anything is modified. Under ZeRO-1 this rank keeps the
         state of its share only; with `exchange`, state whose parameter changed owner moves to
         its new owner (a collective: every rank repacks alike)."""
+        check_clip_order_known(self.param_groups, self.max_norm, self._clip_order_params)
         params = [p for g in self.param_groups for p in g["params"]]
         zero = self._zero
         layouts = validate_params(params, 1 if zero is None else zero.world)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from cotangent.clipping import normalize_clip_order
+
 
 class ReferenceUpdate:
     """``clip_grad_norm_(params, max_norm, norm_type, error_if_nonfinite)`` then
@@ -22,8 +24,13 @@ class ReferenceUpdate:
         error_if_nonfinite: as `clip_grad_norm_`.
         clip_order: what is passed to `clip_grad_norm_`: a module (its ``parameters()`` at each
             clip, as a loop calling ``clip_grad_norm_(model.parameters(), ...)`` does), a
-            zero-argument callable, or a fixed list; default: the optimizer's parameters, param
-            groups concatenated.
+            zero-argument callable, a fixed list, or ``"param_groups"`` / None: the optimizer's
+            parameters, param groups concatenated. (The oracle takes every order as given;
+            `cotangent.AdamW` refuses None where it is ambiguous.)
+
+    Raises:
+        ValueError: a `clip_order` string other than ``"param_groups"``; what
+            `torch.optim.AdamW` raises.
         **adamw_kwargs: passed unchanged to `torch.optim.AdamW` (lr, betas, eps, weight_decay,
             amsgrad, maximize, foreach, fused, ...).
 
@@ -37,10 +44,7 @@ class ReferenceUpdate:
         self.max_norm = max_norm
         self.norm_type = norm_type
         self.error_if_nonfinite = error_if_nonfinite
-        if clip_order is not None and not (isinstance(clip_order, torch.nn.Module)
-                                           or callable(clip_order)):
-            clip_order = list(clip_order)
-        self.clip_order = clip_order
+        self.clip_order = normalize_clip_order(clip_order)
         self._clipped = False
 
     @property
@@ -57,7 +61,7 @@ class ReferenceUpdate:
         elif callable(order):
             params = order()
         else:
-            params = self.params if order is None else order
+            params = self.params if order is None or isinstance(order, str) else order
         return torch.nn.utils.clip_grad_norm_(params, self.max_norm, self.norm_type,
                                               self.error_if_nonfinite)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from cotangent.clipping import PARAM_GROUPS, normalize_clip_order
 from cotangent.optim import AdamW
 from cotangent.reference import ReferenceUpdate
 
@@ -83,6 +84,7 @@ class VerifyReport:
     """Outcome of `verify`: one entry per step, and the first difference if any."""
 
     arm: str
+    clip_order: str = "model.parameters()"  # what the native side passed to clip_grad_norm_
     steps: int = 0
     checks: int = 0  # comparisons made (one per tensor per step)
     failures: list[str] = field(default_factory=list)
@@ -92,7 +94,8 @@ class VerifyReport:
         return self.steps > 0 and not self.failures
 
     def as_dict(self) -> dict:
-        return dict(arm=self.arm, steps=self.steps, checks=self.checks, passed=self.passed,
+        return dict(arm=self.arm, clip_order=self.clip_order, steps=self.steps,
+                    checks=self.checks, passed=self.passed,
                     first_failure=self.failures[0] if self.failures else None)
 
 
@@ -117,13 +120,18 @@ def verify(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], 
         params: what you would pass to the optimizer, built from `model`'s parameters: a list
             of them or of param-group dicts (e.g. no weight decay on biases). Default: all of
             `model.parameters()` in one group.
-        clip_order: the parameters you pass to `clip_grad_norm_`, from `model`, or `model` itself
-            (its parameters at every clip; default: the optimizer's order).
+        clip_order: what your loop passes to `clip_grad_norm_`. Default (None) or `model`:
+            ``model.parameters()`` at every clip, the loop most code writes
+            (``clip_grad_norm_(model.parameters(), max_norm)`` then
+            ``torch.optim.AdamW(params).step()``); the Cotangent side gets
+            ``clip_order=model``. ``"param_groups"``: the optimizer's parameters, param groups
+            concatenated (Lightning's ``gradient_clip_val``). Or a list of `model`'s
+            parameters. The report's ``clip_order`` names the one used.
         norm_type, error_if_nonfinite: as `clip_grad_norm_`.
         **adamw_kwargs: `torch.optim.AdamW` arguments (lr, betas, weight_decay, fused, ...).
     Raises:
         ValueError: unknown `arm`; no batches; `params` or `clip_order` holding a tensor that is
-            not a parameter of `model`.
+            not a parameter of `model`; a `clip_order` string other than ``"param_groups"``.
     """
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; known: {', '.join(ARMS)}" + (
@@ -201,14 +209,20 @@ def _verify(model, loss_fn, batches, *, max_norm, build, autocast_dtype, compile
     native_model, our_model = copy.deepcopy(model), copy.deepcopy(model)
     native_params, our_params = list(native_model.parameters()), list(our_model.parameters())
     spec = list(model.parameters() if params is None else params)
-    order_is_model = clip_order is model
-    clip_order = None if clip_order is None or order_is_model else list(clip_order)
+    if clip_order is None or clip_order is model:  # the loop a user writes
+        native_order, our_order, order_name = native_model, our_model, "model.parameters()"
+    elif (clip_order := normalize_clip_order(clip_order)) == PARAM_GROUPS:
+        native_order = our_order = PARAM_GROUPS
+        order_name = "param groups concatenated"
+    elif not isinstance(clip_order, list):
+        raise ValueError("verify's clip_order is None, the model, 'param_groups' or a list of "
+                         f"the model's parameters, got {type(clip_order).__name__!r}")
+    else:
+        native_order = _map_params(clip_order, model, native_params, "clip_order")
+        our_order = _map_params(clip_order, model, our_params, "clip_order")
+        order_name = f"a list of {len(clip_order)} parameters"
     native_spec = _map_params(spec, model, native_params, "params")
     our_spec = _map_params(spec, model, our_params, "params")
-    native_order = native_model if order_is_model else None if clip_order is None else (
-        _map_params(clip_order, model, native_params, "clip_order"))
-    our_order = our_model if order_is_model else None if clip_order is None else (
-        _map_params(clip_order, model, our_params, "clip_order"))
     native = ReferenceUpdate(native_spec, max_norm=max_norm, norm_type=norm_type,
                              error_if_nonfinite=error_if_nonfinite, clip_order=native_order,
                              **adamw_kwargs)
@@ -219,7 +233,7 @@ def _verify(model, loss_fn, batches, *, max_norm, build, autocast_dtype, compile
         run_native, run_ours = torch.compile(native_model), torch.compile(our_model)
     device_type = native_params[0].device.type if native_params else "cpu"
     names = [name for name, _ in native_model.named_parameters()]
-    report = VerifyReport(build.arm)
+    report = VerifyReport(build.arm, clip_order=order_name)
 
     def check(what: str, problem: str | None) -> None:
         report.checks += 1

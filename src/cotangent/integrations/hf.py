@@ -85,10 +85,12 @@ class CotangentTrainerMixin:
     Any other optimizer, or `cotangent.AdamW` with ``max_norm=None``: the Trainer's own native
     clip and norm, unchanged. The callback `KeepGradientsPacked` is added.
 
-    The optimizer's clip covers its clip order (default: its param groups concatenated); the
-    Trainer's covers ``model.parameters()``. They must list the parameters that have gradients in
-    the same order, else `ValueError` at the first step (build the optimizer from
-    ``model.parameters()`` or pass ``clip_order=model``).
+    The optimizer's clip covers its clip order; the Trainer's covers ``model.parameters()``.
+    They must list the parameters that have gradients in the same order, else `ValueError` at
+    the first step: build the optimizer from ``model.parameters()`` or pass
+    ``clip_order=model``. With two or more param groups (the Trainer's decay / no-decay
+    split through ``optimizer_cls_and_kwargs``) `cotangent.AdamW` itself refuses a missing
+    ``clip_order`` when the Trainer builds it.
 
     Raises:
         TypeError at construction: the Trainer class lacks the ``_clip_grad_norm`` /

@@ -42,6 +42,8 @@ class CotangentClipping:
     - any other value, or "value" clipping, or a `clip_order` that lists the parameters with
       gradients otherwise than the param groups: `ValueError` (two different clips asked for),
       raised before the optimizer changes anything.
+    With two or more param groups, build the optimizer with ``clip_order="param_groups"``
+    (Lightning's clip order; `cotangent.AdamW` refuses an unstated order there).
     Any other optimizer (or `max_norm=None`): Lightning's own clipping, unchanged.
     """
 
@@ -75,5 +77,5 @@ def _check_clip_order(opt: AdamW) -> None:
         raise ValueError(
             "CotangentClipping: Lightning clips clip_grad_norm_ over the optimizer's param "
             "groups, but the optimizer's clip_order lists the parameters with gradients "
-            "differently: build cotangent.AdamW without clip_order (or clip in step() with "
-            "gradient_clip_val unset)")
+            "differently: build cotangent.AdamW with clip_order='param_groups' (or clip in "
+            "step() with gradient_clip_val unset)")
