@@ -7,6 +7,7 @@ import json
 import pytest
 
 from cotangent import calibration
+from cotangent.norms import bucket_norm_is_exact
 from cotangent.harness import cli
 
 
@@ -20,7 +21,8 @@ def _calibrate(model: str, capsys) -> tuple[list[str], list[dict]]:
 def test_calibrate_lists_only_the_verdicts_of_that_models_layout(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("COTANGENT_CACHE_DIR", str(tmp_path))
     # A verdict some other model left in the cache file (a length no tiny model has).
-    foreign = calibration.full_key("bucket_norm", "cpu", ("torch.float32", 123457, 3, 2.0))
+    foreign = calibration.full_key("bucket_norm", "cpu", ("torch.float32", 123457, 3, 2.0),
+                                   probe=bucket_norm_is_exact)
     calibration.record(foreign, True)
     assert foreign in {cli.calibration_key(r) for r in calibration.table()}
 

@@ -10,16 +10,21 @@ Public API:
     Muon: drop-in for ``torch.optim.Muon`` over packed buffers, batched Newton-Schulz.
     MuonAdamW: nanochat's Muon + AdamW optimizer; ``packed=False`` is the published stack/copy
         path, ``packed=True`` the same step on views of flat buffers.
+    memory: the saved-tensor storage audit (``cotangent.memory.audit``).
+    occurrence: per-occurrence gradient aggregation for shared parameters.
+    native_bugs, NativeBugWarning: the native PyTorch bugs Cotangent reproduces (to keep
+        native's bits) and the warning it gives, once per process, when one affects a run.
 """
 
+from cotangent._version import __version__
 from cotangent.clip import clip_grad_norm_, clip_grads_with_norm_, get_total_norm
-from cotangent import occurrence
+from cotangent import memory, native_bugs, occurrence
 from cotangent.muon import Muon
+from cotangent.native_bugs import NativeBugWarning
 from cotangent.muon_adamw import MuonAdamW
 from cotangent.optim import AdamW
 from cotangent.reference import ReferenceUpdate
 from cotangent.verify import verify
 
-__all__ = ["AdamW", "Muon", "MuonAdamW", "ReferenceUpdate", "clip_grad_norm_", "occurrence",
-           "clip_grads_with_norm_", "get_total_norm", "verify", "__version__"]
-__version__ = "0.1.0"
+__all__ = ["AdamW", "Muon", "MuonAdamW", "NativeBugWarning", "ReferenceUpdate",
+           "clip_grad_norm_", "memory", "native_bugs", "occurrence", "clip_grads_with_norm_", "get_total_norm", "verify", "__version__"]

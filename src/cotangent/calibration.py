@@ -1,28 +1,39 @@
 """Calibration verdicts: cached in memory and in a user cache file, and the probes' test values.
 
-Every probe verdict (`cotangent.norms`, `cotangent.merge`) is keyed by everything its bits
-depend on: the probe kind and its own arguments (device type, dtype, lengths, ...), plus the
-torch version, the ATen thread count and the machine's kernel class (CPU vector ISA, or the CUDA
-device name and compute capability). A verdict proven once is reused from
-`$COTANGENT_CACHE_DIR/calibration-v3.json` (default `~/.cache/cotangent/`), written atomically;
+Every probe verdict (`cotangent.norms`, `cotangent.merge`, `cotangent.muon`,
+`cotangent.singlepass`, `cotangent.tracking`) is keyed by everything its bits depend on and
+everything that decides what the probe checks (`full_key`): the probe kind and its own arguments
+(device type, dtype, lengths, ...); the machine (CPU vector ISA class and the CPU model: vendor,
+family, model, stepping and microcode, `cpu_model`; or the CUDA device name and compute
+capability); the torch version, Cotangent's version and the ATen thread count; and a hash of the
+probe's own code (`probe_fingerprint`: the probing functions' bytecode and constants, plus the
+special values every probe feeds and the code that writes them), so that a release that changes
+or strengthens a probe, or another CPU model behind a shared home directory, probes again
+instead of reusing an old "yes". A verdict proven once is reused from
+`$COTANGENT_CACHE_DIR/calibration-v4.json` (default `~/.cache/cotangent/`), written atomically;
 `COTANGENT_CACHE_DIR=off` keeps verdicts in memory only. A missing, unreadable or corrupt file
-is ignored (the probes simply run again). Version 3 of the file: every probe also feeds
-non-finite values, NaNs of both signs and several payloads, and signed zeros
-(`sprinkle_special_values`) in parameters and gradients alike; verdicts of earlier versions were
-proven without them and are not read.
+is ignored (the probes simply run again). Version 4 of the file: keys carry the CPU model,
+Cotangent's version and the probe fingerprint; verdicts of earlier versions are not read.
 """
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import json
 import os
+import platform
+import struct
 import tempfile
+import types
 from functools import cache
 from pathlib import Path
 
 import torch
 
-FILE_NAME = "calibration-v3.json"
+from cotangent._version import __version__
+
+FILE_NAME = "calibration-v4.json"
 _MEMORY: dict[str, bool] = {}
 _LOADED: set[str] = set()
 
@@ -82,18 +93,97 @@ def cache_path() -> Path | None:
 
 
 @cache
+def cpu_model() -> str:
+    """The CPU's vendor, family, model, stepping, microcode revision and model name (Linux:
+    the first processor of ``/proc/cpuinfo``; else `platform.processor()`), part of every CPU
+    verdict's key: one ISA class covers CPUs whose kernels round alike but whose estimate tables,
+    MKL code paths or errata differ, and a hypervisor may show a bare model name ("AMD EPYC")
+    for several generations. Fields that cannot be read are "?"."""
+    fields = ("vendor_id", "cpu family", "model", "stepping", "microcode", "model name")
+    found: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                name, _, value = line.partition(":")
+                name = name.strip()
+                if name in fields and name not in found:
+                    found[name] = value.strip()
+                if not line.strip() and found:
+                    break  # the first processor's block
+    except OSError:
+        pass
+    if found:
+        return " / ".join(found.get(k, "?") for k in fields)
+    return platform.processor() or platform.machine()
+
+
+@cache
 def _machine(device_type: str) -> str:
     if device_type == "cuda":
         major, minor = torch.cuda.get_device_capability()
         return f"cuda:{torch.cuda.get_device_name()}:sm{major}{minor}"
     if device_type == "cpu":
-        return f"cpu:{torch.backends.cpu.get_cpu_capability()}"
+        return f"cpu:{torch.backends.cpu.get_cpu_capability()}:{cpu_model()}".replace("|", "/")
     return device_type
 
 
-def full_key(kind: str, device_type: str, parts: tuple) -> str:
-    """The string key of a verdict: probe kind, its arguments, and the environment."""
-    fields = [kind, _machine(device_type), torch.__version__, str(torch.get_num_threads())]
+def _code_bytes(code: types.CodeType) -> bytes:
+    """A code object's instructions, names and constants (nested functions, lambdas and
+    comprehensions included), without line numbers or file names: an edit that changes what
+    the code does changes these bytes; moving it within the file does not."""
+    parts = [code.co_code, repr(code.co_names).encode(), repr(code.co_varnames).encode()]
+    for const in code.co_consts:
+        parts.append(_code_bytes(const) if isinstance(const, types.CodeType)
+                     else repr(const).encode())
+    return b"\0".join(parts)
+
+
+def _stable_repr(value) -> str:
+    """`repr` that is the same in every process: floats by their bytes (NaN signs kept),
+    containers item by item, and any other object (a sentinel) by its type's name, never its
+    address."""
+    if isinstance(value, (tuple, list)):
+        return "(" + ",".join(map(_stable_repr, value)) + ")"
+    if isinstance(value, float):
+        return struct.pack("<d", value).hex()
+    if value is None or isinstance(value, (bool, int, str, range)):
+        return repr(value)
+    return f"<{type(value).__qualname__}>"
+
+
+@cache
+def probe_fingerprint(probe) -> str:
+    """A 16-hex-digit hash of a probe's own code: `probe` is a function, or a tuple of the probe,
+    the helpers that make its inputs and the value tables it reads by name (tuples of numbers,
+    hashed by `repr`); functions are hashed by their bytecode and constants (`inspect.unwrap`
+    first), together with `SPECIAL_VALUES` and the code of
+    `sprinkle_special_values` and `write_special`, which every probe feeds through. Part of
+    every verdict's key (`full_key`).
+
+    Raises:
+        TypeError: `probe` holds something without Python bytecode.
+    """
+    items = probe if isinstance(probe, tuple) else (probe,)
+    digest = hashlib.sha256(_stable_repr(SPECIAL_VALUES).encode())
+    for item in (*items, sprinkle_special_values, write_special):
+        if isinstance(item, (tuple, list, int, float, str, range)):  # values the probe feeds
+            digest.update(b"values\0" + _stable_repr(item).encode())
+            continue
+        code = getattr(inspect.unwrap(item), "__code__", None)
+        if code is None:
+            raise TypeError(f"probe_fingerprint takes Python functions and plain values (tuples "
+                            f"of numbers), got {item!r}")
+        digest.update(item.__qualname__.encode() + b"\0" + _code_bytes(code))
+    return digest.hexdigest()[:16]
+
+
+def full_key(kind: str, device_type: str, parts: tuple, *, probe) -> str:
+    """The string key of a verdict: probe kind, machine (`_machine`: ISA class and CPU model,
+    or the CUDA device), torch version, Cotangent's version, the probe's fingerprint
+    (`probe_fingerprint(probe)`: `probe` is the function that runs the probe, or a tuple of it
+    and the helpers that build its inputs), the thread count, then the probe's arguments."""
+    fields = [kind, _machine(device_type), torch.__version__, __version__,
+              "probe-" + probe_fingerprint(probe), str(torch.get_num_threads())]
     fields += [str(p).removeprefix("torch.") for p in parts]
     return "|".join(fields)
 
@@ -142,13 +232,16 @@ def record(key: str, verdict: bool) -> None:
 
 
 def table() -> list[dict]:
-    """Every verdict known to this process (probed here or read from the cache file)."""
+    """Every verdict known to this process (probed here or read from the cache file), one dict
+    per verdict: ``key`` (as `full_key` made it), ``kind``, ``machine``, ``torch``,
+    ``cotangent`` (versions), ``probe`` (fingerprint), ``threads``, ``args`` and ``verdict``."""
     path = cache_path()
     if path is not None:
         _load(path)
     rows = []
     for key, verdict in sorted(_MEMORY.items()):
-        kind, machine, version, threads, *parts = key.split("|")
-        rows.append(dict(kind=kind, machine=machine, torch=version, threads=int(threads),
-                         args=parts, verdict=verdict))
+        kind, machine, version, ours, probe, threads, *parts = key.split("|")
+        rows.append(dict(key=key, kind=kind, machine=machine, torch=version, cotangent=ours,
+                         probe=probe.removeprefix("probe-"), threads=int(threads), args=parts,
+                         verdict=verdict))
     return rows

@@ -92,7 +92,8 @@ def merge_key(kind: str, device: torch.device, dtype: torch.dtype, numel: int,
     return calibration.full_key("adamw_merge2", device.type, (
         kind, dtype, numel, "amsgrad" if group["amsgrad"] else "-",
         "maximize" if group["maximize"] else "-", decay_kind(group),
-        "tensor_lr" if torch.is_tensor(group["lr"]) else "float_lr"))
+        "tensor_lr" if torch.is_tensor(group["lr"]) else "float_lr"),
+        probe=(merge_is_exact, run_native_adamw))
 
 
 def decay_kind(group: dict) -> str:
@@ -204,7 +205,8 @@ def direct_fused_is_exact(device: torch.device, dtype: torch.dtype, group: dict)
     key = calibration.full_key("fused_direct2", device.type, (
         dtype, "amsgrad" if group["amsgrad"] else "-", "maximize" if group["maximize"] else "-",
         decay_kind(group),
-        "tensor_lr" if torch.is_tensor(group["lr"]) else "float_lr"))
+        "tensor_lr" if torch.is_tensor(group["lr"]) else "float_lr"),
+        probe=(direct_fused_is_exact, run_direct_fused, run_native_adamw))
     cached = calibration.lookup(key)
     if cached is not None:
         return cached

@@ -24,6 +24,15 @@ native code itself, so native's bits by construction).
 State is native's: ``optimizer.state[p]["momentum_buffer"]`` (a view of the packed buffer),
 created at a parameter's first gradient, so `state_dict()` / `load_state_dict()` interchange
 with `torch.optim.Muon` in both directions.
+
+Native bug reproduced (`cotangent.native_bugs`, id "muon-bf16-buffer-overwrite"): torch 2.13's
+Muon with bfloat16 parameters and ``nesterov=False`` overwrites each momentum buffer with the
+normalised update (``.bfloat16()`` returns the buffer itself, and the Newton-Schulz step divides
+it in place); fixed upstream by pytorch/pytorch PR #194664 (the conversion copies). Both paths
+here keep native's bits - the per-matrix one is native's code, the batched one converts as
+native does (aliasing where the probe `native_bugs.present` finds native aliasing, a copy where
+it finds the fix) - and `Muon.step` warns once per process (`NativeBugWarning`) the first time
+a batch with a gradient is in that configuration with momentum != 0.
 """
 
 from __future__ import annotations
@@ -31,7 +40,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cotangent import _compat, calibration
+from cotangent import _compat, calibration, native_bugs
 from cotangent.calibration import sprinkle_special_values
 from cotangent.norms import _bytes_equal
 from cotangent.packing import (
@@ -58,9 +67,19 @@ def newton_schulz_batched(update: Tensor, ns_coefficients: tuple[float, float, f
         `_zeropower_via_newtonschulz` with `mm`/`addmm` replaced by `bmm`/`baddbmm` and the
         Frobenius norm taken per matrix (whether that gives torch's bits is what
         `batched_step_is_exact` probes).
+
+    A bfloat16 `update` is normalised in place, as torch 2.13 does (its ``.bfloat16()`` returns
+    the tensor itself; with ``nesterov=False`` that is the momentum buffer: the native bug
+    "muon-bf16-buffer-overwrite" of `cotangent.native_bugs`), unless the probe
+    `native_bugs.present` finds the running torch copies (the fix of pytorch/pytorch
+    PR #194664); then it is copied first, and `update` is left as it was.
     """
     a, b, c = ns_coefficients
-    x = update.bfloat16()
+    if (update.dtype == torch.bfloat16
+            and not native_bugs.present(native_bugs.MUON_BF16_BUFFER_OVERWRITE)):
+        x = update.to(dtype=torch.bfloat16, copy=True)  # a torch with the upstream fix
+    else:
+        x = update.bfloat16()  # torch 2.13: `update` itself when it is already bfloat16
     tall = update.size(-2) > update.size(-1)
     if tall:
         x = x.mT
@@ -109,13 +128,28 @@ def batched_step_is_exact(device: torch.device, dtype: torch.dtype, n: int, rows
     the group's lr and a second lr; bytes of parameters, momentum buffers and gradients
     compared. Cached (`cotangent.calibration`, key kind "muon-batched-v3")."""
     hyper = _hyper(group)
-    key = calibration.full_key("muon-batched-v3", device.type,
-                               (dtype, n, rows, cols, *sorted(hyper.items())))
+    key = _batched_key(device, dtype, n, rows, cols, hyper)
     verdict = calibration.lookup(key)
     if verdict is None:
         verdict = _probe(device, dtype, n, rows, cols, group["lr"], hyper)
         calibration.record(key, verdict)
     return verdict
+
+
+def _batched_key(device: torch.device, dtype: torch.dtype, n: int, rows: int, cols: int,
+                 hyper: dict) -> str:
+    """The calibration key of `batched_step_is_exact`'s verdict (`calibration.full_key`): the
+    batch, the hyperparameters, whether native's Newton-Schulz step aliases a bfloat16 input
+    (`native_bugs.present`, which `newton_schulz_batched` follows; only asked for bfloat16) and
+    the code of the probe and of the step it proves."""
+    aliasing = (dtype == torch.bfloat16
+                and native_bugs.present(native_bugs.MUON_BF16_BUFFER_OVERWRITE))
+    return calibration.full_key(
+        "muon-batched-v3", device.type,
+        (dtype, n, rows, cols, *sorted(hyper.items()), "aliasing" if aliasing else "-"),
+        probe=(batched_step_is_exact, _probe, _gemm_probe, _update_probe, _packed_copy,
+               batched_muon_step, newton_schulz_batched,
+               (GEMM_PROBE_ELEMENTS, GEMM_PROBE_MIN_TRIALS, GEMM_PROBE_MAX_TRIALS)))
 
 
 # Output elements the op-level probe compares per Newton-Schulz product (at least
@@ -242,6 +276,12 @@ class Muon(torch.optim.Muon):
     (``p.data = t``) are repacked at the next `step`/`zero_grad`; state assigned from outside
     (``load_state_dict``, ``opt.state[p]["momentum_buffer"] = t``) is validated and copied in.
 
+    Native bug reproduced: with bfloat16 parameters and ``nesterov=False`` torch 2.13's Muon
+    overwrites each momentum buffer with the normalised update (fixed upstream by
+    pytorch/pytorch PR #194664); this class keeps native's bits there too and `step` warns
+    once per process (`cotangent.native_bugs.NativeBugWarning`), only where the running torch
+    has the bug (a probe of native behaviour) and momentum != 0.
+
     Raises (beyond torch.optim.Muon's own):
         ValueError: a parameter that cannot be packed (appears twice, shares storage with
             another, not a leaf, sparse, complex, not floating point, on the meta device).
@@ -288,6 +328,8 @@ class Muon(torch.optim.Muon):
                 self._buffer_views[slot].copy_(carried[id(p)])
                 self.state[p][_KEY] = self._buffer_views[slot]
         self._packed_ids = [id(p) for p in params]
+        self._bf16_layouts = [li for li, layout in enumerate(layouts)
+                              if layout.dtype == torch.bfloat16]
 
     def _refresh(self) -> None:
         """Repack after structural edits; adopt momentum buffers assigned from outside."""
@@ -358,7 +400,13 @@ class Muon(torch.optim.Muon):
 
     @torch.no_grad()
     def step(self, closure=None):
-        """One Muon update of every parameter with a gradient (torch.optim.Muon.step)."""
+        """One Muon update of every parameter with a gradient (torch.optim.Muon.step).
+
+        Warns:
+            NativeBugWarning (`cotangent.native_bugs`), once per process, before anything is
+            modified: a bfloat16 batch with a gradient in a group with ``nesterov=False`` and
+            momentum != 0, on a torch whose Muon overwrites the momentum buffer there (the
+            bits are native's all the same; upstream fix: pytorch/pytorch PR #194664)."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -368,6 +416,8 @@ class Muon(torch.optim.Muon):
         grads = self._tracker.scan()
         present = set(grads.present)
         params = store.params
+        if self._bf16_layouts and not native_bugs.warned(native_bugs.MUON_BF16_BUFFER_OVERWRITE):
+            self._warn_buffer_overwrite(present)  # before anything is modified
         for slot in grads.present:  # native creates the buffer at a parameter's first gradient
             state = self.state[params[slot]]
             if _KEY not in state:
@@ -393,6 +443,29 @@ class Muon(torch.optim.Muon):
         self._tracker.release_absent(grads.present)
         return loss
 
+    def _warn_buffer_overwrite(self, present: set[int]) -> None:
+        """`NativeBugWarning` (once per process) when a bfloat16 batch with a gradient is in a
+        group with ``nesterov=False`` and momentum != 0, and the probe finds the running torch
+        overwrites the momentum buffer there (`cotangent.native_bugs`,
+        "muon-bf16-buffer-overwrite"; fixed by pytorch/pytorch PR #194664). A momentum of 0
+        reads the overwritten buffer nowhere (``lerp_(grad, 1)`` returns the gradient exactly),
+        so it gets no warning."""
+        for li in self._bf16_layouts:
+            group = self.param_groups[self._layout_group[li]]
+            if group["nesterov"] or not group["momentum"]:
+                continue
+            slots = [seg.slot for seg in self._store.layouts[li].segments]
+            if not any(s in present for s in slots):
+                continue
+            if native_bugs.present(native_bugs.MUON_BF16_BUFFER_OVERWRITE):
+                rows, cols = self._store.layouts[li].segments[0].shape
+                native_bugs.warn_once(
+                    native_bugs.MUON_BF16_BUFFER_OVERWRITE,
+                    f"cotangent.Muon param group {self._layout_group[li]} has bfloat16 "
+                    f"({rows}, {cols}) parameters, nesterov=False and momentum "
+                    f"{group['momentum']}")
+            return
+
     def _batched(self, layout: FlatLayout, group: dict) -> bool:
         bucket = layout.buckets[0]
         rows, cols = bucket.segments[0].shape
@@ -406,9 +479,8 @@ class Muon(torch.optim.Muon):
             bucket = layout.buckets[0]
             group = self.param_groups[self._layout_group[li]]
             rows, cols = bucket.segments[0].shape
-            key = calibration.full_key("muon-batched-v3", layout.device.type,
-                                       (layout.dtype, bucket.rows, rows, cols,
-                                        *sorted(_hyper(group).items())))
+            key = _batched_key(layout.device, layout.dtype, bucket.rows, rows, cols,
+                               _hyper(group))
             out.append({"group": self._layout_group[li], "shape": [rows, cols],
                         "matrices": bucket.rows, "dtype": str(layout.dtype),
                         "device": str(layout.device), "batched": calibration.lookup(key)})

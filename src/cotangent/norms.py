@@ -101,7 +101,8 @@ a subnormal sprinkled over the rows, so that NaN payloads are compared too). It 
         return False  # nothing to batch: the native per-tensor call is used as is
     key = calibration.full_key("bucket_norm", device.type, (
         dtype, numel, rows, row_stride, float(norm_type),
-        "_foreach_norm" if native_path else "vector_norm"))
+        "_foreach_norm" if native_path else "vector_norm"),
+        probe=(bucket_norm_is_exact, _probe_values, native_tensor_norms))
     cached = calibration.lookup(key)
     if cached is not None:
         return cached
@@ -143,7 +144,8 @@ def flat_multiply_is_exact(device: torch.device, dtype: torch.dtype, coef_dtype:
     (`cotangent.calibration.full_key`).
     """
     key = calibration.full_key("flat_clip_multiply", device.type,
-                               (dtype, coef_dtype, "finite" if finite else "nonfinite"))
+                               (dtype, coef_dtype, "finite" if finite else "nonfinite"),
+                               probe=(flat_multiply_is_exact, _probe_values))
     cached = calibration.lookup(key)
     if cached is not None:
         return cached

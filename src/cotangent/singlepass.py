@@ -84,6 +84,7 @@ import torch
 from torch import Tensor
 
 from cotangent import _compat, calibration
+from cotangent.calibration import cpu_model  # noqa: F401 - this module's name for it
 
 GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: TensorIterator splits work among threads above it
 MKL_SQRT_MODE = 0x2 | 0x140000 | 0x100  # VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE
@@ -952,30 +953,6 @@ def emulated_sqrt_address() -> int | None:
     return build().emulated_sqrt
 
 
-@lru_cache(maxsize=None)
-def cpu_model() -> str:
-    """The CPU's vendor, family, model, stepping and model name (Linux: ``/proc/cpuinfo``;
-    else `platform.processor()`), part of the key of `emulation_matches` verdicts: the emulated
-    square root depends on the CPU's estimate table and MKL's per-CPU code path, and a
-    hypervisor may show a bare model name ("AMD EPYC") for several generations."""
-    fields = ("vendor_id", "cpu family", "model", "stepping", "model name")
-    found: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                name, _, value = line.partition(":")
-                name = name.strip()
-                if name in fields and name not in found:
-                    found[name] = value.strip()
-                if not line.strip() and found:
-                    break  # the first processor's block
-    except OSError:
-        pass
-    if found:
-        return " / ".join(found.get(k, "?") for k in fields)
-    return platform.processor() or platform.machine()
-
-
 EMULATION_KIND = "mkl-sqrt-emulation"  # calibration kind of `emulation_matches` verdicts
 EMULATION_CHUNK = 1 << 22  # float32 inputs per comparison
 # The float32 bit patterns (as int32) `emulation_matches` checks: every non-negative one (+0,
@@ -1002,7 +979,8 @@ def emulation_matches(address: int, reference=torch.sqrt, *, patterns=EMULATION_
     lib = _lib()
     key = None
     if patterns is EMULATION_PATTERNS and reference is torch.sqrt:
-        key = calibration.full_key(EMULATION_KIND, "cpu", (cpu_model(), build().key))
+        key = calibration.full_key(EMULATION_KIND, "cpu", (build().key,),
+                                   probe=(emulation_matches, EMULATION_PATTERNS))
         cached = calibration.lookup(key)
         if cached is not None:
             return cached
@@ -1562,6 +1540,14 @@ def matches_native(*, implementation: str, lr, beta1: float, beta2: float, eps: 
 
 # ---------------------------------------------------------------------- the gate (cotangent.AdamW)
 
+def _probe_code() -> tuple:
+    """What the single-pass verdicts' fingerprint covers (`calibration.probe_fingerprint`): the
+    probe, the functions that build its inputs and run native's side, and the value grids."""
+    return (matches_native, probe_data, special_grid, _native_adamw, PROBE_LENGTHS, GRID_GRAD,
+            GRID_EXP_AVG, GRID_EXP_AVG_SQ, GRID_PARAM, GRID_MAX, GRID_GRAD_CLEAN,
+            GRID_EXP_AVG_CLEAN, GRID_EXP_AVG_SQ_CLEAN, GRID_PARAM_CLEAN, GRID_MAX_CLEAN)
+
+
 ENV_SWITCH = "COTANGENT_SINGLE_PASS"  # "0" / "off" / "false" / "no": native's op sequence
 ISAS = ("AVX2", "AVX512")  # ATen CPU capabilities whose kernels the probes have met
 PROBE_KIND = "adamw_single_pass"
@@ -1779,7 +1765,7 @@ def proven(kind: str, group: dict, parts: tuple, clip_coef: float | None = None,
     verdict = _VERDICTS.get(memo)
     if verdict is not None:
         return verdict
-    key = calibration.full_key(PROBE_KIND, "cpu", parts)
+    key = calibration.full_key(PROBE_KIND, "cpu", parts, probe=_probe_code())
     verdict = calibration.lookup(key)
     if verdict is None:
         beta1, beta2 = group["betas"]

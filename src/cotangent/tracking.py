@@ -468,7 +468,8 @@ def accumulate_into_negative_zero_is_exact(device: torch.device, dtype: torch.dt
     included). Not for bfloat16 on CPU: the add rounds through float32 and stores NaN as 0xFFFF
     where the backward produced 0x7FC0. Probe: `add_` of ordinary values and of the special
     values (`calibration.sprinkle_special_values`) into -0.0, bytes compared; cached."""
-    key = calibration.full_key("accumulate_into_negative_zero", device.type, (dtype,))
+    key = calibration.full_key("accumulate_into_negative_zero", device.type, (dtype,),
+                               probe=accumulate_into_negative_zero_is_exact)
     cached = calibration.lookup(key)
     if cached is not None:
         return cached

@@ -440,8 +440,7 @@ def _calibration_keys_used():
 
 def calibration_key(row: dict) -> str:
     """The cache key of one `cotangent.calibration.table()` row."""
-    return "|".join([row["kind"], row["machine"], row["torch"], str(row["threads"]),
-                     *row["args"]])
+    return row["key"]
 
 
 def cmd_calibrate(args) -> int:

@@ -1,0 +1,161 @@
+"""Calibration verdicts are keyed by the probe's own code, Cotangent's version and the CPU model:
+a changed probe, another release or another CPU of the same ISA class probes again instead of
+reusing an old verdict (`cotangent.calibration.full_key`)."""
+
+from __future__ import annotations
+
+import inspect
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from cotangent import calibration, merge, norms, singlepass, tracking
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def fresh_cache(tmp_path, monkeypatch):
+    """An empty verdict cache (file and memory) for the test, the process's own restored after."""
+    monkeypatch.setenv("COTANGENT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(calibration, "_MEMORY", {})
+    monkeypatch.setattr(calibration, "_LOADED", set())
+    return tmp_path
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """The keys `calibration.record` is called with (each one a probe that ran)."""
+    keys: list[str] = []
+    record = calibration.record
+
+    def traced(key, verdict):
+        keys.append(key)
+        return record(key, verdict)
+    monkeypatch.setattr(calibration, "record", traced)
+    return keys
+
+
+def _variant(module, name: str, old: str, new: str):
+    """`module.name` recompiled from its source with `old` replaced by `new` (a strengthened
+    probe, as a new release would ship it), in a copy of the module's namespace so that the
+    function names itself as its probe."""
+    source = textwrap.dedent(inspect.getsource(getattr(module, name)))
+    assert old in source
+    namespace = dict(vars(module))
+    exec(compile(source.replace(old, new), inspect.getfile(module), "exec"), namespace)
+    return namespace[name]
+
+
+def test_key_names_versions_cpu_model_and_probe_fingerprint():
+    key = calibration.full_key("accumulate_into_negative_zero", "cpu", (torch.float32,),
+                               probe=tracking.accumulate_into_negative_zero_is_exact)
+    fields = key.split("|")
+    assert fields[0] == "accumulate_into_negative_zero"
+    assert calibration.cpu_model() in fields[1]
+    assert fields[2] == torch.__version__
+    import cotangent
+    assert fields[3] == cotangent.__version__
+    assert fields[4] == "probe-" + calibration.probe_fingerprint(
+        tracking.accumulate_into_negative_zero_is_exact)
+    assert fields[5] == str(torch.get_num_threads()) and fields[6] == "float32"
+
+
+def test_a_changed_probe_runs_again(fresh_cache, recorded):
+    probe = tracking.accumulate_into_negative_zero_is_exact
+    assert probe(CPU, torch.float32) is True
+    assert len(recorded) == 1
+    assert probe(CPU, torch.float32) is True
+    assert len(recorded) == 1  # the same probe: its verdict is reused
+    stronger = _variant(tracking, "accumulate_into_negative_zero_is_exact",
+                        "manual_seed(5)", "manual_seed(6)")
+    assert stronger(CPU, torch.float32) is True
+    assert len(recorded) == 2 and recorded[1] != recorded[0]  # the changed probe ran
+    assert recorded[0].split("|")[4] != recorded[1].split("|")[4]
+
+
+def test_a_probe_changed_in_a_value_it_feeds_runs_again(fresh_cache, recorded, monkeypatch):
+    """The special values every probe writes are part of every fingerprint."""
+    probe = tracking.accumulate_into_negative_zero_is_exact
+    probe(CPU, torch.float32)
+    before = len(recorded)
+    monkeypatch.setattr(calibration, "SPECIAL_VALUES", calibration.SPECIAL_VALUES + (2.5,))
+    calibration.probe_fingerprint.cache_clear()
+    try:
+        probe(CPU, torch.float32)
+    finally:
+        monkeypatch.undo()
+        calibration.probe_fingerprint.cache_clear()
+    assert len(recorded) == before + 1
+
+
+@pytest.mark.parametrize("probe, old, new", [
+    (("merge", "direct_fused_is_exact"), "manual_seed(7)", "manual_seed(8)"),
+    (("norms", "flat_multiply_is_exact"), "manual_seed(99)", "manual_seed(98)"),
+])
+def test_every_kind_of_probe_key_follows_its_code(probe, old, new, fresh_cache, recorded):
+    module = {"merge": merge, "norms": norms}[probe[0]]
+    group = torch.optim.AdamW([torch.zeros(1)], fused=True).param_groups[0]
+    args = {"direct_fused_is_exact": (CPU, torch.float32, group),
+            "flat_multiply_is_exact": (CPU, torch.float32, torch.float32)}[probe[1]]
+    getattr(module, probe[1])(*args)
+    getattr(module, probe[1])(*args)
+    assert len(recorded) == 1
+    _variant(module, probe[1], old, new)(*args)
+    assert len(recorded) == 2 and recorded[0] != recorded[1]
+
+
+def test_another_cpu_model_or_release_gets_other_keys(monkeypatch):
+    probe = tracking.accumulate_into_negative_zero_is_exact
+
+    def key():
+        return calibration.full_key("accumulate_into_negative_zero", "cpu", (torch.float32,),
+                                    probe=probe)
+    here = key()
+    monkeypatch.setattr(calibration, "cpu_model",
+                        lambda: "GenuineIntel / 6 / 143 / 8 / 0x2b000603 / another model")
+    calibration._machine.cache_clear()
+    try:
+        other_cpu = key()
+    finally:
+        monkeypatch.undo()
+        calibration._machine.cache_clear()
+    monkeypatch.setattr(calibration, "__version__", "99.0")
+    other_release = key()
+    assert len({here, other_cpu, other_release}) == 3
+
+
+def test_cpu_model_reads_microcode_where_linux_shows_it():
+    model = calibration.cpu_model()
+    try:
+        text = open("/proc/cpuinfo").read()
+    except OSError:
+        pytest.skip("no /proc/cpuinfo here")
+    if "microcode" not in text:
+        pytest.skip("this kernel shows no microcode revision")
+    first = text.split("\n\n")[0]
+    microcode = next(line.split(":", 1)[1].strip() for line in first.splitlines()
+                     if line.startswith("microcode"))
+    assert model.split(" / ")[4] == microcode
+
+
+def test_fingerprints_are_the_same_in_every_process():
+    """A fingerprint must not change between processes (an object's address, a set's order):
+    else every process would probe again."""
+    code = ("from cotangent import calibration, singlepass, norms; "
+            "print(calibration.probe_fingerprint(singlepass._probe_code()), "
+            "calibration.probe_fingerprint((norms.bucket_norm_is_exact, norms._probe_values)))")
+    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           check=True).stdout for _ in range(2)}
+    assert len(runs) == 1
+    here = (f"{calibration.probe_fingerprint(singlepass._probe_code())} "
+            f"{calibration.probe_fingerprint((norms.bucket_norm_is_exact, norms._probe_values))}")
+    assert runs == {here + "\n"}
+
+
+def test_fingerprint_refuses_what_it_cannot_hash():
+    with pytest.raises(TypeError, match="Python functions"):
+        calibration.probe_fingerprint(torch.add)
