@@ -48,7 +48,7 @@ def test_a_saved_slice_pins_its_storage_and_contiguous_removes_the_pin(compiled)
         model = Gate(variant)
         fn = torch.compile(model) if compiled else model
         reports[variant] = audit(fn, _x(), params=list(model.parameters()))
-    s, c = reports["slice"].summary(), reports["contiguous"].summary()
+    s, c = reports["slice"].summary, reports["contiguous"].summary
     assert s["hook_errors"] == c["hook_errors"] == 0
     # slice: the input (saved by the projection) and the projection's whole output
     assert s["activation_bytes"] == 2 * FULL and s["pinned_storages"] == 1
@@ -78,9 +78,9 @@ def test_the_audit_is_transparent_and_keeps_nothing_alive():
     t = torch.randn(64, requires_grad=True)
     with SavedTensorAudit() as rec:
         out = (t * 2).sin().sum()  # sin saves the intermediate t * 2
-    assert rec.report().summary()["activation_bytes"] == 64 * 4
+    assert rec.report().summary["activation_bytes"] == 64 * 4
     del out
-    assert rec.report().summary()["activation_bytes"] == 0  # released with the graph
+    assert rec.report().summary["activation_bytes"] == 0  # released with the graph
     with SavedTensorAudit():
         y = t.exp()  # exp saves its own output: no reference cycle through the hook
     ref = weakref.ref(y)
@@ -102,7 +102,7 @@ def test_regressions_from_review():
     w = torch.randn(10, 1000, device="meta", requires_grad=True)
     report = audit(lambda a, b: (a @ b).sum(), torch.randn(5, 10, device="meta"), w,
                    params=[w])
-    assert report.summary()["activation_bytes"] == 5 * 10 * 4  # not merged with w (pointer 0)
+    assert report.summary["activation_bytes"] == 5 * 10 * 4  # not merged with w (pointer 0)
 
     p = torch.randn(64, 1024, requires_grad=True)
 
@@ -111,8 +111,8 @@ def test_regressions_from_review():
         return (p * 2.0).sin().sum()  # may reuse the freed addresses
 
     report = audit(reuse, params=[p])
-    assert report.summary()["activation_bytes"] == 64 * 1024 * 4
-    assert report.summary()["saved_references"] == 1
+    assert report.summary["activation_bytes"] == 64 * 1024 * 4
+    assert report.summary["saved_references"] == 1
 
     mask = torch.rand(256, 256) > 0.5
     s = torch.randn(2, 8, 256, 256, requires_grad=True)
@@ -162,7 +162,7 @@ def test_deduplication_by_storage_and_exact_coverage():
     assert row["saved_refs"] == 2 and row["referenced_bytes"] == 2 * SLICE
     assert row["coverage"] == 0.5 and row["pinned"] is False  # half is not below half
     params = [r for r in report2.storages if r["is_parameter"]]
-    assert len(params) == 2 and report2.summary()["activation_bytes"] == FULL
+    assert len(params) == 2 and report2.summary["activation_bytes"] == FULL
 
 
 def test_unsupported_kinds_are_hook_errors_and_json_round_trips():
@@ -191,11 +191,11 @@ def test_demo_stack_storage_classes_per_gate_variant(compiled):
     for variant in ("slice", "contiguous", "weight-fused"):
         report = run_demo(variant, batch=b, context=t, width=d, layers=layers,
                           compiled=compiled, dtype=torch.float32)
-        assert report.summary()["hook_errors"] == 0
+        assert report.summary["hook_errors"] == 0
         counts[variant] = {c["nbytes"]: c["count"] for c in report.classes()}
         if variant == "slice":
-            assert report.summary()["pinned_storages"] == layers
-            assert report.summary()["pinned_unreferenced_bytes"] == layers * (full - gate)
+            assert report.summary["pinned_storages"] == layers
+            assert report.summary["pinned_unreferenced_bytes"] == layers * (full - gate)
     assert counts["slice"][full] - counts["contiguous"][full] == layers
     assert counts["contiguous"].get(gate, 0) - counts["slice"].get(gate, 0) == layers
     assert counts["weight-fused"].get(gate, 0) == counts["slice"].get(gate, 0) == 0
@@ -243,7 +243,7 @@ def test_contiguous_gate_is_bitwise_equal_to_the_slice_in_eager_fp32_and_bf16_co
         assert first_difference(a, b) is None
     report = run_demo("slice", batch=2, context=8, width=128, layers=2, compiled=False,
                       dtype=torch.bfloat16)
-    s = report.summary()
+    s = report.summary
     assert report.as_dict()["dtype"] == "bfloat16" and s["pinned_storages"] == 2
     assert s["pinned_unreferenced_bytes"] == 2 * (2 * 8 * 128 * 2 - 2 * 8 * 32 * 2)
 
@@ -267,3 +267,17 @@ def test_referenced_bytes_equal_a_brute_force_count(make):
         seen.update(idx.reshape(-1).tolist())
     meta = [(v.storage_offset(), tuple(v.shape), tuple(v.stride()), 4) for v in views]
     assert _union_bytes(meta, 240) == 4 * len(seen)
+
+
+def test_memory_is_reachable_after_a_plain_import():
+    """`import cotangent` alone makes `cotangent.memory.audit` usable, as the README writes it."""
+    import subprocess
+    import sys
+
+    code = ("import cotangent, torch; w = torch.ones(3, requires_grad=True); "
+            "r = cotangent.memory.audit(lambda: (w * w).sum(), params=[w]); "
+            "print(type(r.summary).__name__, r.summary['saved_references'])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout == "dict 2\n"

@@ -157,6 +157,12 @@ def test_progress_lines_without_a_terminal(tmp_path):
     # the lines come before the final comparison table, as the run goes
     out = proc.stdout.splitlines()
     assert out.index(lines[-1]) < next(i for i, line in enumerate(out) if line.startswith("arm "))
+    # the final evaluation says what it does, then each arm's result as it finishes
+    evaluating = next(i for i, line in enumerate(out)
+                      if line.startswith("evaluating the final models: "))
+    per_arm = [i for i, line in enumerate(out) if re.fullmatch(
+        r"  (native|cotangent): valid [\d.]+ BPB, test [\d.]+ BPB \([\d.]+ s\)", line)]
+    assert out.index(lines[-1]) < evaluating < per_arm[0] and len(per_arm) == 2, out
 
 
 @pytest.mark.e2e

@@ -134,7 +134,12 @@ class MemoryReport:
         self.diff: dict | None = None
         self.result = None  # what the audited callable returned (set by `audit`)
 
+    @property
     def summary(self) -> dict:
+        """Totals over the report (integer bytes and counts, module docstring's definitions):
+        ``saved_references``, ``unique_storages``, ``activation_bytes``, ``referenced_bytes``,
+        ``pinned_storages``, ``pinned_unreferenced_bytes``, ``hook_errors``; recomputed from
+        `storages` at each read."""
         acts = [s for s in self.storages if not s["is_parameter"]]
         pinned = [s for s in acts if s["pinned"]]
         return dict(
@@ -157,7 +162,7 @@ class MemoryReport:
                 for n, c in sorted(counts.items(), reverse=True)]
 
     def as_dict(self) -> dict:
-        return dict(schema_version=SCHEMA_VERSION, **self.meta, summary=self.summary(),
+        return dict(schema_version=SCHEMA_VERSION, **self.meta, summary=self.summary,
                     storages=self.storages, classes=self.classes(), diff=self.diff,
                     errors=self.errors)
 
@@ -176,14 +181,14 @@ class MemoryReport:
             if a != b:
                 deltas.append(dict(nbytes=n, label=names.get(n), count_delta=b - a,
                                    bytes_delta=(b - a) * n))
-        base, new = self.summary(), other.summary()
+        base, new = self.summary, other.summary
         other.diff = dict(classes=deltas, summary={k: new[k] - base[k] for k in base})
         return other.diff
 
     def table(self) -> str:
         """Summary, per-storage table (largest first), size classes, and the remedies for the
         pinned storages."""
-        s, m = self.summary(), self.meta
+        s, m = self.summary, self.meta
         lines = [f"saved-tensor audit: torch {m['torch']}, {m['device']}, {m['mode']}, "
                  f"{m['dtype']}, {m['threads']} thread(s)",
                  f"saved references {s['saved_references']}, unique storages "

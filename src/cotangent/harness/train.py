@@ -673,8 +673,14 @@ def _run_train(cfg: TrainConfig, corpus: Corpus, *, show_progress: bool | None, 
     finally:  # also on Ctrl-C or an error: the event files hold every row written so far
         if tb is not None:
             tb.close()
-    result: dict = {name: _summarize_arm(run, name, arm, curves, windows, load, setup_s)
-                    for name, arm in arms.items()}
+    result: dict = {}
+    log(f"evaluating the final models: {len(windows['valid'])} valid and "
+        f"{len(windows['test'])} test windows per arm")
+    for name, arm in arms.items():
+        t_eval = time.perf_counter()
+        result[name] = _summarize_arm(run, name, arm, curves, windows, load, setup_s)
+        log(f"  {name}: valid {result[name]['val_bpb']:.4f} BPB, test "
+            f"{result[name]['test_bpb']:.4f} BPB ({time.perf_counter() - t_eval:.1f} s)")
     if dp is not None:
         _compare_ranks(result, cfg.arms, dp)
     if writer:
