@@ -186,6 +186,38 @@ def test_packed_views_and_errors():
             cotangent.Muon([w, w])
 
 
+@pytest.mark.parametrize("how", ["add_param_group", "appended by hand", ".data reshaped"])
+def test_a_parameter_that_is_not_2d_is_refused_before_anything_moves(how):
+    """torch.optim.Muon checks 2-D in its constructor only: a 1-D parameter added later makes its
+    `step()` raise "Param gradient must be a 2D matrix" after the earlier groups were updated.
+    cotangent.Muon refuses it with the constructor's message, before any parameter or buffer
+    changes (it used to fail at `step()` with "not enough values to unpack")."""
+    model = build()
+    opt = cotangent.Muon([model.a.weight, model.up.weight], lr=0.02)
+    bias = nn.Parameter(torch.zeros(48))
+    if how == "add_param_group":
+        with pytest.raises(ValueError, match="Muon only supports 2D parameters"):
+            opt.add_param_group({"params": [bias]})
+        assert len(opt.param_groups) == 1
+        return
+    for p in (model.a.weight, model.up.weight):
+        p.grad = torch.ones_like(p)
+    opt.step()
+    before = [p.detach().clone() for p in (model.a.weight, model.up.weight)]
+    buffers = [opt.state[p]["momentum_buffer"].clone() for p in (model.a.weight, model.up.weight)]
+    if how == "appended by hand":
+        opt.param_groups[0]["params"].append(bias)
+        bias.grad = torch.ones_like(bias)
+    else:
+        model.up.weight.data = model.up.weight.data.view(-1)
+    with pytest.raises(ValueError, match="Muon only supports 2D parameters"):
+        opt.step()
+    for b, p in zip(before, (model.a.weight, model.up.weight)):
+        assert_same_bits(b.reshape(-1), p.detach().reshape(-1), f"{how}: parameter untouched")
+    for b, p in zip(buffers, (model.a.weight, model.up.weight)):
+        assert_same_bits(b, opt.state[p]["momentum_buffer"], f"{how}: buffer untouched")
+
+
 def test_comparison_catches_one_ulp():
     """Negative control of the comparison itself: one flipped low bit is reported."""
     a = torch.randn(48, 48)

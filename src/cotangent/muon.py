@@ -301,6 +301,10 @@ class Muon(torch.optim.Muon):
     @torch.no_grad()
     def _pack(self) -> None:
         params = self._all_params()
+        for p in params:  # torch.optim.Muon's own check (its __init__ only; ours at every pack)
+            if not isinstance(p, Tensor) or p.ndim != 2:
+                raise ValueError(f"Muon only supports 2D parameters whereas we found a "
+                                 f"parameter with size: {getattr(p, 'shape', type(p).__name__)}")
         validate_params(params)
         old_tracker = getattr(self, "_tracker", None)
         grads = gradients_to_carry(old_tracker, params)
@@ -328,6 +332,7 @@ class Muon(torch.optim.Muon):
                 self._buffer_views[slot].copy_(carried[id(p)])
                 self.state[p][_KEY] = self._buffer_views[slot]
         self._packed_ids = [id(p) for p in params]
+        self._packed_shapes = [p.shape for p in params]
         self._bf16_layouts = [li for li, layout in enumerate(layouts)
                               if layout.dtype == torch.bfloat16]
 
@@ -335,7 +340,8 @@ class Muon(torch.optim.Muon):
         """Repack after structural edits; adopt momentum buffers assigned from outside."""
         params = self._all_params()
         if ([id(p) for p in params] != self._packed_ids
-                or [p.data_ptr() for p in params] != self._store.param_ptrs):
+                or [p.data_ptr() for p in params] != self._store.param_ptrs
+                or [p.shape for p in params] != self._packed_shapes):
             self._pack()
             return
         for slot, p in enumerate(params):
@@ -366,7 +372,11 @@ class Muon(torch.optim.Muon):
 
     def add_param_group(self, param_group: dict) -> None:
         """`torch.optim.Muon.add_param_group`, then a repack; a group that cannot be packed is
-        removed again (ValueError from the packing, nothing else changed)."""
+        removed again (ValueError from the packing, nothing else changed), a parameter that is
+        not 2-D included: torch.optim.Muon checks that in its constructor only, and a later
+        group's 1-D parameter fails in its `step()` after the earlier groups were updated;
+        here it is refused when added (or, appended to a group by hand, at the next `step()` /
+        `zero_grad()`, before anything is modified), with native's constructor message."""
         super().add_param_group(param_group)
         if self._packed_ids is not None:  # not during __init__
             try:

@@ -804,6 +804,8 @@ class AdamW(torch.optim.AdamW):
         Raises:
             RuntimeError: a parameter's storage was replaced (e.g. ``model.half()`` after the
                 optimizer was built); inside ``torch.compile``.
+            ValueError: ``max_norm`` set with two or more param groups and no `clip_order`
+                (after an edit that made it so; see the class docstring).
         """
         if (live := _live(self)) is not self:
             return live.zero_grad(set_to_none)
