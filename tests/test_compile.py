@@ -6,6 +6,8 @@ thread-dependent order, and two compiled copies of the same *native* model alrea
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -49,3 +51,42 @@ def _compiled_run(impl):
             assert_same_bits(p1, p2, f"step {step} {name}")
             for key in native.optimizer.state[p1]:
                 assert_same_bits(native.optimizer.state[p1][key], ours.state[p2][key], key)
+
+
+def test_backward_under_compiled_autograd_matches_native():
+    """A backward traced by compiled autograd (``compiled_autograd._enable(torch.compile(...))``,
+    not fullgraph): the optimizer's gradient hooks run eagerly (`torch.compiler.disable`d twins),
+    as native trains; it failed inside the hook (an end-of-backward callback queued while
+    dynamo traced it). fullgraph=True is not supported (the hooks graph-break). For-loop with
+    the clip, foreach without, fused with: gradients after each backward (two micro-batches at
+    step 1), parameters and state after each step, byte for byte (CPU, float32). One test,
+    so that dynamo compiles the backward graphs once."""
+    from torch._dynamo import compiled_autograd
+
+    from bitwise import assert_same_update
+
+    torch._dynamo.reset()
+    compiler = torch.compile(backend="eager")
+    for impl, flags, max_norm in (("for-loop", dict(foreach=False), 0.05),
+                                  ("foreach", dict(foreach=True), None),
+                                  ("fused", dict(fused=True), 0.05)):
+        torch.manual_seed(0)
+        m1 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16),
+                                 torch.nn.GELU(), torch.nn.Linear(16, 4))
+        m2 = copy.deepcopy(m1)
+        native = cotangent.ReferenceUpdate(m1.parameters(), max_norm=max_norm, lr=1e-2, **flags)
+        ours = cotangent.AdamW(m2.parameters(), max_norm=max_norm, lr=1e-2, **flags)
+        for step in range(4):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            for model, opt in ((m1, native), (m2, ours)):
+                opt.zero_grad()
+                for scale in ((1.0, 2.0) if step == 1 else (1.0,)):
+                    loss = model(x * scale).square().mean()
+                    with compiled_autograd._enable(compiler):
+                        loss.backward()
+            for a, b in zip(m1.parameters(), m2.parameters()):
+                assert_same_bits(a.grad, b.grad, f"{impl} gradient, step {step}")
+            native.step()
+            ours.step()
+            assert_same_update(m1.parameters(), native.optimizer.state, m2.parameters(),
+                               ours.state, f"{impl} max_norm={max_norm} step {step}")

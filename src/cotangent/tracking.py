@@ -126,6 +126,8 @@ class GradientTracker:
 
         def make_hooks(slot: int):
             def accumulated(p: Tensor) -> None:
+                if torch.compiler.is_compiling():  # traced by compiled autograd: run eagerly
+                    return accumulated_eagerly(p)
                 tracker = ref()
                 if tracker is None:
                     return
@@ -152,6 +154,8 @@ class GradientTracker:
                         p.grad = view
 
             def incoming(grad: Tensor) -> None:
+                if torch.compiler.is_compiling():
+                    return incoming_eagerly(grad)
                 tracker = ref()
                 if tracker is None:
                     return
@@ -161,6 +165,13 @@ class GradientTracker:
                 # `grad`) as `.grad`; anything else it accumulates into where it is
                 tracker.fresh[slot] = tracker.store.params[slot].grad is None
 
+            # Compiled autograd (not fullgraph) traces these hooks with dynamo, which cannot
+            # queue the end-of-backward callback, ask torch for the graph task or keep the
+            # tracker's bookkeeping as written; the disabled twins graph-break and run the same
+            # code eagerly (`is_compiling()` is False there). Eager backwards pay one
+            # `is_compiling()` call per hook instead of the disable wrapper's cost.
+            accumulated_eagerly = torch.compiler.disable(accumulated)
+            incoming_eagerly = torch.compiler.disable(incoming)
             return accumulated, incoming
 
         handles = []
