@@ -159,3 +159,32 @@ def test_fingerprints_are_the_same_in_every_process():
 def test_fingerprint_refuses_what_it_cannot_hash():
     with pytest.raises(TypeError, match="Python functions"):
         calibration.probe_fingerprint(torch.add)
+
+
+@pytest.mark.parametrize("edit", ["a helper it calls", "a module constant it reads",
+                                  "a function of another module it calls"])
+def test_the_fingerprint_covers_what_the_probe_calls_and_reads(edit, monkeypatch):
+    """A probe's helpers and constants are part of its code: a `_bytes_equal` that proves
+    nothing, one trial instead of four, another `_compat` call on the proven path each change
+    the fingerprint (found by a review: only the named functions were hashed)."""
+    probes = {"a helper it calls": (norms.bucket_norm_is_exact, norms._probe_values),
+              "a module constant it reads": (norms.bucket_norm_is_exact, norms._probe_values),
+              "a function of another module it calls": (merge.direct_fused_is_exact,
+                                                        merge.run_direct_fused)}
+    probe = probes[edit]
+    before = calibration.probe_fingerprint(probe)
+    if edit == "a helper it calls":
+        monkeypatch.setattr(norms, "_bytes_equal", lambda a, b: True)
+    elif edit == "a module constant it reads":
+        monkeypatch.setattr(norms, "_PROBE_TRIALS", 1)
+    else:
+        from cotangent import _compat
+        monkeypatch.setattr(_compat, "fused_adamw_one_group", lambda *a, **k: None)
+    calibration.probe_fingerprint.cache_clear()
+    try:
+        after = calibration.probe_fingerprint(probe)
+    finally:
+        monkeypatch.undo()
+        calibration.probe_fingerprint.cache_clear()
+    assert after != before
+    assert calibration.probe_fingerprint(probe) == before  # and back

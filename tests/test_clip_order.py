@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import cotangent
-from cotangent.verify import _build_cotangent, _verify_with, first_difference
+from cotangent.verify import first_difference
 from tests.bitwise import assert_same_bits, assert_same_update
 
 IMPLS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
@@ -168,12 +168,16 @@ def test_the_two_native_clip_orders_differ_on_this_model():
 
 
 def test_verify_compares_against_the_model_order_loop_by_default():
+    """`verify`'s clip_order is what cotangent.AdamW gets; the native loop clips what it stands
+    for (None and `model`: ``model.parameters()``). Two groups with None: AdamW's own error."""
     model = Net()
     groups = decay_no_decay(model)
+    with pytest.raises(ValueError, match="clip_order=model"):
+        cotangent.verify(model, loss_fn, batches(2), params=groups, max_norm=MAX_NORM, **HP)
     report = cotangent.verify(model, loss_fn, batches(20), params=groups, max_norm=MAX_NORM,
-                              **HP, fused=True)
+                              clip_order=model, **HP, fused=True)
     assert report.passed, report.failures[:1]
-    assert report.clip_order == "model.parameters()"
+    assert (report.clip_order, report.our_clip_order) == ("model.parameters()", "model")
     assert report.as_dict()["clip_order"] == "model.parameters()"
     stated = cotangent.verify(model, loss_fn, batches(20), params=groups, max_norm=MAX_NORM,
                               clip_order="param_groups", **HP, fused=True)
@@ -182,25 +186,28 @@ def test_verify_compares_against_the_model_order_loop_by_default():
     listed = cotangent.verify(model, loss_fn, batches(3), params=groups, max_norm=MAX_NORM,
                               clip_order=list(model.parameters())[::-1], **HP, fused=True)
     assert listed.passed and listed.clip_order == "a list of 16 parameters"
+    generated = [dict(g, params=iter(g["params"])) for g in decay_no_decay(model)]
+    assert cotangent.verify(model, loss_fn, batches(2), params=generated, max_norm=MAX_NORM,
+                            clip_order=model, **HP).passed  # group params as generators
 
 
-def test_verify_flags_an_optimizer_clipping_in_group_order_against_the_users_loop():
-    """The configuration that used to pass verify while diverging from the user's loop: a
-    Cotangent side clipping in param-group order, checked against the default oracle
-    (``clip_grad_norm_(model.parameters())``), is reported as different."""
-    build = _build_cotangent("cotangent")
-
-    def group_order(spec, order, **kw):
-        assert order is not None  # verify always states the order now
-        return build(spec, "param_groups", **kw)
-    group_order.arm = "cotangent"
+@pytest.mark.parametrize("group", ["decay first, as one group", "all but the head"])
+def test_verify_reports_one_group_that_is_not_what_the_loop_clips(group):
+    """One param group cannot be refused (the optimizer cannot see the model), so verify is
+    where it shows: a single group in another order than ``model.parameters()``, or a subset
+    while the loop clips the whole model, with the default clip_order, is reported as
+    different from ``clip_grad_norm_(model.parameters())``; ``clip_order=model`` passes."""
     model = Net()
-    report = _verify_with(group_order, model, loss_fn, batches(20), max_norm=MAX_NORM,
-                          autocast_dtype=None, compile=False, stop_at_first=True,
-                          params=decay_no_decay(model), clip_order=None, norm_type=2.0,
-                          error_if_nonfinite=False, **HP, fused=True)
-    assert not report.passed
-    assert "total norm" in report.failures[0] or "parameter" in report.failures[0]
+    if group == "decay first, as one group":
+        spec = [p for g in decay_no_decay(model) for p in g["params"]]
+    else:
+        spec = [p for name, p in model.named_parameters()
+                if p.requires_grad and not name.startswith("head.")]
+    report = cotangent.verify(model, loss_fn, batches(20), params=spec, max_norm=MAX_NORM,
+                              **HP, fused=True)
+    assert not report.passed and report.our_clip_order == "None"
+    assert cotangent.verify(model, loss_fn, batches(20), params=spec, max_norm=MAX_NORM,
+                            clip_order=model, **HP, fused=True).passed
 
 
 def test_a_second_group_added_later_needs_the_order_too():
@@ -277,3 +284,81 @@ def test_a_clip_order_string_other_than_param_groups_is_an_error(bad):
         cotangent.AdamW(model.parameters(), max_norm=MAX_NORM, clip_order=bad)
     with pytest.raises(ValueError, match="param_groups"):
         cotangent.ReferenceUpdate(model.parameters(), max_norm=MAX_NORM, clip_order=bad)
+
+
+@pytest.mark.parametrize("bad", [3, object(), [("weight", torch.zeros(1))]],
+                         ids=["int", "object", "named_parameters list"])
+def test_a_clip_order_that_is_not_parameters_is_a_clear_error_before_packing(bad):
+    model = Net()
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(ValueError, match="clip_order"):
+        cotangent.AdamW(model.parameters(), max_norm=MAX_NORM, clip_order=bad)
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+
+
+@pytest.mark.parametrize("source", ["named_parameters", "numbers"])
+def test_a_callable_clip_order_returning_other_things_is_a_clear_error(source):
+    """A callable is read at every clip: what it returns is checked there, at construction
+    (before anything is packed) and again at each step."""
+    model = Net()
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    order = model.named_parameters if source == "named_parameters" else (lambda: [1, 2])
+    with pytest.raises(ValueError, match=r"clip_order\(\)"):
+        cotangent.AdamW(model.parameters(), max_norm=MAX_NORM, clip_order=order)
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    returns = [list(model.parameters())]
+    opt = cotangent.AdamW(model.parameters(), max_norm=MAX_NORM, clip_order=lambda: returns[0])
+    loss_fn(model, batches(1)[0]).backward()
+    returns[0] = [("weight", p) for p in model.parameters()]
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match=r"clip_order\(\)"):
+        opt.step()
+    for b, p in zip(before, model.parameters()):
+        assert_same_bits(b, p.detach(), "nothing updated")
+
+
+def test_the_rule_is_checked_before_a_closure_runs():
+    model = Net()
+    opt = cotangent.AdamW(model.parameters(), max_norm=MAX_NORM, **HP)
+    opt.param_groups.append(dict(opt.param_groups[0], params=[]))  # allowed: an empty group
+    opt.param_groups[1]["params"] = [opt.param_groups[0]["params"].pop()]
+    calls = []
+
+    def closure():
+        calls.append(1)
+        loss = loss_fn(model, batches(1)[0])
+        loss.backward()
+        return loss
+    with pytest.raises(ValueError, match="clip_order=model"):
+        opt.step(closure)
+    assert not calls and all(p.grad is None for p in model.parameters())
+
+
+def test_zero_redundancy_optimizer_needs_the_clip_order(single_rank_group):
+    """ZeroRedundancyOptimizer builds one cotangent.AdamW per rank over that rank's shard (one
+    group): without clip_order its clip would norm the shard alone (on 2 ranks every total norm
+    differed from native's), so it is refused on every rank alike; with ``clip_order=model``
+    each rank clips every gradient: native clip_grad_norm_(model.parameters()) then ZeRO over
+    torch.optim.AdamW, byte for byte (one gloo rank here)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    model = Net()
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    with pytest.raises(ValueError, match="inside ZeroRedundancyOptimizer"):
+        ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cotangent.AdamW,
+                                max_norm=MAX_NORM, **HP)
+    assert [p.data_ptr() for p in model.parameters()] == ptrs
+    native_model = Net()
+    native = ZeroRedundancyOptimizer(native_model.parameters(), optimizer_class=torch.optim.AdamW,
+                                     **HP)
+    ours = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cotangent.AdamW,
+                                   max_norm=MAX_NORM, clip_order=model, **HP)
+    for step, batch in enumerate(batches(4)):
+        for m, z in ((native_model, native), (model, ours)):
+            z.zero_grad()
+            loss_fn(m, batch).backward()
+        torch.nn.utils.clip_grad_norm_(native_model.parameters(), MAX_NORM)
+        native.step()
+        ours.step()
+        assert_same_update(native_model.parameters(), native.optim.state, model.parameters(),
+                           ours.optim.state, f"ZeRO step {step}")

@@ -219,6 +219,24 @@ def refuse_under_compile(what: str) -> None:
         _REFUSALS[what]()
 
 
+def built_by_zero_redundancy_optimizer() -> bool:
+    """Whether the optimizer constructor calling this runs inside a
+    `torch.distributed.optim.ZeroRedundancyOptimizer`, which builds one local optimizer per rank
+    over that rank's shard of the parameters (its ``_optim_constructor`` call; torch has no
+    public way to tell): a frame on the stack whose ``self`` is one. False when that module was
+    never imported."""
+    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
+    if module is None:
+        return False
+    zero = module.ZeroRedundancyOptimizer
+    frame = sys._getframe(1)
+    while frame is not None:
+        if isinstance(frame.f_locals.get("self"), zero):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def storage_identity(t: Tensor) -> tuple:
     """A key for `t`'s storage: (device, data pointer), or, for storages without data (meta
     tensors, zero bytes: their pointer is 0), the storage object's own C++ address

@@ -151,29 +151,83 @@ def _stable_repr(value) -> str:
     return f"<{type(value).__qualname__}>"
 
 
+def _names(code: types.CodeType) -> set[str]:
+    """Every global or attribute name `code` (and the code nested in it) reads."""
+    names = set(code.co_names)
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _names(const)
+    return names
+
+
+_VALUE_TYPES = (int, float, str, tuple, range)  # module-level values a probe may feed
+
+
+def _probe_closure(functions) -> tuple[list, dict]:
+    """The functions of a probe and, transitively, every Cotangent function their code names
+    (as a global of its module, or as an attribute of a Cotangent module it imported), plus the
+    module-level values (numbers, strings, tuples) those names denote. Returns (functions in a
+    stable order, {(module, name): value})."""
+    seen: set[int] = set()
+    found: list = []
+    values: dict[tuple[str, str], object] = {}
+    stack = [inspect.unwrap(fn) for fn in functions]
+    while stack:
+        fn = stack.pop()
+        if id(fn) in seen:
+            continue
+        seen.add(id(fn))
+        found.append(fn)
+        owners = [(fn.__module__, fn.__globals__)]
+        owners += [(v.__name__, vars(v)) for v in fn.__globals__.values()
+                   if isinstance(v, types.ModuleType) and v.__name__.startswith("cotangent")]
+        for name in _names(fn.__code__):
+            for module, namespace in owners:
+                obj = namespace.get(name)
+                if obj is None or isinstance(obj, bool):
+                    continue
+                target = inspect.unwrap(obj) if callable(obj) else obj
+                if (isinstance(target, types.FunctionType)
+                        and target.__module__.startswith("cotangent")):
+                    stack.append(target)
+                elif isinstance(obj, _VALUE_TYPES):
+                    values[(module, name)] = obj
+    found.sort(key=lambda f: (f.__module__, f.__qualname__))
+    return found, values
+
+
 @cache
 def probe_fingerprint(probe) -> str:
-    """A 16-hex-digit hash of a probe's own code: `probe` is a function, or a tuple of the probe,
-    the helpers that make its inputs and the value tables it reads by name (tuples of numbers,
-    hashed by `repr`); functions are hashed by their bytecode and constants (`inspect.unwrap`
-    first), together with `SPECIAL_VALUES` and the code of
-    `sprinkle_special_values` and `write_special`, which every probe feeds through. Part of
-    every verdict's key (`full_key`).
+    """A 16-hex-digit hash of a probe's own code: `probe` is a function, or a tuple of functions
+    and value tables (tuples of numbers, hashed by `_stable_repr`). Covered: those functions
+    and, transitively, every Cotangent function their code names and the module-level values
+    those names denote (`_probe_closure`: the helpers that build the probe's inputs, compare its
+    bytes or run the path it proves, `_PROBE_TRIALS`-like constants), each function by its
+    bytecode, names and constants (`_code_bytes`: not line numbers), together with
+    `SPECIAL_VALUES` and the code of `sprinkle_special_values` and `write_special`, which every
+    probe feeds through. torch's own code is not covered (the torch version is in the key).
+    Part of every verdict's key (`full_key`); computed once per probe and process.
 
     Raises:
-        TypeError: `probe` holds something without Python bytecode.
+        TypeError: `probe` holds something that is neither a Python function nor a value.
     """
     items = probe if isinstance(probe, tuple) else (probe,)
     digest = hashlib.sha256(_stable_repr(SPECIAL_VALUES).encode())
-    for item in (*items, sprinkle_special_values, write_special):
+    functions = [sprinkle_special_values, write_special]
+    for item in items:
         if isinstance(item, (tuple, list, int, float, str, range)):  # values the probe feeds
             digest.update(b"values\0" + _stable_repr(item).encode())
-            continue
-        code = getattr(inspect.unwrap(item), "__code__", None)
-        if code is None:
+        elif isinstance(inspect.unwrap(item), types.FunctionType):
+            functions.append(item)
+        else:
             raise TypeError(f"probe_fingerprint takes Python functions and plain values (tuples "
                             f"of numbers), got {item!r}")
-        digest.update(item.__qualname__.encode() + b"\0" + _code_bytes(code))
+    found, values = _probe_closure(functions)
+    for fn in found:
+        digest.update(f"{fn.__module__}.{fn.__qualname__}".encode() + b"\0"
+                      + _code_bytes(fn.__code__))
+    for (module, name), value in sorted(values.items()):
+        digest.update(f"{module}.{name}=".encode() + _stable_repr(value).encode())
     return digest.hexdigest()[:16]
 
 

@@ -196,10 +196,28 @@ def normalize_clip_order(clip_order):
             raise ValueError(f"clip_order must be a module, a zero-argument callable, an "
                              f"iterable of parameters or {PARAM_GROUPS!r}, got {clip_order!r}")
         return clip_order
-    order = [clip_order] if isinstance(clip_order, Tensor) else list(clip_order)
+    if isinstance(clip_order, Tensor):
+        return [clip_order]
+    try:
+        order = list(clip_order)
+    except TypeError:
+        raise ValueError(f"clip_order must be a module, a zero-argument callable, an iterable "
+                         f"of parameters or {PARAM_GROUPS!r}, got "
+                         f"{type(clip_order).__name__!r}") from None
+    return checked_tensors(order, "clip_order")
+
+
+def checked_tensors(order: list, what: str) -> list[Tensor]:
+    """`order` itself when it holds tensors only.
+
+    Raises:
+        ValueError: an element that is not a tensor (e.g. a (name, parameter) pair from
+            ``named_parameters``), named with `what`.
+    """
     for t in order:
         if not isinstance(t, Tensor):
-            raise ValueError(f"clip_order holds {type(t).__name__!r}, not a tensor")
+            raise ValueError(f"{what} holds {type(t).__name__!r}, not a tensor "
+                             "(named_parameters? pass parameters)")
     return order
 
 
@@ -257,10 +275,20 @@ class ClipOrder:
         return isinstance(self.source, torch.nn.Module) or callable(self.source)
 
     def current(self) -> list[Tensor] | None:
-        """The source's parameters now (None: the optimizer's order)."""
+        """The source's parameters now (None: the optimizer's order).
+
+        Raises:
+            ValueError: a callable source returned something other than tensors.
+        """
         if isinstance(self.source, torch.nn.Module):
             return list(self.source.parameters())
-        return list(self.source()) if callable(self.source) else self.source
+        if callable(self.source):
+            try:
+                order = list(self.source())
+            except TypeError:
+                raise ValueError("clip_order() must return an iterable of parameters") from None
+            return checked_tensors(order, "clip_order()")
+        return self.source
 
     def resolve(self, params: list[Tensor], order: list[Tensor] | None = None) -> None:
         """Map the order onto `params` (the optimizer's slots): `slots` in clip order, and

@@ -130,8 +130,11 @@ class AdamW(torch.optim.AdamW):
             returning parameters, a fixed iterable of them (e.g. ``model.parameters()`` as
             it is now), or ``"param_groups"`` (the optimizer's parameters, param groups
             concatenated, as Lightning's ``gradient_clip_val`` clips). Default (None): the
-            optimizer's order when one param group holds parameters; with two or more and
-            ``max_norm`` set, the order is ambiguous (native loops clip
+            optimizer's order when one param group holds parameters (native's bits when that
+            group is the list your loop clips, e.g. ``model.parameters()``; a group in another
+            order, or a subset while the loop clips the whole model, needs
+            ``clip_order=model``, and `cotangent.verify` reports the difference); with two or
+            more and ``max_norm`` set, the order is ambiguous (native loops clip
             ``model.parameters()`` or the param groups, and the optimizer cannot see the model),
             so clip_order is required there: a ValueError at construction, or at the
             `add_param_group` / edit that makes the second group, names ``clip_order=model``.
@@ -173,8 +176,11 @@ class AdamW(torch.optim.AdamW):
             `shard` or `shard_norms`; ``shard="zero1"`` without an initialised process group
             or with parameters on more than one device; ``max_norm`` with two or more param
             groups holding parameters and no `clip_order` (also from `add_param_group`,
-            `step()` and `zero_grad()` after an edit that makes it so); a `clip_order` string
-            other than ``"param_groups"``.
+            `step()` and `zero_grad()` after an edit that makes it so); ``max_norm`` without
+            `clip_order` inside `torch.distributed.optim.ZeroRedundancyOptimizer` (each rank's
+            optimizer holds one shard: its clip would norm that shard alone); a `clip_order`
+            that is a string other than ``"param_groups"``, not iterable, or holds (or, a
+            callable, returns) something other than tensors.
         NotImplementedError: ``capturable=True`` or ``differentiable=True`` (also when set on a
             group later).
         RuntimeError from `step()`, `clip_grad_norm_()` and `zero_grad()`, before anything is
@@ -229,6 +235,14 @@ class AdamW(torch.optim.AdamW):
         self.batched_norms = bool(batched_norms)
         # a snapshot of an iterable, as clip_grad_norm_ takes one; the rule before packing
         self._clip_order_params = normalize_clip_order(clip_order)
+        if (max_norm is not None and self._clip_order_params is None
+                and _compat.built_by_zero_redundancy_optimizer()):
+            raise ValueError(
+                "cotangent.AdamW(max_norm=...) inside ZeroRedundancyOptimizer: each rank's "
+                "optimizer holds one shard of the parameters, so its clip would norm that shard "
+                "alone, where native code clips clip_grad_norm_(model.parameters(), ...) on "
+                "every rank; pass clip_order=model (every rank then clips every gradient), or "
+                "max_norm=None and clip natively before ZeroRedundancyOptimizer.step()")
         check_clip_order_known(self.param_groups, max_norm, self._clip_order_params)
         self._last_total_norm: Tensor | None = None
         self._norm_backwards = -1  # tracker.backwards when the norm was computed
@@ -261,6 +275,8 @@ class AdamW(torch.optim.AdamW):
         if (live := _live(self)) is not self:
             return live.step(closure)
         _compat.refuse_under_compile("cotangent.AdamW.step()")
+        # before hooks or the closure run (the clip order is checked again after them)
+        check_clip_order_known(self.param_groups, self.max_norm, self._clip_order_params)
         self._scale_applied = False
         # the clip multiply may join the single pass only where nothing can read the
         # gradients between the clip and the update: no step pre-hook

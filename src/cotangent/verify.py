@@ -84,7 +84,8 @@ class VerifyReport:
     """Outcome of `verify`: one entry per step, and the first difference if any."""
 
     arm: str
-    clip_order: str = "model.parameters()"  # what the native side passed to clip_grad_norm_
+    clip_order: str = "model.parameters()"  # what the native loop passed to clip_grad_norm_
+    our_clip_order: str = "None"  # what cotangent.AdamW was given as clip_order
     steps: int = 0
     checks: int = 0  # comparisons made (one per tensor per step)
     failures: list[str] = field(default_factory=list)
@@ -94,7 +95,8 @@ class VerifyReport:
         return self.steps > 0 and not self.failures
 
     def as_dict(self) -> dict:
-        return dict(arm=self.arm, clip_order=self.clip_order, steps=self.steps,
+        return dict(arm=self.arm, clip_order=self.clip_order,
+                    our_clip_order=self.our_clip_order, steps=self.steps,
                     checks=self.checks, passed=self.passed,
                     first_failure=self.failures[0] if self.failures else None)
 
@@ -120,18 +122,26 @@ def verify(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], 
         params: what you would pass to the optimizer, built from `model`'s parameters: a list
             of them or of param-group dicts (e.g. no weight decay on biases). Default: all of
             `model.parameters()` in one group.
-        clip_order: what your loop passes to `clip_grad_norm_`. Default (None) or `model`:
-            ``model.parameters()`` at every clip, the loop most code writes
-            (``clip_grad_norm_(model.parameters(), max_norm)`` then
-            ``torch.optim.AdamW(params).step()``); the Cotangent side gets
-            ``clip_order=model``. ``"param_groups"``: the optimizer's parameters, param groups
-            concatenated (Lightning's ``gradient_clip_val``). Or a list of `model`'s
-            parameters. The report's ``clip_order`` names the one used.
+        clip_order: what you give `cotangent.AdamW` as its `clip_order`; the Cotangent side is
+            built with it, exactly as you would build it, and the native side clips what it
+            stands for. Default (None, as `cotangent.AdamW`'s default) and `model`: the native
+            loop most code writes, ``clip_grad_norm_(model.parameters(), max_norm)`` then
+            ``torch.optim.AdamW(params).step()``; so a Cotangent optimizer whose default order
+            (one param group) is not ``model.parameters()``'s (another order, or a subset
+            while the loop clips the whole model) is reported as different, and two or more
+            groups with None raise `cotangent.AdamW`'s ValueError (pass ``clip_order=model``).
+            ``"param_groups"``: the native loop clips the optimizer's parameters, param groups
+            concatenated (Lightning's ``gradient_clip_val``). A list of `model`'s parameters:
+            that list. The report's ``clip_order`` names what the native loop clipped and
+            ``our_clip_order`` what the Cotangent optimizer was given.
         norm_type, error_if_nonfinite: as `clip_grad_norm_`.
         **adamw_kwargs: `torch.optim.AdamW` arguments (lr, betas, weight_decay, fused, ...).
     Raises:
         ValueError: unknown `arm`; no batches; `params` or `clip_order` holding a tensor that is
-            not a parameter of `model`; a `clip_order` string other than ``"param_groups"``.
+            not a parameter of `model`; a `clip_order` string other than ``"param_groups"``, a
+            callable or a submodule (pass a list of its parameters); what `cotangent.AdamW`
+            raises for these arguments (two or more param groups with ``max_norm`` and no
+            `clip_order`).
     """
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; known: {', '.join(ARMS)}" + (
@@ -209,18 +219,22 @@ def _verify(model, loss_fn, batches, *, max_norm, build, autocast_dtype, compile
     native_model, our_model = copy.deepcopy(model), copy.deepcopy(model)
     native_params, our_params = list(native_model.parameters()), list(our_model.parameters())
     spec = list(model.parameters() if params is None else params)
+    if spec and isinstance(spec[0], dict):  # a generator of parameters is read once, here
+        spec = [dict(g, params=[g["params"]] if isinstance(g["params"], Tensor)
+                     else list(g["params"])) for g in spec]
     if clip_order is None or clip_order is model:  # the loop a user writes
-        native_order, our_order, order_name = native_model, our_model, "model.parameters()"
+        native_order, order_name = native_model, "model.parameters()"
+        our_order, our_name = (None, "None") if clip_order is None else (our_model, "model")
     elif (clip_order := normalize_clip_order(clip_order)) == PARAM_GROUPS:
         native_order = our_order = PARAM_GROUPS
-        order_name = "param groups concatenated"
+        order_name, our_name = "param groups concatenated", repr(PARAM_GROUPS)
     elif not isinstance(clip_order, list):
         raise ValueError("verify's clip_order is None, the model, 'param_groups' or a list of "
                          f"the model's parameters, got {type(clip_order).__name__!r}")
     else:
         native_order = _map_params(clip_order, model, native_params, "clip_order")
         our_order = _map_params(clip_order, model, our_params, "clip_order")
-        order_name = f"a list of {len(clip_order)} parameters"
+        order_name = our_name = f"a list of {len(clip_order)} parameters"
     native_spec = _map_params(spec, model, native_params, "params")
     our_spec = _map_params(spec, model, our_params, "params")
     native = ReferenceUpdate(native_spec, max_norm=max_norm, norm_type=norm_type,
@@ -233,7 +247,7 @@ def _verify(model, loss_fn, batches, *, max_norm, build, autocast_dtype, compile
         run_native, run_ours = torch.compile(native_model), torch.compile(our_model)
     device_type = native_params[0].device.type if native_params else "cpu"
     names = [name for name, _ in native_model.named_parameters()]
-    report = VerifyReport(build.arm, clip_order=order_name)
+    report = VerifyReport(build.arm, clip_order=order_name, our_clip_order=our_name)
 
     def check(what: str, problem: str | None) -> None:
         report.checks += 1
