@@ -226,8 +226,9 @@ def check_clip_order_known(param_groups: list[dict], max_norm, clip_order) -> No
 
     The bits of the total norm depend on the order in which `clip_grad_norm_` meets the
     gradients. With one param group (holding parameters) the optimizer's order is the list the
-    user built it from, the list a native loop passes to both. With two or more, native loops
-    differ: most clip ``clip_grad_norm_(model.parameters(), ...)`` (model order: PyTorch
+    user built it from, taken to be the list the native loop clips (where it is not, e.g. a
+    subset while the loop clips the whole model, nothing here can tell: `cotangent.verify`
+    reports it). With two or more, native loops differ: most clip ``clip_grad_norm_(model.parameters(), ...)`` (model order: PyTorch
     examples, Hugging Face's Trainer, Accelerate), some clip the optimizer's parameters
     (Lightning's ``gradient_clip_val``), and the optimizer cannot see the model to tell whether
     the two agree. So there ``clip_order`` must say which: ``clip_order=model`` (or what you

@@ -233,7 +233,7 @@ class AdamW(torch.optim.AdamW):
         self.norm_type = norm_type
         self.error_if_nonfinite = bool(error_if_nonfinite)
         self.batched_norms = bool(batched_norms)
-        # a snapshot of an iterable, as clip_grad_norm_ takes one; the rule before packing
+        # a snapshot of an iterable, as clip_grad_norm_ takes one (`_repack` checks the rule)
         self._clip_order_params = normalize_clip_order(clip_order)
         if (max_norm is not None and self._clip_order_params is None
                 and _compat.built_by_zero_redundancy_optimizer()):
@@ -243,7 +243,6 @@ class AdamW(torch.optim.AdamW):
                 "alone, where native code clips clip_grad_norm_(model.parameters(), ...) on "
                 "every rank; pass clip_order=model (every rank then clips every gradient), or "
                 "max_norm=None and clip natively before ZeroRedundancyOptimizer.step()")
-        check_clip_order_known(self.param_groups, max_norm, self._clip_order_params)
         self._last_total_norm: Tensor | None = None
         self._norm_backwards = -1  # tracker.backwards when the norm was computed
         self._clipped: tuple[int, int] | None = None  # (backwards, resets) of clipped gradients
