@@ -69,7 +69,9 @@ def test_calibration_is_inspectable_and_cached(tmp_path, monkeypatch):
     # A fresh process (simulated) reads the verdict from the file instead of probing again.
     monkeypatch.setattr(calibration, "_MEMORY", {})
     monkeypatch.setattr(calibration, "_LOADED", set())
-    monkeypatch.setattr(norms, "_probe_values", None)  # probing now would crash
+    def probed_again(key, verdict):
+        raise AssertionError(f"probed again: {key}")
+    monkeypatch.setattr(calibration, "record", probed_again)  # every probe records its verdict
     assert norms.bucket_norm_is_exact(cpu, torch.float32, 64, 4, 64, 2.0, None)
     # A one-row bucket is never "batched": the native per-tensor call is used as is.
     assert not norms.bucket_norm_is_exact(cpu, torch.float32, 64, 1, 64, 2.0, None)
