@@ -344,9 +344,10 @@ def test_zero_redundancy_optimizer_needs_the_clip_order(single_rank_group):
 
     model = Net()
     ptrs = [p.data_ptr() for p in model.parameters()]
-    with pytest.raises(ValueError, match="inside ZeroRedundancyOptimizer"):
-        ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cotangent.AdamW,
-                                max_norm=MAX_NORM, **HP)
+    for order in ({}, {"clip_order": "param_groups"}):  # the local groups are the shard's
+        with pytest.raises(ValueError, match="inside ZeroRedundancyOptimizer"):
+            ZeroRedundancyOptimizer(model.parameters(), optimizer_class=cotangent.AdamW,
+                                    max_norm=MAX_NORM, **HP, **order)
     assert [p.data_ptr() for p in model.parameters()] == ptrs
     native_model = Net()
     native = ZeroRedundancyOptimizer(native_model.parameters(), optimizer_class=torch.optim.AdamW,

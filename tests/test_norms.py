@@ -99,3 +99,10 @@ def test_calibration_rejects_a_batched_call_that_differs(monkeypatch, tmp_path):
 
     monkeypatch.setattr(norms.torch.linalg, "vector_norm", perturbed)
     assert not norms.bucket_norm_is_exact(torch.device("cpu"), torch.float32, 96, 5, 96, 2.0, False)
+
+
+def test_the_probes_byte_comparison_takes_0_dim_tensors():
+    """A total norm is 0-dim: -0.0 and +0.0 differ, equal NaNs agree (it raised before)."""
+    assert not norms._bytes_equal(torch.tensor(0.0), torch.tensor(-0.0))
+    assert norms._bytes_equal(torch.tensor(float("nan")), torch.tensor(float("nan")))
+    assert not norms._bytes_equal(torch.tensor(1.0), torch.tensor([1.0]))

@@ -67,7 +67,8 @@ def _bytes_equal(a: Tensor, b: Tensor) -> bool:
     """Bitwise equality (never `torch.equal`, which calls -0.0 == +0.0 and NaN != NaN)."""
     if a.dtype != b.dtype or a.shape != b.shape:
         return False
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8),
+                       b.reshape(-1).contiguous().view(torch.uint8))  # (0-dim tensors too)
 
 
 def bucket_norm_is_exact(

@@ -23,6 +23,7 @@ from torch import Tensor
 
 from cotangent import _compat, merge, sharding, singlepass
 from cotangent.clipping import (
+    PARAM_GROUPS,
     ClipOrder,
     PackedClipper,
     check_clip_order_known,
@@ -177,8 +178,9 @@ class AdamW(torch.optim.AdamW):
             or with parameters on more than one device; ``max_norm`` with two or more param
             groups holding parameters and no `clip_order` (also from `add_param_group`,
             `step()` and `zero_grad()` after an edit that makes it so); ``max_norm`` without
-            `clip_order` inside `torch.distributed.optim.ZeroRedundancyOptimizer` (each rank's
-            optimizer holds one shard: its clip would norm that shard alone); a `clip_order`
+            `clip_order` (or with ``"param_groups"``) inside
+            `torch.distributed.optim.ZeroRedundancyOptimizer` (each rank's optimizer holds one
+            shard: its clip would norm that shard alone); a `clip_order`
             that is a string other than ``"param_groups"``, not iterable, or holds (or, a
             callable, returns) something other than tensors.
         NotImplementedError: ``capturable=True`` or ``differentiable=True`` (also when set on a
@@ -235,14 +237,15 @@ class AdamW(torch.optim.AdamW):
         self.batched_norms = bool(batched_norms)
         # a snapshot of an iterable, as clip_grad_norm_ takes one (`_repack` checks the rule)
         self._clip_order_params = normalize_clip_order(clip_order)
-        if (max_norm is not None and self._clip_order_params is None
+        if (max_norm is not None and self._clip_order_params in (None, PARAM_GROUPS)
                 and _compat.built_by_zero_redundancy_optimizer()):
             raise ValueError(
                 "cotangent.AdamW(max_norm=...) inside ZeroRedundancyOptimizer: each rank's "
-                "optimizer holds one shard of the parameters, so its clip would norm that shard "
-                "alone, where native code clips clip_grad_norm_(model.parameters(), ...) on "
-                "every rank; pass clip_order=model (every rank then clips every gradient), or "
-                "max_norm=None and clip natively before ZeroRedundancyOptimizer.step()")
+                "optimizer holds one shard of the parameters (its param groups are the shard's), "
+                "so a clip over them would norm that shard alone, where native code clips "
+                "clip_grad_norm_(model.parameters(), ...) on every rank; pass clip_order=model "
+                "(every rank then clips every gradient), or max_norm=None and clip natively "
+                "before ZeroRedundancyOptimizer.step()")
         self._last_total_norm: Tensor | None = None
         self._norm_backwards = -1  # tracker.backwards when the norm was computed
         self._clipped: tuple[int, int] | None = None  # (backwards, resets) of clipped gradients

@@ -247,6 +247,8 @@ def _verify(model, loss_fn, batches, *, max_norm, build, autocast_dtype, compile
         run_native, run_ours = torch.compile(native_model), torch.compile(our_model)
     device_type = native_params[0].device.type if native_params else "cpu"
     names = [name for name, _ in native_model.named_parameters()]
+    if max_norm is None:
+        order_name = "none (max_norm=None: no clip)"
     report = VerifyReport(build.arm, clip_order=order_name, our_clip_order=our_name)
 
     def check(what: str, problem: str | None) -> None:
