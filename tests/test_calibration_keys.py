@@ -5,9 +5,11 @@ reusing an old verdict (`cotangent.calibration.full_key`)."""
 from __future__ import annotations
 
 import inspect
+import os
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -142,17 +144,36 @@ def test_cpu_model_reads_microcode_where_linux_shows_it():
     assert model.split(" / ")[4] == microcode
 
 
-def test_fingerprints_are_the_same_in_every_process():
-    """A fingerprint must not change between processes (an object's address, a set's order):
-    else every process would probe again."""
+def test_fingerprints_are_the_same_in_every_process(tmp_path, monkeypatch):
+    """A fingerprint must not change between processes: not with an object's address, a hash
+    seed, the process's own counters (singlepass counts its probes and their seconds in module
+    globals: a CI run found the fingerprint differing once probes had run), nor the install
+    path (a copy of the package elsewhere keys the same verdicts)."""
+    import shutil
+
     code = ("from cotangent import calibration, singlepass, norms; "
             "print(calibration.probe_fingerprint(singlepass._probe_code()), "
             "calibration.probe_fingerprint((norms.bucket_norm_is_exact, norms._probe_values)))")
-    runs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                           check=True).stdout for _ in range(2)}
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(Path(calibration.__file__).parent, copy / "cotangent",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    runs = set()
+    for seed, path in (("1", None), ("2", None), ("3", str(copy))):
+        env = dict(os.environ, PYTHONHASHSEED=seed)
+        if path is not None:
+            env["PYTHONPATH"] = path
+        runs.add(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                                check=True, env=env, cwd=tmp_path).stdout)
     assert len(runs) == 1
-    here = (f"{calibration.probe_fingerprint(singlepass._probe_code())} "
-            f"{calibration.probe_fingerprint((norms.bucket_norm_is_exact, norms._probe_values))}")
+    monkeypatch.setattr(singlepass, "_PROBES", singlepass._PROBES + 7)  # as after probes ran
+    monkeypatch.setattr(singlepass, "_PROBE_S", singlepass._PROBE_S + 1.25)
+    calibration.probe_fingerprint.cache_clear()
+    try:
+        here = (f"{calibration.probe_fingerprint(singlepass._probe_code())} "
+                f"{calibration.probe_fingerprint((norms.bucket_norm_is_exact, norms._probe_values))}")
+    finally:
+        monkeypatch.undo()
+        calibration.probe_fingerprint.cache_clear()
     assert runs == {here + "\n"}
 
 

@@ -18,12 +18,14 @@ Cotangent's version and the probe fingerprint; verdicts of earlier versions are 
 
 from __future__ import annotations
 
+import dis
 import hashlib
 import inspect
 import json
 import os
 import platform
 import struct
+import sys
 import tempfile
 import types
 from functools import cache
@@ -163,6 +165,25 @@ def _names(code: types.CodeType) -> set[str]:
 _VALUE_TYPES = (int, float, str, tuple, range)  # module-level values a probe may feed
 
 
+@cache
+def _rebound_globals(module_name: str) -> frozenset[str]:
+    """Names that some function of module `module_name` (decorated ones unwrapped) rebinds with
+    a ``global`` statement (counters, timers, memos such as singlepass's probe count): state,
+    not probe values, so left out of fingerprints (their values change while the process
+    runs)."""
+    module = sys.modules.get(module_name)
+    names: set[str] = set()
+    functions = [inspect.unwrap(v) for v in vars(module).values()
+                 if callable(v)] if module is not None else []
+    codes = [f.__code__ for f in functions if isinstance(f, types.FunctionType)]
+    while codes:
+        code = codes.pop()
+        names.update(ins.argval for ins in dis.get_instructions(code)
+                     if ins.opname in ("STORE_GLOBAL", "DELETE_GLOBAL"))
+        codes += [c for c in code.co_consts if isinstance(c, types.CodeType)]
+    return frozenset(names)
+
+
 def _probe_closure(functions) -> tuple[list, dict]:
     """The functions of a probe and, transitively, every Cotangent function their code names
     (as a global of its module, or as an attribute of a Cotangent module it imported), plus the
@@ -190,8 +211,9 @@ def _probe_closure(functions) -> tuple[list, dict]:
                 if (isinstance(target, types.FunctionType)
                         and target.__module__.startswith("cotangent")):
                     stack.append(target)
-                elif isinstance(obj, _VALUE_TYPES):
-                    values[(module, name)] = obj
+                elif (isinstance(obj, _VALUE_TYPES) and not name.startswith("__")
+                      and name not in _rebound_globals(module)):
+                    values[(module, name)] = obj  # (not __file__: paths differ per install)
     found.sort(key=lambda f: (f.__module__, f.__qualname__))
     return found, values
 
