@@ -146,8 +146,9 @@ def test_cpu_model_reads_microcode_where_linux_shows_it():
 
 def test_fingerprints_are_the_same_in_every_process(tmp_path, monkeypatch):
     """A fingerprint must not change between processes: not with an object's address, a hash
-    seed, the process's own counters (singlepass counts its probes and their seconds in module
-    globals: a CI run found the fingerprint differing once probes had run), nor the install
+    seed, the process's own state (singlepass records its probe count and seconds and the square
+    root it chose in module globals: a CI run found the fingerprint differing once `sqrt_kind`
+    had run), nor the install
     path (a copy of the package elsewhere keys the same verdicts)."""
     import shutil
 
@@ -165,8 +166,10 @@ def test_fingerprints_are_the_same_in_every_process(tmp_path, monkeypatch):
         runs.add(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                                 check=True, env=env, cwd=tmp_path).stdout)
     assert len(runs) == 1
-    monkeypatch.setattr(singlepass, "_PROBES", singlepass._PROBES + 7)  # as after probes ran
+    # as after probes ran: counters, timers and the square root chosen (`sqrt_kind`)
+    monkeypatch.setattr(singlepass, "_PROBES", singlepass._PROBES + 7)
     monkeypatch.setattr(singlepass, "_PROBE_S", singlepass._PROBE_S + 1.25)
+    monkeypatch.setattr(singlepass, "_SQRT_CHOSEN", "a kind chosen in this process")
     calibration.probe_fingerprint.cache_clear()
     try:
         here = (f"{calibration.probe_fingerprint(singlepass._probe_code())} "
