@@ -212,3 +212,16 @@ def test_the_fingerprint_covers_what_the_probe_calls_and_reads(edit, monkeypatch
         calibration.probe_fingerprint.cache_clear()
     assert after != before
     assert calibration.probe_fingerprint(probe) == before  # and back
+
+
+def test_a_set_constant_in_a_probe_hashes_alike_under_every_hash_seed(tmp_path):
+    """``x in {"a", "b"}`` compiles to a frozenset constant whose iteration order follows the
+    string hash seed: the fingerprint sorts it."""
+    source = tmp_path / "probe_with_a_set.py"
+    source.write_text("def probe(x):\n    return x in {'alpha', 'beta', 'gamma', 'delta'}\n")
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); import probe_with_a_set as m; "
+            "from cotangent import calibration; print(calibration.probe_fingerprint(m.probe))")
+    runs = {subprocess.run([sys.executable, "-c", code, str(tmp_path)], capture_output=True,
+                           text=True, check=True, env=dict(os.environ, PYTHONHASHSEED=seed)
+                           ).stdout for seed in ("1", "2", "3", "4")}
+    assert len(runs) == 1

@@ -136,16 +136,18 @@ def _code_bytes(code: types.CodeType) -> bytes:
     parts = [code.co_code, repr(code.co_names).encode(), repr(code.co_varnames).encode()]
     for const in code.co_consts:
         parts.append(_code_bytes(const) if isinstance(const, types.CodeType)
-                     else repr(const).encode())
+                     else _stable_repr(const).encode())
     return b"\0".join(parts)
 
 
 def _stable_repr(value) -> str:
     """`repr` that is the same in every process: floats by their bytes (NaN signs kept),
-    containers item by item, and any other object (a sentinel) by its type's name, never its
-    address."""
+    sequences item by item, sets sorted, and any other object (a sentinel) by its type's name,
+    never its address."""
     if isinstance(value, (tuple, list)):
         return "(" + ",".join(map(_stable_repr, value)) + ")"
+    if isinstance(value, (set, frozenset)):  # (`x in {"a", "b"}` compiles to a frozenset whose
+        return "{" + ",".join(sorted(map(_stable_repr, value))) + "}"  # order follows the hash seed)
     if isinstance(value, float):
         return struct.pack("<d", value).hex()
     if value is None or isinstance(value, (bool, int, str, range)):

@@ -27,12 +27,12 @@ class ReferenceUpdate:
             zero-argument callable, a fixed list, or ``"param_groups"`` / None: the optimizer's
             parameters, param groups concatenated. (The oracle takes every order as given;
             `cotangent.AdamW` refuses None where it is ambiguous.)
-
-    Raises:
-        ValueError: a `clip_order` string other than ``"param_groups"``; what
-            `torch.optim.AdamW` raises.
         **adamw_kwargs: passed unchanged to `torch.optim.AdamW` (lr, betas, eps, weight_decay,
             amsgrad, maximize, foreach, fused, ...).
+
+    Raises:
+        ValueError: a `clip_order` that is a string other than ``"param_groups"`` or holds
+            something other than tensors; what `torch.optim.AdamW` raises.
 
     Attributes:
         optimizer: the `torch.optim.AdamW`.

@@ -84,7 +84,6 @@ import torch
 from torch import Tensor
 
 from cotangent import _compat, calibration
-from cotangent.calibration import cpu_model  # noqa: F401 - this module's name for it
 
 GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: TensorIterator splits work among threads above it
 MKL_SQRT_MODE = 0x2 | 0x140000 | 0x100  # VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE
@@ -972,7 +971,7 @@ def emulation_matches(address: int, reference=torch.sqrt, *, patterns=EMULATION_
     bytes (``reference(x, out=...)``; `torch.sqrt`, float32, CPU) for every float32 bit pattern
     of the int32 ranges `patterns` (default `EMULATION_PATTERNS`: all 2**31 non-negative
     patterns and 25.3M negative ones), called in blocks as the kernel calls it. The verdict for
-    the defaults is cached in the calibration file under the CPU model (`cpu_model`) and the
+    the defaults is cached in the calibration file under the CPU model (`calibration.cpu_model`) and the
     kernel build, so a machine pays the check once.
 
     Raises `SinglePassUnavailable` where the kernel cannot be built."""

@@ -208,9 +208,8 @@ def _map_params(spec, model: torch.nn.Module, copy_params: list[Tensor], what: s
         return out
 
     spec = list(spec)
-    if spec and isinstance(spec[0], dict):
-        return [dict(g, params=mapped([g["params"]] if isinstance(g["params"], Tensor)
-                                      else g["params"])) for g in spec]
+    if spec and isinstance(spec[0], dict):  # (`_verify` made each group's params a list)
+        return [dict(g, params=mapped(g["params"])) for g in spec]
     return mapped(spec)
 
 
