@@ -116,6 +116,7 @@ _SOURCE = r"""
 #include <cstring>
 #include <omp.h>
 #include <type_traits>
+#include <utility>
 #include <immintrin.h>
 
 typedef void (*sqrt_fn_t)(int64_t, const float*, float*, long long);
@@ -629,19 +630,22 @@ void for_each_block(const int64_t* pieces, int64_t npieces, int nthreads,
 
 extern "C" {
 
-// The bfloat16 step (flags: bit0 decay, bit1 maximize; no amsgrad, no clip): pieces, nstep,
-// bc2s and the scalars as for cot_singlepass_adamw; every element is read and written once.
-int cot_singlepass_adamw_bf16(uint16_t* p, const uint16_t* g, uint16_t* m, uint16_t* v,
-                              const int64_t* pieces, int64_t npieces, const double* nstep,
-                              const double* bc2s, double decay, double weight, double beta2,
-                              double value2, double eps, int flags, int nthreads) {
+// The bfloat16 step (flags: bit0 decay, bit1 maximize; no amsgrad, no clip): base pointers,
+// pieces, nstep, bc2s and the scalars as for cot_singlepass_adamw; every element is read and
+// written once.
+int cot_singlepass_adamw_bf16(uint16_t* const* p, uint16_t* const* g, uint16_t* const* m,
+                              uint16_t* const* v, const int64_t* pieces, int64_t npieces,
+                              const double* nstep, const double* bc2s, double decay,
+                              double weight, double beta2, double value2, double eps, int flags,
+                              int nthreads) {
   const Hyper h = make_hyper(decay, weight, beta2, value2, eps, 0.0);
   const bool has_decay = flags & 1, maximize = flags & 2;
   const bool small = __builtin_fabsf(h.weight) < 0.5f;
   for_each_block(pieces, npieces, nthreads, 0,
                  [&](const int64_t* pc, int64_t start, int64_t len, float*) {
+    const int64_t k = pc[2];
     bf16_pick(maximize, small, pc[3] != 0, has_decay)(
-        len, p + start, g + start, m + start, v + start, h,
+        len, p[k] + start, g[k] + start, m[k] + start, v[k] + start, h,
         static_cast<float>(bc2s[pc[2]]), static_cast<float>(nstep[pc[2]]));
   });
   return 0;
@@ -676,7 +680,25 @@ void cot_fill_negative_zero(float* p, int64_t n, int nthreads) {
   }
 }
 
-int cot_singlepass_version() { return 13; }
+int cot_singlepass_version() { return 14; }
+
+// 1 when no two of the n spans [start[i], start[i] + numel[i] * elem) overlap (empty spans
+// never do), else 0: the kernel reads and writes every tensor as its own.
+int cot_singlepass_disjoint(const int64_t* start, const int64_t* numel, int64_t n,
+                            int64_t elem) {
+  std::pair<int64_t, int64_t>* spans = new std::pair<int64_t, int64_t>[n];
+  int64_t k = 0;
+  for (int64_t i = 0; i < n; i++) {
+    if (numel[i] > 0) spans[k++] = {start[i], start[i] + numel[i] * elem};
+  }
+  std::sort(spans, spans + k);
+  int ok = 1;
+  for (int64_t i = 1; i < k; i++) {
+    if (spans[i].first < spans[i - 1].second) { ok = 0; break; }
+  }
+  delete[] spans;
+  return ok;
+}
 
 // The calling thread's SSE control/status register (MXCSR): its flush-to-zero (bit 15),
 // denormals-are-zero (bit 6) and rounding-mode (bits 13-14) fields change float results.
@@ -710,11 +732,15 @@ void cot_singlepass_sqrt(int64_t n, const float* a, float* r, void* sqrt_fn, lon
   }
 }
 
-// pieces: npieces rows of (start, length, segment, tail) int64; per segment: nstep[seg] is
-// addcdiv's value (-step_size) and bc2s[seg] the bias_correction2_sqrt, both as doubles rounded
-// here to float like c10::Scalar::to<float>(). flags: bit0 decay, bit1 maximize, bit2 amsgrad,
-// bit3 clip (multiply the gradients by clip_coef first, in place, as clip_grad_norm_ does).
-int cot_singlepass_adamw(float* p, float* g, float* m, float* v, float* vmax,
+// p, g, m, v (and vmax with amsgrad): one base pointer per segment (a native tensor: its
+// parameter, gradient, exp_avg, exp_avg_sq, max_exp_avg_sq; the caller checked they are dense,
+// alike in layout and disjoint); pieces: npieces rows of (start, length, segment, tail) int64,
+// start counted in elements from the segment's base; per segment: nstep[seg] is addcdiv's
+// value (-step_size) and bc2s[seg] the bias_correction2_sqrt, both as doubles rounded here to
+// float like c10::Scalar::to<float>(). flags: bit0 decay, bit1 maximize, bit2 amsgrad, bit3 clip
+// (multiply the gradients by clip_coef first, in place, as clip_grad_norm_ does).
+int cot_singlepass_adamw(float* const* p, float* const* g, float* const* m, float* const* v,
+                         float* const* vmax,
                          const int64_t* pieces, int64_t npieces,
                          const double* nstep, const double* bc2s,
                          double decay, double weight, double beta2, double value2, double eps,
@@ -731,20 +757,23 @@ int cot_singlepass_adamw(float* p, float* g, float* m, float* v, float* vmax,
     // the register path: the imitation needs the default MXCSR (it is what it was proven
     // under; the general path switches to it around each call), the hardware's any
     const bool emu = sq == &emulated_mkl_sqrt;
+    const int64_t k = pc[2];
+    float* const pk = p[k] + start;
+    float* const gk = g[k] + start;
+    float* const mk = m[k] + start;
+    float* const vk = v[k] + start;
+    float* const vmaxk = ams ? vmax[k] + start : nullptr;
     if (sq == nullptr || (emu && (__builtin_ia32_stmxcsr() & 0xFFC0u) == 0x1F80u)) {
-      fused_step(maximize, small, ams, pc[3] != 0, clip, has_decay, emu, len, g + start,
-                 m + start, v + start, ams ? vmax + start : nullptr, p + start, h,
-                 static_cast<float>(bc2s[pc[2]]), static_cast<float>(nstep[pc[2]]), s);
+      fused_step(maximize, small, ams, pc[3] != 0, clip, has_decay, emu, len, gk, mk, vk, vmaxk,
+                 pk, h, static_cast<float>(bc2s[k]), static_cast<float>(nstep[k]), s);
       return;
     }
     float* r = s + BLOCK;
     float* pd = s + 2 * BLOCK;
-    pick(maximize, small, ams, pc[3] != 0, clip, has_decay)(
-        len, g + start, m + start, v + start, ams ? vmax + start : nullptr, s, p + start, pd, h);
-    const float* root_in = ams ? s : v + start;
+    pick(maximize, small, ams, pc[3] != 0, clip, has_decay)(len, gk, mk, vk, vmaxk, s, pk, pd, h);
+    const float* root_in = ams ? s : vk;
     if (sq) sq(len, root_in, r, sqrt_mode); else hw_sqrt(len, root_in, r);
-    update(len, p + start, pd, m + start, r, static_cast<float>(bc2s[pc[2]]), h.eps,
-           static_cast<float>(nstep[pc[2]]));
+    update(len, pk, pd, mk, r, static_cast<float>(bc2s[k]), h.eps, static_cast<float>(nstep[k]));
   });
   return 0;
 }
@@ -869,6 +898,9 @@ def _build_locked() -> tuple[ctypes.CDLL, Build]:
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,
         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double, ctypes.c_double,
         ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_int, ctypes.c_int]
+    lib.cot_singlepass_disjoint.restype = ctypes.c_int
+    lib.cot_singlepass_disjoint.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                            ctypes.c_int64]
     lib.cot_singlepass_sqrt.restype = None
     lib.cot_singlepass_sqrt.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_void_p, ctypes.c_longlong]
@@ -1094,36 +1126,36 @@ def thread_chunks(numel: int, threads: int) -> list[tuple[int, int]]:
     return [(b, min(numel, b + chunk)) for b in range(0, numel, chunk)]
 
 
-def native_pieces(segments: tuple[tuple[int, int], ...], threads: int, unit: int,
-                  split_tails: bool) -> Tensor:
-    """Rows of (start, length, segment index, is_tail) covering each segment (offset, numel) of
-    the flat buffers; with `split_tails`, each thread chunk of each segment is split into ATen's
-    vector body (multiples of `unit`) and its scalar tail. int64 tensor of shape (pieces, 4)."""
+def native_pieces(numels: tuple[int, ...], threads: int, unit: int, split_tails: bool) -> Tensor:
+    """Rows of (start, length, segment index, is_tail) covering each segment (a native tensor
+    of ``numels[k]`` elements; starts count from the segment's first element); with
+    `split_tails`, each thread chunk of each segment is split into ATen's vector body (multiples
+    of `unit`) and its scalar tail. int64 tensor of shape (pieces, 4)."""
     rows = []
-    for k, (offset, numel) in enumerate(segments):
+    for k, numel in enumerate(numels):
         if not split_tails:
             if numel:
-                rows.append((offset, numel, k, 0))
+                rows.append((0, numel, k, 0))
             continue
         for b, e in thread_chunks(numel, threads):
             body = (e - b) // unit * unit
             if body:
-                rows.append((offset + b, body, k, 0))
+                rows.append((b, body, k, 0))
             if e - b - body:
-                rows.append((offset + b + body, e - b - body, k, 1))
+                rows.append((b + body, e - b - body, k, 1))
     return torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
 
 
 _PIECES: dict = {}
 
 
-def _pieces(segments, threads, unit, split_tails) -> Tensor:
-    key = (segments, threads, unit, split_tails)
+def _pieces(numels, threads, unit, split_tails) -> Tensor:
+    key = (numels, threads, unit, split_tails)
     t = _PIECES.get(key)
     if t is None:
         if len(_PIECES) > 256:
             _PIECES.clear()
-        t = _PIECES[key] = native_pieces(segments, threads, unit, split_tails)
+        t = _PIECES[key] = native_pieces(numels, threads, unit, split_tails)
     return t
 
 
@@ -1163,6 +1195,34 @@ def _check_buffers(tensors: list[Tensor]) -> int:
     return n
 
 
+def _check_scalars(implementation: str, lr, beta1, beta2, clip_coef) -> None:
+    if implementation not in IMPLEMENTATIONS:
+        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, not {implementation!r}")
+    if isinstance(beta1, Tensor) or isinstance(beta2, Tensor):
+        raise ValueError("single-pass AdamW takes float betas (a tensor beta takes another "
+                         "ATen kernel)")
+    if isinstance(lr, Tensor) and implementation == "foreach":
+        raise ValueError("native foreach AdamW refuses a tensor lr without capturable=True")
+    if clip_coef is not None and not (isinstance(clip_coef, float)
+                                      and _f32(clip_coef) == clip_coef):
+        raise ValueError(f"clip_coef must be a float32 value as a Python float, not NaN, not "
+                         f"{clip_coef!r} (a NaN coefficient: multiply the gradients apart)")
+
+
+def is_dense(t: Tensor) -> bool:
+    """Whether `t` covers exactly ``numel`` consecutive elements of its storage, each once
+    (contiguous, channels_last or another permutation of a contiguous layout)."""
+    if t.is_contiguous():
+        return True
+    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
 def single_pass_adamw_(params: Tensor, grads: Tensor, exp_avgs: Tensor, exp_avg_sqs: Tensor,
                        max_exp_avg_sqs: Tensor | None, steps: list[Tensor] | Tensor, *,
                        segments: list[tuple[int, int]] | None = None,
@@ -1180,62 +1240,154 @@ def single_pass_adamw_(params: Tensor, grads: Tensor, exp_avgs: Tensor, exp_avg_
     (offset, numel) ranges of the buffers (default: one segment over all N); elements outside
     every segment (padding) are not read or written. `steps`: one 0-d step tensor per segment
     (native's `state["step"]`), or one 1-D tensor with an entry per segment; incremented here by
-    1 in their dtype, like native. `implementation`: "for-loop"
-    (`_single_tensor_adam`) or "foreach" (`_multi_tensor_adam`); their scalars are computed with
-    native's own expressions. `lr`: a float, or a 0-d tensor (for-loop only: native foreach
-    refuses a tensor lr without capturable). `threads`: ATen's thread count whose work split
-    native used (default `torch.get_num_threads()`); it fixes where native's scalar tails are
-    (they differ from its vector body in torch.maximum, amsgrad, and in lerp at beta1 = 0). The
-    kernel itself runs with `torch.get_num_threads()` threads. `clip_coef`: the value of
-    `clip_grad_norm_`'s float32 clip coefficient (``clamp(max_norm / (total + 1e-6), max=1.0)``,
-    read with ``.item()``), not NaN (where both the coefficient and a gradient are NaN, which of
-    their payloads ATen's multiply keeps depends on the element's place in its compiled loops:
-    measured, torch 2.13.0 AVX512 CPU); the segments' gradients are multiplied by it in the same
-    pass and written back (the clipped gradients, as native leaves them), then used.
-
-    Raises `SinglePassUnavailable` where the kernel cannot run or no square root reproduces
-    torch's (see `sqrt_kind`), ValueError/TypeError for arguments native would not run the same
-    way (tensor betas, a NaN scalar, a tensor lr with foreach, mismatched buffers), before
-    modifying anything. Use it only where `matches_native` passed for these settings.
+    1 in their dtype, like native. The other arguments and the errors are those of
+    `single_pass_adamw_lists_`, which runs the same kernel over one tensor per segment.
     """
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, not {implementation!r}")
-    if isinstance(beta1, Tensor) or isinstance(beta2, Tensor):
-        raise ValueError("single-pass AdamW takes float betas (a tensor beta takes another "
-                         "ATen kernel)")
-    if isinstance(lr, Tensor) and implementation == "foreach":
-        raise ValueError("native foreach AdamW refuses a tensor lr without capturable=True")
-    if clip_coef is not None and not (isinstance(clip_coef, float)
-                                      and _f32(clip_coef) == clip_coef):
-        raise ValueError(f"clip_coef must be a float32 value as a Python float, not NaN, not "
-                         f"{clip_coef!r} (a NaN coefficient: multiply the gradients apart)")
+    _check_scalars(implementation, lr, beta1, beta2, clip_coef)
     buffers = [params, grads, exp_avgs, exp_avg_sqs] + ([max_exp_avg_sqs] if amsgrad else [])
     n = _check_buffers(buffers)
-    bf16 = params.dtype == torch.bfloat16
-    if bf16 and (amsgrad or clip_coef is not None):
-        raise ValueError("bfloat16 buffers: amsgrad and the clip multiply are not reproduced by "
-                         "the single pass")
     segs = tuple((int(o), int(k)) for o, k in (segments if segments is not None else [(0, n)]))
-    step_dtypes = {steps.dtype} if isinstance(steps, Tensor) else {s.dtype for s in steps}
-    if implementation == "foreach" and not step_dtypes <= {torch.float32, torch.float64}:
-        raise ValueError("native foreach AdamW refuses step tensors that are not float32 or "
-                         "float64: native path (and its error)")
     if isinstance(steps, Tensor):
         if steps.dim() != 1 or steps.numel() != len(segs) or steps.device.type != "cpu":
             raise ValueError(f"{len(segs)} segments: steps must be a CPU tensor of that length")
     else:
         if len(steps) != len(segs):
             raise ValueError(f"{len(segs)} segments but {len(steps)} step tensors")
-        if len({id(s) for s in steps}) != len(steps):
-            raise ValueError("one step tensor per segment, each its own (native increments each)")
     for o, k in segs:
         if o < 0 or k < 0 or o + k > n:
             raise ValueError(f"segment ({o}, {k}) outside buffers of {n} elements")
+    size = params.element_size()
+    bases = [[b.data_ptr() + size * o for o, _ in segs] for b in buffers]
+    _launch(params.dtype, bases, tuple(k for _, k in segs), steps, implementation=implementation,
+            lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+            maximize=maximize, amsgrad=amsgrad, threads=threads, clip_coef=clip_coef)
+
+
+def single_pass_adamw_lists_(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                             exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor],
+                             steps: list[Tensor], *, implementation: str = "for-loop",
+                             lr: float | Tensor, beta1: float, beta2: float, eps: float,
+                             weight_decay: float, maximize: bool, amsgrad: bool,
+                             threads: int | None = None, clip_coef: float | None = None) -> None:
+    """One AdamW step (decoupled weight decay) over tensor lists, in one pass over memory, with
+    the bits of native `torch.optim.adam.adam(..., foreach=implementation == "foreach")` on the
+    same lists (after ``grad.mul_(clip_coef)`` on each gradient when `clip_coef` is given, as
+    `clip_grad_norm_` does on the CPU), reading and writing every tensor where it is.
+
+    Args:
+        params, grads, exp_avgs, exp_avg_sqs (and max_exp_avg_sqs with `amsgrad`, else ``[]``):
+            one entry per parameter, as native's `_init_group` lists them: CPU tensors of one
+            dtype, float32 or bfloat16 (bfloat16: not with `amsgrad` or `clip_coef`); each
+            parameter dense (contiguous, channels_last or another dense permutation), its
+            gradient and moments of its shape and strides; no two tensors anywhere in the lists
+            sharing memory.
+        steps: native's ``state["step"]`` per parameter, distinct 0-d CPU tensors; incremented
+            here by 1 in their dtype, like native.
+        implementation: "for-loop" (`_single_tensor_adam`) or "foreach" (`_multi_tensor_adam`);
+            their scalars are computed with native's own expressions.
+        lr: a float, or a 0-d tensor (for-loop only: native foreach refuses a tensor lr without
+            capturable).
+        beta1, beta2, eps, weight_decay, maximize, amsgrad: as `torch.optim.AdamW`.
+        threads: ATen's thread count whose work split native used (default: the OpenMP team
+            `torch.get_num_threads()` gets); it fixes where native's scalar tails are (they
+            differ from its vector body in torch.maximum, amsgrad, and in lerp at beta1 = 0).
+            The kernel itself runs with `torch.get_num_threads()` threads.
+        clip_coef: the value of `clip_grad_norm_`'s float32 clip coefficient
+            (``clamp(max_norm / (total + 1e-6), max=1.0)``, read with ``.item()``), not NaN
+            (where both the coefficient and a gradient are NaN, which payload ATen's multiply
+            keeps depends on the element's place in its compiled loops: measured, torch 2.13.0
+            AVX512 CPU); each gradient is multiplied by it in the same pass and written back
+            (the clipped gradient, as native leaves it), then used.
+
+    Raises:
+        SinglePassUnavailable: the kernel cannot run here or no square root reproduces
+            torch's (see `sqrt_kind`).
+        ValueError / TypeError: arguments native would not run the same way (tensor betas, a
+            NaN scalar, a tensor lr with foreach, tensors of other dtypes, devices, shapes or
+            strides, overlapping memory, shared step tensors), before anything is modified.
+    Use it only where `matches_native` passed for these settings.
+    """
+    _check_scalars(implementation, lr, beta1, beta2, clip_coef)
+    lists = [params, grads, exp_avgs, exp_avg_sqs] + ([max_exp_avg_sqs] if amsgrad else [])
+    count = len(params)
+    if any(len(x) != count for x in lists) or len(steps) != count:
+        raise ValueError("single-pass AdamW needs lists of equal length")
+    if not count:
+        return
+    dtype = params[0].dtype
+    if dtype not in DTYPES:
+        raise TypeError("single-pass AdamW needs CPU tensors of one dtype, float32 or bfloat16")
+    bases: list[list[int]] = [[] for _ in lists]
+    numels = []
+    for i, p in enumerate(params):
+        shape, stride = p.shape, p.stride()
+        for b, x in zip(bases, lists):
+            t = x[i]
+            if (type(t) is not Tensor and type(t) is not torch.nn.Parameter) or (
+                    t.dtype is not dtype or not t.is_cpu or t.layout is not torch.strided):
+                raise TypeError("single-pass AdamW needs dense CPU tensors of one dtype, "
+                                "float32 or bfloat16")
+            if t.shape != shape or t.stride() != stride:
+                raise ValueError("single-pass AdamW needs each parameter's gradient and state "
+                                 "in its shape and strides")
+            b.append(t.data_ptr())
+        if not is_dense(p):
+            raise ValueError("single-pass AdamW needs dense parameters (no gaps, no overlap)")
+        numels.append(p.numel())
+    if torch.is_grad_enabled() and any(p.requires_grad for p in params):
+        raise RuntimeError("single-pass AdamW updates in place: call it under torch.no_grad()")
+    size = params[0].element_size()
+    if not _lib().cot_singlepass_disjoint(_int64s([x for b in bases for x in b]),
+                                          _int64s(numels * len(lists)), count * len(lists),
+                                          size):
+        raise ValueError("single-pass AdamW needs tensors that do not share memory")
+    if len({id(s) for s in steps}) != count or any(
+            not isinstance(s, Tensor) or s.dim() != 0 or not s.is_cpu for s in steps):
+        raise ValueError("one 0-d CPU step tensor per parameter, each its own (native "
+                         "increments each)")
+    _launch(dtype, bases, tuple(numels), steps, implementation=implementation, lr=lr,
+            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
+            amsgrad=amsgrad, threads=threads, clip_coef=clip_coef)
+
+
+def _int64s(values: list[int]):
+    """A ctypes array of int64 holding `values` (pointers as integers)."""
+    return (ctypes.c_int64 * len(values))(*values)
+
+
+def _step_values(steps: list[Tensor] | Tensor) -> list[float]:
+    """``(step_t + 1).item()`` for every step tensor (native increments first, in the step's
+    dtype, then reads), without modifying them."""
+    if isinstance(steps, Tensor):
+        return (steps + 1).tolist()
+    dtypes = {s.dtype for s in steps}
+    if len(dtypes) == 1:
+        return (torch.stack(steps) + 1).tolist()
+    return [(s + 1).item() for s in steps]
+
+
+def _launch(dtype: torch.dtype, bases: list[list[int]], numels: tuple[int, ...], steps, *,
+            implementation: str, lr, beta1: float, beta2: float, eps: float,
+            weight_decay: float, maximize: bool, amsgrad: bool, threads: int | None,
+            clip_coef: float | None) -> None:
+    """The kernel call shared by the flat and the list API: `bases` holds, per tensor kind
+    (parameter, gradient, exp_avg, exp_avg_sq[, max_exp_avg_sq]), each segment's first
+    element's address; `numels` the segments' lengths. Raises before modifying anything."""
+    bf16 = dtype == torch.bfloat16
+    if bf16 and (amsgrad or clip_coef is not None):
+        raise ValueError("bfloat16 buffers: amsgrad and the clip multiply are not reproduced by "
+                         "the single pass")
+    step_dtypes = {steps.dtype} if isinstance(steps, Tensor) else {s.dtype for s in steps}
+    if implementation == "foreach" and not step_dtypes <= {torch.float32, torch.float64}:
+        raise ValueError("native foreach AdamW refuses step tensors that are not float32 or "
+                         "float64: native path (and its error)")
+    if not isinstance(steps, Tensor) and len({id(s) for s in steps}) != len(steps):
+        raise ValueError("one step tensor per segment, each its own (native increments each)")
     lib = _lib()
     sq = "hardware" if bf16 else sqrt_kind()  # bfloat16 sqrt: float hardware sqrt, rounded
     if sq is None:
         raise SinglePassUnavailable("no square root here reproduces torch.sqrt's bits")
-    unit = aten_vector_unit(params.dtype)
+    unit = aten_vector_unit(dtype)
     if unit is None:
         raise SinglePassUnavailable("ATen's vector body / scalar tail split is unknown here")
     decay = 1 - lr * weight_decay if weight_decay != 0 else 1.0
@@ -1249,10 +1401,7 @@ def single_pass_adamw_(params: Tensor, grads: Tensor, exp_avgs: Tensor, exp_avg_
         if implementation == "foreach":
             scalars[0], scalars[2] = _bf16_value(scalars[0]), _bf16_value(scalars[2])
     # native: step_t += 1 (in the step tensor's dtype), then the scalars from step_t.item()
-    if isinstance(steps, Tensor):
-        stepped = (steps + 1).tolist()
-    else:
-        stepped = [(s + 1).item() for s in steps]
+    stepped = _step_values(steps)
     by_step: dict[float, tuple[float, float]] = {}
     for t in stepped:
         if t not in by_step:
@@ -1266,31 +1415,34 @@ def single_pass_adamw_(params: Tensor, grads: Tensor, exp_avgs: Tensor, exp_avg_
     if any(math.isfinite(x) and abs(x) > FLT_MAX
            for x in [*scalars, *(a for a, _ in distinct), *(b for _, b in distinct)]):
         raise ValueError("a scalar beyond float32 (native raises converting it): native path")
-    nstep = (ctypes.c_double * len(stepped))(*[by_step[t][0] for t in stepped])
-    bc2s = (ctypes.c_double * len(stepped))(*[by_step[t][1] for t in stepped])
+    if len(by_step) == 1:
+        (a, b), = distinct
+        nstep = (ctypes.c_double * len(stepped))(*[a] * len(stepped))
+        bc2s = (ctypes.c_double * len(stepped))(*[b] * len(stepped))
+    else:
+        nstep = (ctypes.c_double * len(stepped))(*[by_step[t][0] for t in stepped])
+        bc2s = (ctypes.c_double * len(stepped))(*[by_step[t][1] for t in stepped])
     if threads is None:
         threads = team()[0]
         if threads < 1:
             raise SinglePassUnavailable("OpenMP may resize thread teams (OMP_DYNAMIC): ATen's "
                                         "chunks are unknown")
-    pieces = _pieces(segs, threads, unit, True)
+    pieces = _pieces(numels, threads, unit, True)
     flags = (1 if weight_decay != 0 else 0) | (2 if maximize else 0) | (4 if amsgrad else 0)
     flags |= 8 if clip_coef is not None else 0
+    arrays = [_int64s(b) for b in bases]
     if isinstance(steps, Tensor):
         steps.add_(1)
     else:
-        for s in steps:
-            s.add_(1)
+        torch._foreach_add_(steps, 1)  # (per tensor on the CPU: `step_t += 1`'s bits)
     if bf16:
         lib.cot_singlepass_adamw_bf16(
-            params.data_ptr(), grads.data_ptr(), exp_avgs.data_ptr(), exp_avg_sqs.data_ptr(),
-            pieces.data_ptr(), pieces.shape[0], ctypes.cast(nstep, ctypes.c_void_p),
+            *arrays, pieces.data_ptr(), pieces.shape[0], ctypes.cast(nstep, ctypes.c_void_p),
             ctypes.cast(bc2s, ctypes.c_void_p), scalars[0], scalars[1], scalars[2], scalars[3],
             scalars[4], flags, torch.get_num_threads())
         return
     lib.cot_singlepass_adamw(
-        params.data_ptr(), grads.data_ptr(), exp_avgs.data_ptr(), exp_avg_sqs.data_ptr(),
-        max_exp_avg_sqs.data_ptr() if amsgrad else None, pieces.data_ptr(), pieces.shape[0],
+        *arrays[:4], arrays[4] if amsgrad else None, pieces.data_ptr(), pieces.shape[0],
         ctypes.cast(nstep, ctypes.c_void_p), ctypes.cast(bc2s, ctypes.c_void_p),
         scalars[0], scalars[1], scalars[2], scalars[3], scalars[4], flags,
         sqrt_address(sq), MKL_SQRT_MODE, torch.get_num_threads(),
@@ -1454,7 +1606,7 @@ def matches_native(*, implementation: str, lr, beta1: float, beta2: float, eps: 
     decay) on one separately allocated tensor per segment of `probe_data` (random lengths with
     special values sprinkled in every buffer, and the `special_grid` of special-value
     combinations in ATen's vector body and in its scalar tail; per-segment step counts differ).
-    Single pass: the same segments in flat buffers. With `clip_coef`, native first multiplies
+    Single pass: `single_pass_adamw_lists_` on the same segments as views of flat buffers. With `clip_coef`, native first multiplies
     each segment's gradient by it as `clip_grad_norm_` does on the CPU (``g.mul_(coef)`` with
     a 0-d float32 tensor) and the single pass gets it as `clip_coef`; the clipped gradients are
     compared too. `dtype` bfloat16: every buffer holds the top 16 bits of the float32 probe
@@ -1511,11 +1663,12 @@ def matches_native(*, implementation: str, lr, beta1: float, beta2: float, eps: 
                           beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
                           maximize=maximize, amsgrad=amsgrad)
             with torch.no_grad():
-                single_pass_adamw_(ours[0], g, ours[1], ours[2], ours[3] if amsgrad else None,
-                                   ours_steps, segments=segments, implementation=implementation,
-                                   lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-                                   weight_decay=weight_decay, maximize=maximize, amsgrad=amsgrad,
-                                   clip_coef=clip_coef)
+                single_pass_adamw_lists_(
+                    views(ours[0]), views(g), views(ours[1]), views(ours[2]),
+                    views(ours[3]) if amsgrad else [], ours_steps,
+                    implementation=implementation, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+                    weight_decay=weight_decay, maximize=maximize, amsgrad=amsgrad,
+                    clip_coef=clip_coef)
             # after every step: a difference a later step overwrites (e.g. the sign of a zero
             # maximum) is still one a user reading the state at that step would see
             for mine, theirs in compared:
