@@ -1,7 +1,8 @@
 """Cotangent: a fast update phase (gradient clipping + AdamW) bitwise equal to native PyTorch.
 
 Public API:
-    AdamW: drop-in for ``clip_grad_norm_`` + ``torch.optim.AdamW`` over packed flat buffers.
+    AdamW: drop-in for ``clip_grad_norm_`` + ``torch.optim.AdamW``, on the tensors where they are.
+    PackedAdamW: the same over packed flat buffers (the seed study's design; ZeRO-1).
     clip_grad_norm_, get_total_norm, clip_grads_with_norm_: drop-ins for the torch.nn.utils
         functions, with calibrated batched norms where gradients sit in a flat buffer.
     verify: prove native == Cotangent bit for bit on your own model, step by step.
@@ -22,9 +23,10 @@ from cotangent import memory, native_bugs, occurrence
 from cotangent.muon import Muon
 from cotangent.native_bugs import NativeBugWarning
 from cotangent.muon_adamw import MuonAdamW
-from cotangent.optim import AdamW
+from cotangent.adamw import AdamW
+from cotangent.optim import PackedAdamW
 from cotangent.reference import ReferenceUpdate
 from cotangent.verify import verify
 
-__all__ = ["AdamW", "Muon", "MuonAdamW", "NativeBugWarning", "ReferenceUpdate",
+__all__ = ["AdamW", "PackedAdamW", "Muon", "MuonAdamW", "NativeBugWarning", "ReferenceUpdate",
            "clip_grad_norm_", "memory", "native_bugs", "occurrence", "clip_grads_with_norm_", "get_total_norm", "verify", "__version__"]

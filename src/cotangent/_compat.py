@@ -164,6 +164,50 @@ def with_step_hooks(body):
     return torch.optim.Optimizer.profile_hook_step(body)
 
 
+def run_with_step_hooks(optimizer: torch.optim.Optimizer, body, args: tuple, kwargs: dict):
+    """What torch wraps around every optimizer's step body (`Optimizer.profile_hook_step`,
+    torch 2.4-2.13): a profiler range named ``Optimizer.step#<class>.step``, the global then
+    per-optimizer step pre-hooks (each called as ``hook(optimizer, args, kwargs)``, where
+    `args` starts with the optimizer; one may return new ``(args, kwargs)``), then
+    ``body(*args[1:], **kwargs)``, the step counter LR schedulers read, then the per-optimizer
+    and global post-hooks. Returns the body's result.
+
+    Raises:
+        RuntimeError: a pre-hook returned something other than None or a pair (native message).
+    """
+    from itertools import chain
+
+    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
+
+    name = f"Optimizer.step#{type(optimizer).__name__}.step"
+    with torch.autograd.profiler.record_function(name):
+        for pre_hook in chain(_global_optimizer_pre_hooks.values(),
+                              optimizer._optimizer_step_pre_hooks.values()):
+            result = pre_hook(optimizer, args, kwargs)
+            if result is not None:
+                if isinstance(result, tuple) and len(result) == 2:
+                    args, kwargs = result
+                else:
+                    raise RuntimeError(f"{body} must return None or a tuple of (new_args, "
+                                       f"new_kwargs), but got {result}.")
+        out = body(*args[1:], **kwargs)
+        optimizer._optimizer_step_code()
+        for post_hook in chain(optimizer._optimizer_step_post_hooks.values(),
+                               _global_optimizer_post_hooks.values()):
+            post_hook(optimizer, args, kwargs)
+        return out
+
+
+def graph_capture_health_check(optimizer: torch.optim.Optimizer) -> None:
+    """Native's first act in `torch.optim.AdamW.step`: refuse CUDA/XPU graph capture of a step
+    whose groups are not all capturable (`Optimizer._accelerator_graph_capture_health_check`,
+    torch 2.7-2.13; `_cuda_graph_capture_health_check` before)."""
+    check = getattr(optimizer, "_accelerator_graph_capture_health_check", None)
+    if check is None:
+        check = optimizer._cuda_graph_capture_health_check
+    check()
+
+
 def mark_step_hooked(step) -> None:
     """Tell `torch.optim.Optimizer` not to wrap `step` again: it already runs the hooks (torch
     patches every subclass's `step` whose function lacks the `hooked` attribute)."""

@@ -118,7 +118,16 @@ def scale_grads_(grads: list[Tensor], max_norm: float, total: Tensor,
     (a signalling NaN is quieted, a subnormal flushed under `torch.set_flush_denormal`)."""
     if not grads:
         return
-    coef = clip_coefficient(total, float(max_norm))
+    multiply_grads_(grads, clip_coefficient(total, float(max_norm)), foreach)
+
+
+@torch.no_grad()
+def multiply_grads_(grads: list[Tensor], coef: Tensor, foreach: bool | None = None) -> None:
+    """`clip_grads_with_norm_`'s multiply by an already computed clip coefficient `coef` (a
+    0-dim tensor): per (device, dtype) group, `_foreach_mul_` or a loop of `mul_`, as native
+    chooses."""
+    if not grads:
+        return
     for device, _, indices in _compat.group_by_device_and_dtype(grads):
         group = [grads[i] for i in indices]
         coef_dev = coef.to(device)

@@ -281,15 +281,25 @@ class ClipOrder:
         Raises:
             ValueError: a callable source returned something other than tensors.
         """
-        if isinstance(self.source, torch.nn.Module):
-            return list(self.source.parameters())
-        if callable(self.source):
+        return None if self.source is None else self.read(self.source)
+
+    @staticmethod
+    def read(source) -> list[Tensor]:
+        """The parameters of a normalized `clip_order` source now: a module's
+        ``parameters()``, a callable's result, or the list itself.
+
+        Raises:
+            ValueError: a callable source returned something other than tensors.
+        """
+        if isinstance(source, torch.nn.Module):
+            return list(source.parameters())
+        if callable(source):
             try:
-                order = list(self.source())
+                order = list(source())
             except TypeError:
                 raise ValueError("clip_order() must return an iterable of parameters") from None
             return checked_tensors(order, "clip_order()")
-        return self.source
+        return source
 
     def resolve(self, params: list[Tensor], order: list[Tensor] | None = None) -> None:
         """Map the order onto `params` (the optimizer's slots): `slots` in clip order, and

@@ -1,4 +1,6 @@
-"""`cotangent.AdamW`: gradient clipping plus AdamW over packed parameters, bitwise equal to native.
+"""`cotangent.PackedAdamW`: gradient clipping plus AdamW over packed parameters, bitwise equal to
+native: the seed study's design, kept as the factorial's ``packing-only`` arm and for
+``shard="zero1"`` (`cotangent.AdamW` itself reads every tensor where it is: `cotangent.adamw`).
 
 Read `step()` first: it clips where user code calls `clip_grad_norm_`, then `_update` runs the
 native functional AdamW calls. The pieces it composes:
@@ -22,6 +24,7 @@ import torch
 from torch import Tensor
 
 from cotangent import _compat, merge, sharding, singlepass
+from cotangent.adamw import AdamW
 from cotangent.clipping import (
     PARAM_GROUPS,
     ClipOrder,
@@ -48,7 +51,7 @@ class NotShardedError(AttributeError, RuntimeError):
     AttributeError for ``hasattr`` checks, a RuntimeError for callers."""
 
 
-def _live(opt: AdamW) -> AdamW:
+def _live(opt: PackedAdamW) -> PackedAdamW:
     """The optimizer `opt` stands for. A wrapper that subclasses the wrapped optimizer's class on
     the fly and forwards attribute reads to it (pytorch-lightning's `LightningOptimizer`, which
     `self.optimizers()` returns) runs our methods with itself as `self`: their writes would land
@@ -78,8 +81,11 @@ class _StepInputs:
     calls_valid: bool  # the update plan's cached AdamW calls may run as they are
 
 
-class AdamW(torch.optim.AdamW):
-    r"""AdamW with built-in gradient clipping over packed flat buffers.
+class PackedAdamW(AdamW):
+    r"""AdamW with built-in gradient clipping over packed flat buffers: `cotangent.AdamW`'s
+    seed-study design (parameters moved into flat buffers, gradients copied into one as autograd
+    delivers them). `cotangent.AdamW(..., shard="zero1")` builds one; the harness's
+    ``packing-only`` arm uses it with ``batched_norms=False``. Same bits as `cotangent.AdamW`.
 
     Drop-in for ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)`` followed by
     ``torch.optim.AdamW(params, ...).step()``: same constructor arguments and defaults as
@@ -225,8 +231,8 @@ class AdamW(torch.optim.AdamW):
         except (TypeError, ValueError):
             raise ValueError(f"max_norm must be a number or None and norm_type a number, got "
                              f"max_norm={max_norm!r}, norm_type={norm_type!r}") from None
-        super().__init__(
-            params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
+        torch.optim.AdamW.__init__(
+            self, params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
             capturable=capturable, differentiable=differentiable, fused=fused)
         if capturable or differentiable:
             raise NotImplementedError(
@@ -673,7 +679,7 @@ class AdamW(torch.optim.AdamW):
         """As `torch.optim.Optimizer.add_param_group`; afterwards all buffers are re-packed."""
         if (live := _live(self)) is not self:
             return live.add_param_group(param_group)
-        super().add_param_group(param_group)
+        torch.optim.AdamW.add_param_group(self, param_group)
         if self._store is not None:
             try:
                 self._repack()
@@ -691,7 +697,7 @@ class AdamW(torch.optim.AdamW):
         check_state_dict(state_dict, self.param_groups)
         before = (self.state, self.param_groups)
         try:
-            super().load_state_dict(state_dict)
+            torch.optim.AdamW.load_state_dict(self, state_dict)
             self._repack(exchange=False)  # (ZeRO-1: every rank loaded every entry)
         except Exception:
             self.state, self.param_groups = before
@@ -747,7 +753,7 @@ class AdamW(torch.optim.AdamW):
                 last update.
         """
         if self._zero is None:
-            return super().state_dict()
+            return torch.optim.AdamW.state_dict(self)
         if self._consolidated is None or self._consolidated[0] != self._updates:
             raise RuntimeError(
                 "a ZeRO-1 cotangent.AdamW holds one share of the state per rank: call "
@@ -757,7 +763,7 @@ class AdamW(torch.optim.AdamW):
         try:
             self.state = WatchedState(dict, {p: whole[s] for s, p in enumerate(self._store.params)
                                              if s in whole})
-            return super().state_dict()
+            return torch.optim.AdamW.state_dict(self)
         finally:
             self.state = live
 
@@ -780,7 +786,7 @@ class AdamW(torch.optim.AdamW):
             raise TypeError("a cotangent.AdamW with shard='zero1' cannot be pickled or copied "
                             "(it holds one rank's share and a process group); save "
                             "consolidate_state_dict() + state_dict() instead")
-        state = super().__getstate__()
+        state = torch.optim.AdamW.__getstate__(self)
         state["state"] = compact_state(self.state)
         state.update(max_norm=self.max_norm, norm_type=self.norm_type,
                      error_if_nonfinite=self.error_if_nonfinite, batched_norms=self.batched_norms,
@@ -791,7 +797,7 @@ class AdamW(torch.optim.AdamW):
         """Unpickling or deep-copying repacks the (copied) parameters into new flat buffers.
         (`load_state_dict` calls this on a live optimizer; it repacks afterwards itself.)"""
         live = "_store" in self.__dict__
-        super().__setstate__(state)
+        torch.optim.AdamW.__setstate__(self, state)
         # native load_state_dict and unpickling both install a new state container here
         self.state = WatchedState(dict, self.state)
         if live:

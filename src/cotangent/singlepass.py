@@ -682,14 +682,13 @@ void cot_fill_negative_zero(float* p, int64_t n, int nthreads) {
 
 int cot_singlepass_version() { return 14; }
 
-// 1 when no two of the n spans [start[i], start[i] + numel[i] * elem) overlap (empty spans
+// 1 when no two of the n byte spans [start[i], start[i] + nbytes[i]) overlap (empty spans
 // never do), else 0: the kernel reads and writes every tensor as its own.
-int cot_singlepass_disjoint(const int64_t* start, const int64_t* numel, int64_t n,
-                            int64_t elem) {
+int cot_singlepass_disjoint(const int64_t* start, const int64_t* nbytes, int64_t n) {
   std::pair<int64_t, int64_t>* spans = new std::pair<int64_t, int64_t>[n];
   int64_t k = 0;
   for (int64_t i = 0; i < n; i++) {
-    if (numel[i] > 0) spans[k++] = {start[i], start[i] + numel[i] * elem};
+    if (nbytes[i] > 0) spans[k++] = {start[i], start[i] + nbytes[i]};
   }
   std::sort(spans, spans + k);
   int ok = 1;
@@ -899,8 +898,7 @@ def _build_locked() -> tuple[ctypes.CDLL, Build]:
         ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_double, ctypes.c_double,
         ctypes.c_double, ctypes.c_double, ctypes.c_double, ctypes.c_int, ctypes.c_int]
     lib.cot_singlepass_disjoint.restype = ctypes.c_int
-    lib.cot_singlepass_disjoint.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                            ctypes.c_int64]
+    lib.cot_singlepass_disjoint.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     lib.cot_singlepass_sqrt.restype = None
     lib.cot_singlepass_sqrt.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
                                         ctypes.c_void_p, ctypes.c_longlong]
@@ -1308,23 +1306,63 @@ def single_pass_adamw_lists_(params: list[Tensor], grads: list[Tensor], exp_avgs
     Use it only where `matches_native` passed for these settings.
     """
     _check_scalars(implementation, lr, beta1, beta2, clip_coef)
-    lists = [params, grads, exp_avgs, exp_avg_sqs] + ([max_exp_avg_sqs] if amsgrad else [])
+    prepared = prepare_lists(params, grads, exp_avgs, exp_avg_sqs,
+                             max_exp_avg_sqs if amsgrad else None, steps)
+    if not prepared.numels:
+        return
+    if not spans_disjoint(*prepared.spans()):
+        raise ValueError("single-pass AdamW needs tensors that do not share memory")
+    launch(prepared, implementation=implementation, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+           weight_decay=weight_decay, maximize=maximize, amsgrad=amsgrad, threads=threads,
+           clip_coef=clip_coef)
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """Tensor lists checked for the kernel (`prepare_lists`): per tensor kind (parameter,
+    gradient, exp_avg, exp_avg_sq[, max_exp_avg_sq]) each tensor's address, plus lengths."""
+
+    dtype: torch.dtype
+    bases: list[list[int]]
+    numels: tuple[int, ...]
+    steps: list[Tensor]
+
+    def spans(self) -> tuple[list[int], list[int]]:
+        """(start addresses, byte lengths) of every tensor, step tensors included."""
+        size = torch.empty((), dtype=self.dtype).element_size()
+        starts = [x for b in self.bases for x in b] + [s.data_ptr() for s in self.steps]
+        nbytes = [n * size for n in self.numels] * len(self.bases) + [
+            s.element_size() for s in self.steps]
+        return starts, nbytes
+
+
+def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
+                  exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor] | None,
+                  steps: list[Tensor]) -> Prepared:
+    """Check lists for `launch` (see `single_pass_adamw_lists_`'s Args) except that they do
+    not share memory (`spans_disjoint`, which a caller may run once over several lists), and
+    read their addresses. Modifies nothing.
+
+    Raises:
+        TypeError / ValueError: as `single_pass_adamw_lists_`.
+    """
+    lists = [params, grads, exp_avgs, exp_avg_sqs] + (
+        [max_exp_avg_sqs] if max_exp_avg_sqs is not None else [])
     count = len(params)
     if any(len(x) != count for x in lists) or len(steps) != count:
         raise ValueError("single-pass AdamW needs lists of equal length")
-    if not count:
-        return
-    dtype = params[0].dtype
+    dtype = params[0].dtype if count else torch.float32
     if dtype not in DTYPES:
         raise TypeError("single-pass AdamW needs CPU tensors of one dtype, float32 or bfloat16")
     bases: list[list[int]] = [[] for _ in lists]
     numels = []
+    strided = torch.strided
     for i, p in enumerate(params):
         shape, stride = p.shape, p.stride()
         for b, x in zip(bases, lists):
             t = x[i]
-            if (type(t) is not Tensor and type(t) is not torch.nn.Parameter) or (
-                    t.dtype is not dtype or not t.is_cpu or t.layout is not torch.strided):
+            if not isinstance(t, Tensor) or (
+                    t.dtype is not dtype or not t.is_cpu or t.layout is not strided):
                 raise TypeError("single-pass AdamW needs dense CPU tensors of one dtype, "
                                 "float32 or bfloat16")
             if t.shape != shape or t.stride() != stride:
@@ -1336,18 +1374,36 @@ def single_pass_adamw_lists_(params: list[Tensor], grads: list[Tensor], exp_avgs
         numels.append(p.numel())
     if torch.is_grad_enabled() and any(p.requires_grad for p in params):
         raise RuntimeError("single-pass AdamW updates in place: call it under torch.no_grad()")
-    size = params[0].element_size()
-    if not _lib().cot_singlepass_disjoint(_int64s([x for b in bases for x in b]),
-                                          _int64s(numels * len(lists)), count * len(lists),
-                                          size):
-        raise ValueError("single-pass AdamW needs tensors that do not share memory")
     if len({id(s) for s in steps}) != count or any(
             not isinstance(s, Tensor) or s.dim() != 0 or not s.is_cpu for s in steps):
         raise ValueError("one 0-d CPU step tensor per parameter, each its own (native "
                          "increments each)")
-    _launch(dtype, bases, tuple(numels), steps, implementation=implementation, lr=lr,
-            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
-            amsgrad=amsgrad, threads=threads, clip_coef=clip_coef)
+    return Prepared(dtype, bases, tuple(numels), list(steps))
+
+
+def spans_disjoint(starts: list[int], nbytes: list[int]) -> bool:
+    """Whether no two of the byte spans ``[starts[i], starts[i] + nbytes[i])`` overlap (empty
+    spans never do): one sort in C++.
+
+    Raises:
+        SinglePassUnavailable: the kernel library cannot be built here.
+    """
+    return bool(_lib().cot_singlepass_disjoint(_int64s(starts), _int64s(nbytes), len(starts)))
+
+
+def launch(prepared: Prepared, *, implementation: str, lr, beta1: float, beta2: float,
+           eps: float, weight_decay: float, maximize: bool, amsgrad: bool,
+           threads: int | None = None, clip_coef: float | None = None) -> None:
+    """Run the kernel over `prepared` lists (checked by `prepare_lists`, their memory by
+    `spans_disjoint`); arguments and errors as `single_pass_adamw_lists_`, raised before
+    anything is modified."""
+    _check_scalars(implementation, lr, beta1, beta2, clip_coef)
+    if amsgrad != (len(prepared.bases) == 5):
+        raise ValueError("amsgrad needs the max_exp_avg_sq list, and only amsgrad")
+    _launch(prepared.dtype, prepared.bases, prepared.numels, prepared.steps,
+            implementation=implementation, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+            weight_decay=weight_decay, maximize=maximize, amsgrad=amsgrad, threads=threads,
+            clip_coef=clip_coef)
 
 
 def _int64s(values: list[int]):

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from cotangent.clipping import PARAM_GROUPS, normalize_clip_order
-from cotangent.optim import AdamW
+from cotangent.adamw import AdamW
 from cotangent.reference import ReferenceUpdate
 
 ARMS = ("cotangent", "packing-only")

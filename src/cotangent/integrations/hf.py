@@ -29,7 +29,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
 import torch
 
 from cotangent.integrations import clip_follows
-from cotangent.optim import AdamW
+from cotangent.adamw import AdamW
 
 __all__ = ["CotangentTrainer", "CotangentTrainerMixin", "KeepGradientsPacked"]
 

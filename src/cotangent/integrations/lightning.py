@@ -21,7 +21,7 @@ imports it.
 from __future__ import annotations
 
 from cotangent.integrations import clip_follows
-from cotangent.optim import AdamW
+from cotangent.adamw import AdamW
 
 __all__ = ["CotangentClipping"]
 

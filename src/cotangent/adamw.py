@@ -1,0 +1,687 @@
+"""`cotangent.AdamW`: `clip_grad_norm_` + `torch.optim.AdamW` as one update, reading every
+tensor where the user and autograd left it.
+
+Read `AdamW._update` top to bottom: it is the whole step. It gathers this step's parameters,
+gradients and state per (param group, device, dtype), as native's `_init_group` does (checking
+them first: nothing is modified before an error); computes the total gradient norm and clip
+coefficient exactly as `clip_grad_norm_`; lets the single-pass kernel (`cotangent.singlepass`)
+take the for-loop / foreach calls its probe proved equal to native, with the clip multiply in
+the same pass (`_fold_rule` decides where); multiplies every other gradient and runs every
+other call with native's own functions. Nothing is packed, copied or tracked: after
+`zero_grad()` every ``.grad`` is None, after a backward ``p.grad`` is autograd's tensor, and
+the clipped gradients are left in it, as native leaves them.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from cotangent import _compat, merge, sharding, singlepass
+from cotangent.clip import get_total_norm, multiply_grads_
+from cotangent.clipping import (
+    PARAM_GROUPS,
+    ClipOrder,
+    check_clip_order_known,
+    normalize_clip_order,
+)
+from cotangent.norms import clip_coefficient, multiply_is_identity, native_tensor_norms, total_norm
+from cotangent.store import check_state_dict, describe, state_problem
+
+
+def _live(opt: AdamW) -> AdamW:
+    """The optimizer `opt` stands for. A wrapper that subclasses the wrapped optimizer's class on
+    the fly and copies its attributes (pytorch-lightning's `LightningOptimizer`, which
+    `self.optimizers()` returns) runs our methods with itself as `self`: what they record
+    (the last total norm, the clip witness) would land on the wrapper, unseen by the optimizer.
+    Such calls go to the optimizer itself.
+
+    Raises:
+        RuntimeError: `opt` was never initialised and forwards to no optimizer.
+    """
+    ref = vars(opt).get("_live_ref")
+    live = ref() if ref is not None else None
+    if live is None:
+        raise RuntimeError(f"{type(opt).__name__} was not initialised (AdamW.__init__ did not "
+                           "run) and forwards to no cotangent.AdamW")
+    return live
+
+
+@dataclass(slots=True)
+class _Call:
+    """One AdamW call of a step: the parameters with a gradient of one param group on one
+    (device, dtype), with native's lists for them (in group order)."""
+
+    group: dict
+    kind: str  # "for-loop", "foreach" or "fused": what native runs for the group
+    params: list[Tensor]
+    grads: list[Tensor]
+    exp_avgs: list[Tensor | None] = field(default_factory=list)  # None: state created later
+    exp_avg_sqs: list[Tensor | None] = field(default_factory=list)
+    max_exp_avg_sqs: list[Tensor | None] = field(default_factory=list)
+    steps: list[Tensor | None] = field(default_factory=list)
+    kernel: singlepass.Prepared | None = None  # the single pass takes this call
+    clip_in_pass: bool = False  # and multiplies its gradients by the clip coefficient
+    why_native: str | None = None
+
+
+@dataclass(slots=True)
+class _Clip:
+    """This step's clip: the total norm, the coefficient (0-dim tensors, native's) and its value
+    where the single pass may fold the multiply (None: every multiply runs natively)."""
+
+    grads: list[Tensor]  # clip order
+    ids: set[int]  # id() of each of them
+    total: Tensor
+    coef: Tensor
+    value: float | None
+    identity: bool  # the multiply by this coefficient changes no gradient (skipped)
+
+
+def _refusal(p: Tensor) -> str | None:
+    """Why `cotangent.AdamW` cannot take `p`, or None. DTensor and other wrapper subclasses
+    (FSDP2, tensor parallelism) are refused: their clip crosses ranks."""
+    refusal = _compat.tensor_kind_refusal(p)
+    if refusal is not None and isinstance(p, torch.nn.parameter.UninitializedTensorMixin):
+        return None  # a lazy module's parameter: materialised in place, read at each step
+    return refusal
+
+
+class AdamW(torch.optim.AdamW):
+    r"""``clip_grad_norm_`` followed by `torch.optim.AdamW`, bitwise equal, in one update.
+
+    Drop-in for ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
+    error_if_nonfinite)`` then ``torch.optim.AdamW(params, ...).step()``: same constructor
+    arguments and defaults as `torch.optim.AdamW` (Loshchilov & Hutter, "Decoupled Weight Decay
+    Regularization", 2019, as implemented by PyTorch), plus the clipping arguments. The
+    parameters, gradients, ``exp_avg``, ``exp_avg_sq``, ``max_exp_avg_sq`` and ``step`` come out
+    bit for bit as with native code on the same device, dtype and torch version, in whichever
+    implementation (for-loop, foreach, fused) torch itself picks for these arguments.
+
+    Everything is read where it is, at every step, as native reads it: ``p.grad`` is autograd's
+    tensor (or what you assigned), ``state[p]`` holds native AdamW's tensors (created as native
+    creates them), `zero_grad()` is native's. Edits between steps (param groups, state,
+    hyperparameters, ``p.data``) are simply what the next step reads.
+
+    Where it is faster: for-loop and foreach AdamW on float32 (and bfloat16) CPU parameters run
+    as one pass over each (param group, dtype) list (`cotangent.singlepass`: a C++ kernel
+    compiled on first use, used where its probe proved native's bytes for these settings), with
+    the clip multiply in the same pass; a clip coefficient of exactly 1.0 multiplies nothing
+    (``g * 1.0 == g`` there, proven per step by `cotangent.norms.multiply_is_identity`).
+    ``COTANGENT_SINGLE_PASS=0`` keeps native's op sequence; `update_path()` says what ran.
+
+    Args:
+        params: iterable of parameters or of param-group dicts, as for `torch.optim.AdamW`.
+            DTensor / FSDP2 shards and other wrapper subclasses are refused.
+        lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused: as `torch.optim.AdamW`.
+        capturable, differentiable: accepted for signature compatibility; only ``False`` is
+            supported.
+        max_norm: clip the global gradient norm to this value before each update (``None``: no
+            clipping, plain AdamW).
+        norm_type: p of the global p-norm (``float('inf')`` for the max norm), as `clip_grad_norm_`.
+        error_if_nonfinite: raise before any tensor is modified when the total norm is inf or NaN,
+            as `clip_grad_norm_`.
+        clip_order: what you would pass to `clip_grad_norm_`; its order decides the bits of the
+            total norm. A module (``clip_order=model``: its ``parameters()`` are read afresh at
+            every clip), a zero-argument callable returning parameters, a fixed iterable of them,
+            or ``"param_groups"`` (the optimizer's parameters, param groups concatenated, as
+            Lightning's ``gradient_clip_val`` clips). Default (None): the optimizer's order when
+            one param group holds parameters; with two or more and ``max_norm`` set it is
+            required (a ValueError names it), since native loops clip ``model.parameters()`` or
+            the param groups and the optimizer cannot see the model. As with native code,
+            optimizer parameters missing from the order are updated unclipped, and others in it
+            are clipped too.
+        batched_norms: allow one calibrated 2-D norm over gradients that happen to be equal,
+            evenly spaced rows of one storage (`cotangent.clip`); ``False``: native per-tensor
+            norms only.
+        shard, shard_norms, process_group: ``shard="zero1"`` builds a `cotangent.PackedAdamW`
+            (parameter-aligned ZeRO-1 still runs on the packed buffers; see there).
+
+    Attributes:
+        last_total_norm: the total gradient norm of the last clip (0-dim tensor, as
+            `clip_grad_norm_` returns it), while the gradients it clipped are unchanged since
+            (the same tensors, not written since the update); else ``None`` (before any clip,
+            without ``max_norm``, after `zero_grad()` or a new backward).
+
+    Raises:
+        ValueError / RuntimeError at construction: everything `torch.optim.AdamW` raises; a
+            DTensor or wrapper-subclass parameter; non-numeric `max_norm`; ``max_norm`` with two
+            or more param groups holding parameters and no `clip_order` (also from
+            `add_param_group`, `step()` and `zero_grad()` after an edit that makes it so);
+            ``max_norm`` without `clip_order` (or with ``"param_groups"``) inside
+            `torch.distributed.optim.ZeroRedundancyOptimizer` (each rank's optimizer holds one
+            shard: its clip would norm that shard alone); a bad `clip_order`.
+        NotImplementedError: ``capturable=True`` or ``differentiable=True`` (also when set on a
+            group later).
+        RuntimeError from `step()` and `clip_grad_norm_()`, before anything is modified: a
+            sparse gradient; a gradient whose shape, dtype or device differs from its
+            parameter's; a ``state[p]`` that lacks an entry native AdamW reads or holds a tensor
+            of another shape, dtype or device; a non-finite total norm with
+            ``error_if_nonfinite``; a tensor ``lr`` with ``foreach=True``; the call happening
+            inside ``torch.compile``; and what native AdamW raises itself.
+
+    Example::
+
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = cotangent.AdamW(model.parameters(), lr=1e-3, fused=True, max_norm=1.0)
+        >>> model(torch.randn(8, 4)).square().mean().backward()
+        >>> opt.step()   # = clip_grad_norm_(model.parameters(), 1.0); AdamW(...).step()
+        >>> opt.zero_grad()
+    """
+
+    def __new__(cls, *args, shard: str | None = None, **kwargs):
+        if cls is AdamW and shard is not None:
+            from cotangent.optim import PackedAdamW
+
+            return super().__new__(PackedAdamW)  # (then PackedAdamW.__init__ runs)
+        return super().__new__(cls)
+
+    def __init__(self, params, lr: float | Tensor = 1e-3,
+                 betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999), eps: float = 1e-8,
+                 weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
+                 foreach: bool | None = None, capturable: bool = False,
+                 differentiable: bool = False, fused: bool | None = None,
+                 max_norm: float | None = None, norm_type: float = 2.0,
+                 error_if_nonfinite: bool = False, clip_order=None,
+                 batched_norms: bool = True, shard: str | None = None,
+                 shard_norms: str = "all", process_group=None) -> None:
+        sharding.setup(shard, shard_norms, process_group)  # (shard=None here: checks the rest)
+        try:
+            max_norm = None if max_norm is None else float(max_norm)
+            norm_type = float(norm_type)
+        except (TypeError, ValueError):
+            raise ValueError(f"max_norm must be a number or None and norm_type a number, got "
+                             f"max_norm={max_norm!r}, norm_type={norm_type!r}") from None
+        self._live_ref = weakref.ref(self)
+        super().__init__(
+            params, lr, betas, eps, weight_decay, amsgrad, maximize=maximize, foreach=foreach,
+            capturable=capturable, differentiable=differentiable, fused=fused)
+        if capturable or differentiable:
+            raise NotImplementedError(
+                "cotangent.AdamW supports capturable=False and differentiable=False only")
+        self.max_norm = max_norm
+        self.norm_type = norm_type
+        self.error_if_nonfinite = bool(error_if_nonfinite)
+        self.batched_norms = bool(batched_norms)
+        self._clip_order_params = normalize_clip_order(clip_order)
+        if (max_norm is not None and self._clip_order_params in (None, PARAM_GROUPS)
+                and _compat.built_by_zero_redundancy_optimizer()):
+            raise ValueError(
+                "cotangent.AdamW(max_norm=...) inside ZeroRedundancyOptimizer: each rank's "
+                "optimizer holds one shard of the parameters (its param groups are the shard's), "
+                "so a clip over them would norm that shard alone, where native code clips "
+                "clip_grad_norm_(model.parameters(), ...) on every rank; pass clip_order=model "
+                "(every rank then clips every gradient), or max_norm=None and clip natively "
+                "before ZeroRedundancyOptimizer.step()")
+        check_clip_order_known(self.param_groups, self.max_norm, self._clip_order_params)
+        self._reset_records()
+
+    def _reset_records(self) -> None:
+        self._last_clip: tuple | None = None  # (total norm, clipped grads, their versions)
+        self._paths = (0, 0, (), 0)
+
+    # ------------------------------------------------------------------ the update
+
+    def step(self, closure=None):
+        """Clip (if ``max_norm`` is set) and apply one AdamW update.
+
+        The clip runs where user code calls `clip_grad_norm_`: before the step pre-hooks (when
+        there are some), or, with a closure, right after the closure has computed the
+        gradients. It is skipped when `clip_grad_norm_()` already clipped these gradients.
+
+        Args:
+            closure: optional callable that re-evaluates the model and returns the loss (run
+                under `torch.enable_grad`), as for `torch.optim.AdamW.step`.
+        Returns:
+            The closure's loss, or None.
+        Raises:
+            See the class docstring; nothing is modified before an error is raised.
+        """
+        if (live := _live(self)) is not self:
+            return live.step(closure)
+        _compat.refuse_under_compile("cotangent.AdamW.step()")
+        check_clip_order_known(self.param_groups, self.max_norm, self._clip_order_params)
+        clip = self.max_norm is not None
+        if clip and closure is None and _compat.has_step_pre_hooks(self):
+            # a native loop clips before opt.step(), whose pre-hooks then see clipped gradients
+            self._clip_apart()
+            clip = False
+        args = (self,) if closure is None else (self, closure)
+        return _compat.run_with_step_hooks(
+            self, lambda closure=None: self._update(closure, clip), args, {})
+
+    _compat.mark_step_hooked(step)  # torch must not wrap it again: it runs the hooks itself
+
+    @torch.no_grad()
+    def _update(self, closure, clip: bool):
+        """The step body, between torch's step pre- and post-hooks."""
+        _compat.graph_capture_health_check(self)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        calls, fresh = self._gather()  # checks everything; modifies nothing
+        order = self._clip_grads() if clip else None
+        if order is not None and self._clipped_already(order):
+            order = None  # clip_grad_norm_() clipped these gradients
+        if order is not None and grad_scale is not None:
+            # fused AdamW under GradScaler gets scaled gradients and the scale; native code clips
+            # after `scaler.unscale_`: unscale first (GradScaler's arithmetic), update unscaled
+            _compat.unscale_grads_(order, grad_scale)
+            grad_scale = None
+        cut = self._clip_norm(order, fold=grad_scale is None and found_inf is None) if (
+            order is not None) else None
+        self._create_state(fresh)
+        decisions: dict = {}
+        for call in calls:
+            self._plan_kernel(call, cut, decisions, allowed=grad_scale is None
+                              and found_inf is None)
+        kernels = [c for c in calls if c.kernel is not None]
+        folding = any(c.clip_in_pass for c in kernels)
+        if kernels and not self._memory_disjoint(kernels, cut if folding else None):
+            for c in kernels:
+                c.kernel, c.clip_in_pass = None, False
+                c.why_native = "tensors share memory: native path"
+        if cut is not None:
+            folded = {id(g) for c in calls if c.clip_in_pass for g in c.grads}
+            rest = [g for g in cut.grads if id(g) not in folded]
+            if cut.identity:
+                torch.autograd.graph.increment_version(rest)  # native's multiply bumps them
+            else:
+                multiply_grads_(rest, cut.coef)
+        single = native = in_pass = 0
+        notes = set()
+        for call in calls:
+            if call.kernel is not None and self._run_kernel(call, cut, decisions):
+                single += len(call.params)
+                in_pass += len(call.params) if call.clip_in_pass else 0
+                continue
+            if call.why_native:
+                notes.add(call.why_native)
+            native += len(call.params)
+            self._run_native(call, grad_scale, found_inf)
+        if cut is not None:
+            self._last_clip = (cut.total, cut.grads, [g._version for g in cut.grads])
+        self._paths = (single, native, tuple(sorted(notes)), in_pass)
+        return loss
+
+    # ------------------------------------------------------------------ step pieces
+
+    def _gather(self) -> tuple[list[_Call], list[tuple[_Call, int]]]:
+        """This step's calls, one per (param group, device, dtype) of the parameters with a
+        gradient, and the (call, index) of parameters whose state native would create now.
+
+        Raises (before anything is modified): see the class docstring.
+        """
+        calls: list[_Call] = []
+        fresh: list[tuple[_Call, int]] = []
+        state = self.state
+        for group in self.param_groups:
+            if group["capturable"] or group["differentiable"]:
+                raise NotImplementedError(
+                    "cotangent.AdamW supports capturable=False and differentiable=False only")
+            params = [p for p in group["params"] if p.grad is not None]
+            if not params:
+                continue
+            if group["foreach"] and torch.is_tensor(group["lr"]):
+                raise RuntimeError(
+                    "lr as a Tensor is not supported for capturable=False and foreach=True")
+            kind = merge.implementation(group, params)
+            amsgrad = bool(group["amsgrad"])
+            by = {}
+            for p in params:
+                g = p.grad
+                if g.is_sparse:
+                    raise RuntimeError("Adam does not support sparse gradients, please "
+                                       "consider SparseAdam instead")
+                if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
+                    raise RuntimeError(
+                        f"the gradient of {self._describe(p)} is {tuple(g.shape)} {g.dtype} on "
+                        f"{g.device}; native AdamW needs it to match the parameter")
+                key = (p.device, p.dtype)
+                call = by.get(key)
+                if call is None:
+                    call = by[key] = _Call(group, kind, [], [])
+                    calls.append(call)
+                entry = state.get(p)
+                if entry:
+                    if state_problem(0, p, entry, amsgrad):
+                        raise RuntimeError(state_problem(self._slot(p), p, entry, amsgrad))
+                    m, v, s = entry["exp_avg"], entry["exp_avg_sq"], entry["step"]
+                    vmax = entry["max_exp_avg_sq"] if amsgrad else None
+                else:
+                    if group["fused"]:
+                        _compat.check_fused_support(p)
+                    fresh.append((call, len(call.params)))
+                    m = v = s = vmax = None
+                call.params.append(p)
+                call.grads.append(g)
+                call.exp_avgs.append(m)
+                call.exp_avg_sqs.append(v)
+                call.steps.append(s)
+                if amsgrad:
+                    call.max_exp_avg_sqs.append(vmax)
+        return calls, fresh
+
+    def _create_state(self, fresh: list[tuple[_Call, int]]) -> None:
+        """Native's lazy state initialisation (`torch.optim.Adam._init_group`) for parameters
+        updated for the first time, filled into their calls' lists."""
+        for call, i in fresh:
+            p, group = call.params[i], call.group
+            entry = self.state[p]
+            entry["step"] = _compat.new_step_tensor(p, fused=bool(group["fused"]),
+                                                    capturable=bool(group["capturable"]))
+            entry["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            entry["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            call.steps[i], call.exp_avgs[i] = entry["step"], entry["exp_avg"]
+            call.exp_avg_sqs[i] = entry["exp_avg_sq"]
+            if group["amsgrad"]:
+                entry["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                call.max_exp_avg_sqs[i] = entry["max_exp_avg_sq"]
+
+    def _clip_order(self) -> list[Tensor]:
+        """`clip_grad_norm_`'s parameter list now: the clip order (a module's parameters and a
+        callable's result read afresh), or the optimizer's parameters in param-group order."""
+        source = self._clip_order_params
+        if source is None or source == PARAM_GROUPS:
+            return [p for g in self.param_groups for p in g["params"]]
+        return ClipOrder.read(source)
+
+    def _clip_grads(self) -> list[Tensor]:
+        """The gradients `clip_grad_norm_` would clip now, in its order."""
+        return [p.grad for p in self._clip_order() if p.grad is not None]
+
+    def _clip_norm(self, grads: list[Tensor], fold: bool) -> _Clip:
+        """`clip_grad_norm_`'s total norm and clip coefficient over `grads` (raises with
+        ``error_if_nonfinite`` before anything is modified). `fold`: the single pass may do the
+        multiply (no GradScaler state, a CPU coefficient that is not NaN)."""
+        if self.batched_norms:
+            total = get_total_norm(grads, self.norm_type, self.error_if_nonfinite)
+        else:
+            norms = []
+            first = grads[0].device if grads else None
+            for device, _, idx in _compat.group_by_device_and_dtype(grads):
+                part = native_tensor_norms([grads[i] for i in idx], self.norm_type, None)
+                norms.extend(n.to(first) for n in part)
+            total = total_norm([torch.stack(norms)] if norms else [], self.norm_type)
+            if self.error_if_nonfinite:
+                from cotangent.norms import check_finite
+
+                check_finite(total, self.norm_type)
+        coef = clip_coefficient(total, self.max_norm)
+        identity = multiply_is_identity(coef, self.norm_type)
+        ids = {id(g) for g in grads}
+        value = None
+        if (fold and not identity and len(ids) == len(grads) and coef.device.type == "cpu"
+                and singlepass.switched_on()):  # (a gradient listed twice: native multiplies
+            value = coef.item()                  # it twice)
+            if value != value:
+                value = None  # a NaN coefficient: the multiply runs natively (see singlepass)
+        return _Clip(grads, ids, total, coef, value, identity)
+
+    def _clip_apart(self) -> Tensor:
+        """`clip_grad_norm_` now, natively multiplied (unless these gradients are clipped
+        already); returns the total norm."""
+        grads = self._clip_grads()
+        if self._clipped_already(grads):
+            return self._last_clip[0]
+        self._gather()  # the same checks as a step: nothing is modified on bad input
+        cut = self._clip_norm(grads, fold=False)
+        if cut.identity:
+            torch.autograd.graph.increment_version(grads)
+        else:
+            multiply_grads_(grads, cut.coef)
+        self._last_clip = (cut.total, grads, [g._version for g in grads])
+        return cut.total
+
+    def _clipped_already(self, grads: list[Tensor]) -> bool:
+        """Whether `grads` are exactly the gradients the last clip left (same tensors, not
+        written since)."""
+        last = self._last_clip
+        if last is None or len(last[1]) != len(grads):
+            return False
+        return all(a is b and a._version == v for a, b, v in zip(grads, last[1], last[2]))
+
+    def _plan_kernel(self, call: _Call, cut: _Clip | None, decisions: dict,
+                     allowed: bool) -> None:
+        """Whether the single pass takes `call` (`call.kernel`), and with the clip multiply
+        (`call.clip_in_pass`, `_fold_rule`); else why not (`call.why_native`)."""
+        device, dtype = call.params[0].device, call.params[0].dtype
+        why = singlepass.static_refusal(call.kind, device, dtype, call.group)
+        if why is None and not allowed:
+            why = "GradScaler state (grad_scale / found_inf): native path"
+        fold = why is None and _fold_rule(cut, dtype, call.grads)
+        if why is None:
+            key = (call.kind, id(call.group), cut.value if fold else None, dtype)
+            if key not in decisions:
+                decisions[key] = singlepass.decide(call.kind, call.group,
+                                                   cut.value if fold else None, dtype,
+                                                   lambda: self._team(decisions))
+            why = decisions[key]
+        if why is None:
+            try:
+                call.kernel = singlepass.prepare_lists(
+                    call.params, call.grads, call.exp_avgs, call.exp_avg_sqs,
+                    call.max_exp_avg_sqs if call.group["amsgrad"] else None, call.steps)
+            except (TypeError, ValueError, RuntimeError) as e:
+                why = f"refused ({e})"
+        call.clip_in_pass = call.kernel is not None and fold
+        call.why_native = why
+
+    @staticmethod
+    def _team(decisions: dict) -> tuple[int, tuple[int, ...]]:
+        """`singlepass.team()`, asked once per step (no user code runs between this step's
+        decisions and its passes)."""
+        if "team" not in decisions:
+            decisions["team"] = singlepass.team()
+        return decisions["team"]
+
+    @staticmethod
+    def _memory_disjoint(kernels: list[_Call], cut: _Clip | None) -> bool:
+        """Whether no two tensors the single passes touch (and, with a clip, no two clipped
+        gradients) share memory: then running each pass as a whole, with its clip multiply,
+        gives every element the operations native gives it, in native's order."""
+        starts, nbytes = [], []
+        for c in kernels:
+            s, n = c.kernel.spans()
+            starts += s
+            nbytes += n
+        if cut is not None:
+            inside = {id(g) for c in kernels for g in c.grads}
+            for g in cut.grads:
+                if id(g) not in inside:
+                    if not g.is_contiguous() and not singlepass.is_dense(g):
+                        return False  # (its span is not its elements: be safe)
+                    starts.append(g.data_ptr())
+                    nbytes.append(g.numel() * g.element_size())
+        return singlepass.spans_disjoint(starts, nbytes)
+
+    def _run_kernel(self, call: _Call, cut: _Clip | None, decisions: dict) -> bool:
+        """Run `call` as one single pass; False (nothing modified, and its gradients
+        multiplied natively where the pass was to do it) when the kernel refuses."""
+        group = call.group
+        beta1, beta2 = group["betas"]
+        try:
+            singlepass.launch(
+                call.kernel, implementation=call.kind, lr=group["lr"], beta1=beta1, beta2=beta2,
+                eps=group["eps"], weight_decay=group["weight_decay"],
+                maximize=bool(group["maximize"]), amsgrad=bool(group["amsgrad"]),
+                threads=self._team(decisions)[0],
+                clip_coef=cut.value if call.clip_in_pass else None)
+        except (ValueError, TypeError, ArithmeticError, singlepass.SinglePassUnavailable) as e:
+            # raised before anything is modified (a NaN scalar, a step count giving a zero bias
+            # correction): native runs, and fails or not, as native does
+            call.why_native = f"refused ({e})"
+            if call.clip_in_pass:
+                multiply_grads_(call.grads, cut.coef)
+            return False
+        # native's in-place ops bump the version counters of what they write (autograd then
+        # refuses a backward through a graph that saved the old values): so must the kernel's
+        written = call.params + call.exp_avgs + call.exp_avg_sqs + call.steps
+        if group["amsgrad"]:
+            written += call.max_exp_avg_sqs
+        if call.clip_in_pass:
+            written += call.grads
+        torch.autograd.graph.increment_version(written)
+        return True
+
+    @staticmethod
+    def _run_native(call: _Call, grad_scale, found_inf) -> None:
+        """Native's functional AdamW over `call`'s lists (the fused kernel called directly where
+        `merge.direct_fused_is_exact` proved that equal)."""
+        args = (call.params, call.grads, call.exp_avgs, call.exp_avg_sqs, call.max_exp_avg_sqs,
+                call.steps)
+        p = call.params[0]
+        if (call.kind == "fused" and grad_scale is None and found_inf is None
+                and merge.direct_fused_is_exact(p.device, p.dtype, call.group)):
+            merge.run_direct_fused(*args, group=call.group)
+        else:
+            merge.run_native_adamw(call.kind, *args, group=call.group, grad_scale=grad_scale,
+                                   found_inf=found_inf)
+
+    def _slot(self, p: Tensor) -> int:
+        for slot, q in enumerate(q for g in self.param_groups for q in g["params"]):
+            if q is p:
+                return slot
+        return -1
+
+    def _describe(self, p: Tensor) -> str:
+        return describe(self._slot(p), p)
+
+    # ------------------------------------------------------------------ clipping on its own
+
+    @torch.no_grad()
+    def clip_grad_norm_(self) -> Tensor:
+        """Clip the gradients now, exactly as ``torch.nn.utils.clip_grad_norm_(params, max_norm,
+        norm_type, error_if_nonfinite)`` would at this point, and return the total norm;
+        the next `step()` then does not clip them again.
+
+        Use it where native code's clip sits apart from `optimizer.step()`: with
+        `torch.amp.GradScaler`, ``scaler.unscale_(opt); norm = opt.clip_grad_norm_();
+        scaler.step(opt)`` gives native's gradients and norm even on steps the scaler skips.
+
+        Raises:
+            ValueError: the optimizer was built with ``max_norm=None``.
+            RuntimeError: as `step()`.
+        """
+        if (live := _live(self)) is not self:
+            return live.clip_grad_norm_()
+        _compat.refuse_under_compile("cotangent.AdamW.clip_grad_norm_()")
+        if self.max_norm is None:
+            raise ValueError("clip_grad_norm_() needs the optimizer built with max_norm=...")
+        check_clip_order_known(self.param_groups, self.max_norm, self._clip_order_params)
+        self._last_clip = None  # an explicit call clips again, as native's would
+        return self._clip_apart()
+
+    @property
+    def last_total_norm(self) -> Tensor | None:
+        """The total norm of the last clip (0-dim, the gradients' promoted dtype), or None
+        before any clip and once the gradients it clipped were replaced or written."""
+        live = _live(self)
+        last = live._last_clip
+        if live.max_norm is None or last is None:
+            return None
+        return last[0] if live._clipped_already(live._clip_grads()) else None
+
+    # ------------------------------------------------------------------ torch.optim surface
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As `torch.optim.Optimizer.zero_grad` (native's own code: with ``set_to_none`` every
+        ``.grad`` becomes None and no memory stays held).
+
+        Raises:
+            RuntimeError: inside ``torch.compile``.
+            ValueError: ``max_norm`` set with two or more param groups and no `clip_order`
+                (after an edit that made it so; see the class docstring).
+        """
+        if (live := _live(self)) is not self:
+            return live.zero_grad(set_to_none)
+        _compat.refuse_under_compile("cotangent.AdamW.zero_grad()")
+        check_clip_order_known(self.param_groups, self.max_norm, self._clip_order_params)
+        super().zero_grad(set_to_none)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """As `torch.optim.Optimizer.add_param_group`, refusing DTensor / wrapper-subclass
+        parameters and (with ``max_norm``) a second group without `clip_order`; a refused
+        group is not added."""
+        if "_live_ref" in vars(self) and (live := _live(self)) is not self:
+            return live.add_param_group(param_group)
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            for p in group["params"]:
+                refusal = _refusal(p)
+                if refusal is not None:
+                    raise ValueError(f"{self._describe(p)} {refusal}")
+            if hasattr(self, "max_norm"):
+                check_clip_order_known(self.param_groups, self.max_norm,
+                                       self._clip_order_params)
+        except Exception:
+            self.param_groups.pop()
+            raise
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As `torch.optim.Optimizer.load_state_dict` (native AdamW format). Every moment is
+        checked against its parameter first: a tensor of another shape (native would broadcast
+        or fail mid-update) is a ValueError naming the parameter, and nothing is loaded."""
+        if (live := _live(self)) is not self:
+            return live.load_state_dict(state_dict)
+        check_state_dict(state_dict, self.param_groups)
+        super().load_state_dict(state_dict)
+        self._last_clip = None
+
+    def __getstate__(self) -> dict:
+        """For pickle and deepcopy: native's state plus the clipping settings."""
+        state = super().__getstate__()
+        state.update(max_norm=self.max_norm, norm_type=self.norm_type,
+                     error_if_nonfinite=self.error_if_nonfinite, batched_norms=self.batched_norms,
+                     _clip_order_params=self._clip_order_params)
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        super().__setstate__(state)
+        self._live_ref = weakref.ref(self)
+        self._reset_records()
+
+    # ------------------------------------------------------------------ introspection
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state tensors this optimizer holds (``exp_avg``, ``exp_avg_sq``,
+        ``max_exp_avg_sq``, ``step``)."""
+        return sum(t.numel() * t.element_size() for entry in self.state.values()
+                   for t in entry.values() if isinstance(t, Tensor))
+
+    def update_path(self) -> dict:
+        """Which code updated the parameters at the last step.
+
+        Returns a dict: ``path`` is "single-pass" (every parameter by the single-pass kernel,
+        `cotangent.singlepass`), "native" (every parameter by native's functional AdamW: its
+        for-loop / foreach op sequence or the fused kernel), "mixed", or None before the first
+        step; ``single_pass`` and ``native`` count parameters; ``single_pass_notes`` lists why
+        the single pass did not take the others (e.g. ``off (COTANGENT_SINGLE_PASS=0)``, fused
+        AdamW, a failed probe); ``clip_in_pass`` counts the parameters whose clip multiply ran
+        inside their single pass."""
+        single, native, notes, clip_in_pass = self._paths
+        path = None
+        if single or native:
+            path = "mixed" if single and native else ("single-pass" if single else "native")
+        return dict(path=path, single_pass=single, native=native, single_pass_notes=list(notes),
+                    clip_in_pass=clip_in_pass)
+
+
+def _fold_rule(cut: _Clip | None, dtype: torch.dtype, grads: list[Tensor]) -> bool:
+    """The one rule for where the clip multiply runs: inside a call's single pass when this step
+    clips with a coefficient the pass may use (`_Clip.value`: a CPU float32 coefficient, not
+    NaN, not an identity multiply, each gradient listed once, no GradScaler state, no step
+    pre-hook between the clip and the update), the call is float32 (bfloat16's multiply is not
+    reproduced) and every gradient of the call is clipped (a parameter outside the clip order
+    is updated unclipped); everywhere else natively, before the update, as `clip_grad_norm_`
+    does. (`AdamW._memory_disjoint` must also hold for the whole step.)"""
+    return (cut is not None and cut.value is not None and dtype == torch.float32
+            and all(id(g) in cut.ids for g in grads))
+
