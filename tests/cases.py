@@ -196,13 +196,16 @@ class Case:
     # (native optimizer, our optimizer) -> a callback run with the step index after each step
     schedule: Callable | None = None
     expect: frozenset = frozenset()  # subset of OBSERVATIONS
+    packed: bool = False  # Cotangent's side is cotangent.PackedAdamW (the packed design)
 
     def __str__(self) -> str:
         return self.name
 
 
 OBSERVATIONS = {"clip-active", "clip-inactive", "skipped", "merged", "batched-norms",
-                "no-clip"}
+                "no-clip", "single-pass", "clip-in-pass"}
+# what only the single pass shows: not expected of fused rows (native's fused kernel runs there)
+SINGLE_PASS_OBSERVATIONS = frozenset({"single-pass", "clip-in-pass"})
 
 
 def _lm_cases():
@@ -213,7 +216,8 @@ def _lm_cases():
                 cases.append(Case(
                     f"{family} {precision} {expect}", model=lm(family), loss=lm_loss,
                     batch=token_batch, max_norm=max_norm, precision=precision, steps=8,
-                    opt=dict(lr=3e-3), expect=frozenset({expect, "merged", "batched-norms"})))
+                    opt=dict(lr=3e-3), expect=frozenset(
+                        {expect, "single-pass"} | ({"clip-in-pass"} if max_norm < 1 else set()))))
     return cases
 
 
@@ -247,9 +251,14 @@ CASES: list[Case] = _lm_cases() + [
     Case("inf then NaN gradients", loss=nonfinite_on_steps_1_and_3, steps=4),
     Case("fp16 norm overflow zeroes gradients", model=fp16_linear, loss=fp16_overflow,
          impls=("for-loop",), steps=2),
-    Case("packing-only cell (per-tensor native norms)", ours=dict(batched_norms=False),
+    Case("per-tensor native norms only (batched_norms=False)", ours=dict(batched_norms=False),
          expect=frozenset({"clip-active"})),
-    Case("model.zero_grad(): gradients allocated outside the buffer", model=lm("tiny"),
+    Case("PackedAdamW: the packing-only cell", ours=dict(batched_norms=False), packed=True,
+         expect=frozenset({"clip-active"})),
+    Case("PackedAdamW with batched norms", model=lm("tiny-transformer-tied"), loss=lm_loss,
+         batch=token_batch, packed=True, steps=4, opt=dict(lr=3e-3),
+         expect=frozenset({"clip-active", "merged", "batched-norms"})),
+    Case("model.zero_grad()", model=lm("tiny"),
          loss=lm_loss, batch=token_batch, zero_grad="model", impls=("fused",), steps=3),
     Case("zero_grad(set_to_none=False)", zero_grad="keep", impls=("fused", "for-loop")),
     Case("gradient accumulation over 3 micro-batches", model=lm("tiny"), loss=lm_loss,
@@ -281,7 +290,8 @@ def run_case(case: Case, impl: str) -> set[str]:
                       else (case.clip_order, case.clip_order))
     ref = cotangent.ReferenceUpdate(spec1, max_norm=case.max_norm, norm_type=norm_type,
                                     clip_order=order1, **copy.deepcopy(kw))
-    opt = cotangent.AdamW(spec2, max_norm=case.max_norm, norm_type=norm_type, clip_order=order2,
+    cls = cotangent.PackedAdamW if case.packed else cotangent.AdamW
+    opt = cls(spec2, max_norm=case.max_norm, norm_type=norm_type, clip_order=order2,
                           **copy.deepcopy(kw), **case.ours)
     return lockstep(m1, ref, m2, opt, case.steps, f"{case} ({impl})", loss=case.loss,
                     batch=case.batch, zero_grad=case.zero_grad,
@@ -336,12 +346,18 @@ def lockstep(m1, ref, m2, opt, steps: int, what: str, *, loss=square, batch=vect
             seen.add("clip-active" if total > max_norm else "clip-inactive")
         assert_same_update(m1.parameters(), ref_opt.state, m2.parameters(), opt.state,
                            f"{what}, step {step}", names)
-        if isinstance(opt, cotangent.AdamW):
+        if isinstance(opt, cotangent.PackedAdamW):
             calls = opt.call_summary()
             if calls["calls"] < calls["parameters"]:
                 seen.add("merged")
             if any(layout["batched_buckets"] for layout in opt.layout_summary()):
                 seen.add("batched-norms")
+        if isinstance(opt, cotangent.AdamW):
+            path = opt.update_path()
+            if path["single_pass"]:
+                seen.add("single-pass")
+            if path["clip_in_pass"]:
+                seen.add("clip-in-pass")
         if after_step is not None:
             after_step(step)
     if {"clip-active", "clip-inactive"} <= seen:  # mixed: neither holds on every step

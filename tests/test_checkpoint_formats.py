@@ -274,6 +274,10 @@ def test_zero_grad_of_a_fresh_packed_optimizer_leaves_grad_none(arm):
     assert not differences(uninterrupted(native_arm)[0], after[0], arm)
     assert all(p.grad is None for p in packed)
     model(batches()[1]).square().mean().backward()
+    if arm == "cotangent.AdamW":  # the gradients autograd produced, read where they are
+        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+        assert all(p.grad.untyped_storage().data_ptr() not in params for p in packed)
+        return
     flat = {b.untyped_storage().data_ptr() for b in opt._store.flat_grads}
     assert all(p.grad.untyped_storage().data_ptr() in flat for p in packed)
 

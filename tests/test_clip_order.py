@@ -19,7 +19,7 @@ from torch import nn
 
 import cotangent
 from cotangent.verify import first_difference
-from tests.bitwise import assert_same_bits, assert_same_update
+from bitwise import assert_same_bits, assert_same_update
 
 IMPLS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
 HP = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)

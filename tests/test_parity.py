@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from cases import CASES, OBSERVATIONS, run_case
+from cases import CASES, OBSERVATIONS, SINGLE_PASS_OBSERVATIONS, run_case
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of")
@@ -19,5 +19,7 @@ def test_case_is_bitwise_equal_to_native(case, impl):
     assert case.expect <= OBSERVATIONS, case.expect - OBSERVATIONS
     seen = run_case(case, impl)
     # The case must exercise what it claims (clipping on every step or none, a skipped
-    # parameter, a merged AdamW range, batched norms).
-    assert case.expect <= seen, f"{case} ({impl}) did not show {sorted(case.expect - seen)}"
+    # parameter, the single pass and the clip multiply inside it; for PackedAdamW a merged AdamW
+    # range, batched norms).
+    expect = case.expect - SINGLE_PASS_OBSERVATIONS if impl == "fused" else case.expect
+    assert expect <= seen, f"{case} ({impl}) did not show {sorted(expect - seen)}"

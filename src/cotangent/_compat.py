@@ -79,6 +79,12 @@ def foreach_mul_(tensors: list[Tensor], scalar: Tensor) -> None:
     torch._foreach_mul_(tensors, scalar)
 
 
+def foreach_add_(tensors: list[Tensor], scalar) -> None:
+    """`torch._foreach_add_`: on the CPU a loop of `add_` in C++ (the step counters'
+    ``step_t += 1``)."""
+    torch._foreach_add_(tensors, scalar)
+
+
 def default_foreach(params: list[Tensor], differentiable: bool) -> bool:
     """Whether native optimizers default to foreach for `params` (foreach=None, fused unset)."""
     from torch.optim.optimizer import _default_to_fused_or_foreach

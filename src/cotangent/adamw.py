@@ -32,6 +32,11 @@ from cotangent.norms import clip_coefficient, multiply_is_identity, native_tenso
 from cotangent.store import check_state_dict, describe, state_problem
 
 
+class NotShardedError(AttributeError, RuntimeError):
+    """`AdamW.consolidate_state_dict` read on an optimizer built with ``shard=None``: an
+    AttributeError for ``hasattr`` checks, a RuntimeError for callers."""
+
+
 def _live(opt: AdamW) -> AdamW:
     """The optimizer `opt` stands for. A wrapper that subclasses the wrapped optimizer's class on
     the fly and copies its attributes (pytorch-lightning's `LightningOptimizer`, which
@@ -42,7 +47,7 @@ def _live(opt: AdamW) -> AdamW:
     Raises:
         RuntimeError: `opt` was never initialised and forwards to no optimizer.
     """
-    ref = vars(opt).get("_live_ref")
+    ref = getattr(opt, "_live_ref", None)  # (the wrapper forwards attribute reads)
     live = ref() if ref is not None else None
     if live is None:
         raise RuntimeError(f"{type(opt).__name__} was not initialised (AdamW.__init__ did not "
@@ -142,9 +147,11 @@ class AdamW(torch.optim.AdamW):
 
     Attributes:
         last_total_norm: the total gradient norm of the last clip (0-dim tensor, as
-            `clip_grad_norm_` returns it), while the gradients it clipped are unchanged since
-            (the same tensors, not written since the update); else ``None`` (before any clip,
-            without ``max_norm``, after `zero_grad()` or a new backward).
+            `clip_grad_norm_` returns it), until a backward delivers gradients the clip did not
+            see; then ``None`` (also before any clip, without ``max_norm`` and after
+            ``zero_grad(set_to_none=False)``), so after a step that `GradScaler` skipped, which
+            it does by not calling `step()` for for-loop and foreach AdamW, it reads ``None``,
+            never the previous step's norm.
 
     Raises:
         ValueError / RuntimeError at construction: everything `torch.optim.AdamW` raises; a
@@ -217,10 +224,13 @@ class AdamW(torch.optim.AdamW):
                 "(every rank then clips every gradient), or max_norm=None and clip natively "
                 "before ZeroRedundancyOptimizer.step()")
         check_clip_order_known(self.param_groups, self.max_norm, self._clip_order_params)
+        if max_norm is not None:
+            self._clip_order()  # a callable's result is checked now too (and at every clip)
         self._reset_records()
 
     def _reset_records(self) -> None:
-        self._last_clip: tuple | None = None  # (total norm, clipped grads, their versions)
+        self._last_clip: tuple | None = None  # (total norm, weakrefs to the clipped grads,
+        # their versions): `_record_clip`
         self._paths = (0, 0, (), 0)
 
     # ------------------------------------------------------------------ the update
@@ -278,9 +288,11 @@ class AdamW(torch.optim.AdamW):
             order is not None) else None
         self._create_state(fresh)
         decisions: dict = {}
+        extra: list[_Call] = []
         for call in calls:
             self._plan_kernel(call, cut, decisions, allowed=grad_scale is None
-                              and found_inf is None)
+                              and found_inf is None, extra=extra)
+        calls += extra
         kernels = [c for c in calls if c.kernel is not None]
         folding = any(c.clip_in_pass for c in kernels)
         if kernels and not self._memory_disjoint(kernels, cut if folding else None):
@@ -297,6 +309,8 @@ class AdamW(torch.optim.AdamW):
         single = native = in_pass = 0
         notes = set()
         for call in calls:
+            if not call.params:
+                continue
             if call.kernel is not None and self._run_kernel(call, cut, decisions):
                 single += len(call.params)
                 in_pass += len(call.params) if call.clip_in_pass else 0
@@ -306,7 +320,7 @@ class AdamW(torch.optim.AdamW):
             native += len(call.params)
             self._run_native(call, grad_scale, found_inf)
         if cut is not None:
-            self._last_clip = (cut.total, cut.grads, [g._version for g in cut.grads])
+            self._record_clip(cut.total, cut.grads)
         self._paths = (single, native, tuple(sorted(notes)), in_pass)
         return loss
 
@@ -337,8 +351,9 @@ class AdamW(torch.optim.AdamW):
             for p in params:
                 g = p.grad
                 if g.is_sparse:
-                    raise RuntimeError("Adam does not support sparse gradients, please "
-                                       "consider SparseAdam instead")
+                    raise RuntimeError(f"{self._describe(p)} received a sparse gradient: Adam "
+                                       "does not support sparse gradients, please consider "
+                                       "SparseAdam instead")
                 if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
                     raise RuntimeError(
                         f"the gradient of {self._describe(p)} is {tuple(g.shape)} {g.dtype} on "
@@ -374,14 +389,17 @@ class AdamW(torch.optim.AdamW):
         for call, i in fresh:
             p, group = call.params[i], call.group
             entry = self.state[p]
-            entry["step"] = _compat.new_step_tensor(p, fused=bool(group["fused"]),
-                                                    capturable=bool(group["capturable"]))
-            entry["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            entry["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            if not entry:  # (a parameter listed twice: created once, as native does)
+                entry["step"] = _compat.new_step_tensor(p, fused=bool(group["fused"]),
+                                                        capturable=bool(group["capturable"]))
+                entry["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                entry["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                if group["amsgrad"]:
+                    entry["max_exp_avg_sq"] = torch.zeros_like(
+                        p, memory_format=torch.preserve_format)
             call.steps[i], call.exp_avgs[i] = entry["step"], entry["exp_avg"]
             call.exp_avg_sqs[i] = entry["exp_avg_sq"]
             if group["amsgrad"]:
-                entry["max_exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
                 call.max_exp_avg_sqs[i] = entry["max_exp_avg_sq"]
 
     def _clip_order(self) -> list[Tensor]:
@@ -436,8 +454,13 @@ class AdamW(torch.optim.AdamW):
             torch.autograd.graph.increment_version(grads)
         else:
             multiply_grads_(grads, cut.coef)
-        self._last_clip = (cut.total, grads, [g._version for g in grads])
+        self._record_clip(cut.total, grads)
         return cut.total
+
+    def _record_clip(self, total: Tensor, grads: list[Tensor]) -> None:
+        """Remember the clip: its total norm, and which gradients it left, by weak reference (a
+        gradient is freed by ``zero_grad()`` as with native code) and version counter."""
+        self._last_clip = (total, [weakref.ref(g) for g in grads], [g._version for g in grads])
 
     def _clipped_already(self, grads: list[Tensor]) -> bool:
         """Whether `grads` are exactly the gradients the last clip left (same tensors, not
@@ -445,12 +468,14 @@ class AdamW(torch.optim.AdamW):
         last = self._last_clip
         if last is None or len(last[1]) != len(grads):
             return False
-        return all(a is b and a._version == v for a, b, v in zip(grads, last[1], last[2]))
+        return all(a is b() and a._version == v for a, b, v in zip(grads, last[1], last[2]))
 
     def _plan_kernel(self, call: _Call, cut: _Clip | None, decisions: dict,
-                     allowed: bool) -> None:
+                     allowed: bool, extra: list[_Call]) -> None:
         """Whether the single pass takes `call` (`call.kernel`), and with the clip multiply
-        (`call.clip_in_pass`, `_fold_rule`); else why not (`call.why_native`)."""
+        (`call.clip_in_pass`, `_fold_rule`); else why not (`call.why_native`). Parameters the
+        pass cannot take on their own (a gradient in other strides) leave `call` for a native
+        call appended to `extra`."""
         device, dtype = call.params[0].device, call.params[0].dtype
         why = singlepass.static_refusal(call.kind, device, dtype, call.group)
         if why is None and not allowed:
@@ -464,12 +489,21 @@ class AdamW(torch.optim.AdamW):
                                                    lambda: self._team(decisions))
             why = decisions[key]
         if why is None:
+            left: list[int] = []
             try:
                 call.kernel = singlepass.prepare_lists(
                     call.params, call.grads, call.exp_avgs, call.exp_avg_sqs,
-                    call.max_exp_avg_sqs if call.group["amsgrad"] else None, call.steps)
+                    call.max_exp_avg_sqs if call.group["amsgrad"] else None, call.steps, left)
             except (TypeError, ValueError, RuntimeError) as e:
                 why = f"refused ({e})"
+            if left and call.kernel is not None:
+                rest = _split(call, left)
+                rest.why_native = ("a gradient or state in other strides than its parameter's "
+                                   "(or a parameter that is not dense): native path")
+                extra.append(rest)
+                if not call.params:
+                    call.kernel = None
+                    why = rest.why_native
         call.clip_in_pass = call.kernel is not None and fold
         call.why_native = why
 
@@ -538,7 +572,9 @@ class AdamW(torch.optim.AdamW):
                 call.steps)
         p = call.params[0]
         if (call.kind == "fused" and grad_scale is None and found_inf is None
+                and all(s.dtype is torch.float32 and s.device == p.device for s in call.steps)
                 and merge.direct_fused_is_exact(p.device, p.dtype, call.group)):
+            # (other step tensors: native's functional path, and its checks and errors)
             merge.run_direct_fused(*args, group=call.group)
         else:
             merge.run_native_adamw(call.kind, *args, group=call.group, grad_scale=grad_scale,
@@ -581,12 +617,15 @@ class AdamW(torch.optim.AdamW):
     @property
     def last_total_norm(self) -> Tensor | None:
         """The total norm of the last clip (0-dim, the gradients' promoted dtype), or None
-        before any clip and once the gradients it clipped were replaced or written."""
+        before any clip, after ``zero_grad(set_to_none=False)`` and once a gradient is not one
+        the clip saw (a backward delivered new gradients)."""
         live = _live(self)
         last = live._last_clip
         if live.max_norm is None or last is None:
             return None
-        return last[0] if live._clipped_already(live._clip_grads()) else None
+        ids = {id(g) for ref in last[1] if (g := ref()) is not None}  # (live: ids unique)
+        fresh = any(p.grad is not None and id(p.grad) not in ids for p in live._clip_order())
+        return None if fresh else last[0]
 
     # ------------------------------------------------------------------ torch.optim surface
 
@@ -603,6 +642,8 @@ class AdamW(torch.optim.AdamW):
             return live.zero_grad(set_to_none)
         _compat.refuse_under_compile("cotangent.AdamW.zero_grad()")
         check_clip_order_known(self.param_groups, self.max_norm, self._clip_order_params)
+        if not set_to_none:
+            self._last_clip = None  # the gradients are zeros now, not the clipped ones
         super().zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -648,6 +689,19 @@ class AdamW(torch.optim.AdamW):
         self._live_ref = weakref.ref(self)
         self._reset_records()
 
+    @property
+    def consolidate_state_dict(self):
+        """Only for ``shard="zero1"`` (`cotangent.PackedAdamW`): this optimizer's `state_dict()`
+        is whole already, so reading the attribute raises `NotShardedError`, and checkpointing
+        code that asks ``hasattr(opt, "consolidate_state_dict")`` (pytorch-lightning,
+        lightning-fabric) saves `state_dict()` as for any unsharded optimizer.
+
+        Raises:
+            NotShardedError (an AttributeError and a RuntimeError): always here.
+        """
+        raise NotShardedError("consolidate_state_dict() is for shard='zero1'; this optimizer "
+                              "is not sharded")
+
     # ------------------------------------------------------------------ introspection
 
     def state_bytes(self) -> int:
@@ -672,6 +726,18 @@ class AdamW(torch.optim.AdamW):
             path = "mixed" if single and native else ("single-pass" if single else "native")
         return dict(path=path, single_pass=single, native=native, single_pass_notes=list(notes),
                     clip_in_pass=clip_in_pass)
+
+
+def _split(call: _Call, indices: list[int]) -> _Call:
+    """Move the parameters at `indices` out of `call` into a new call of the same group."""
+    keep = [i for i in range(len(call.params)) if i not in set(indices)]
+    rest = _Call(call.group, call.kind, [], [])
+    for name in ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"):
+        values = getattr(call, name)
+        if values:
+            setattr(rest, name, [values[i] for i in indices])
+            setattr(call, name, [values[i] for i in keep])
+    return rest
 
 
 def _fold_rule(cut: _Clip | None, dtype: torch.dtype, grads: list[Tensor]) -> bool:

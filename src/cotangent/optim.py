@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 
 from cotangent import _compat, merge, sharding, singlepass
-from cotangent.adamw import AdamW
+from cotangent.adamw import AdamW, NotShardedError
 from cotangent.clipping import (
     PARAM_GROUPS,
     ClipOrder,
@@ -44,11 +44,6 @@ from cotangent.store import (
     validate_params,
 )
 from cotangent.tracking import Gradients, GradientTracker, gradients_to_carry
-
-
-class NotShardedError(AttributeError, RuntimeError):
-    """`AdamW.consolidate_state_dict` read on an optimizer built with ``shard=None``: an
-    AttributeError for ``hasattr`` checks, a RuntimeError for callers."""
 
 
 def _live(opt: PackedAdamW) -> PackedAdamW:
@@ -517,14 +512,14 @@ class PackedAdamW(AdamW):
             # run the update without the scale.
             _compat.unscale_grads_([grads.tensor(store, s) for s in grads.present], grad_scale)
             self._scale_applied = True
-        outside = self._clip_order.tensors_if_outside(grads, store)
+        outside = self._clip_seq.tensors_if_outside(grads, store)
         if outside is not None:  # not all in the buffer: clip them where they are
             total = clip_actual_tensors(outside, self.max_norm, self.norm_type,
                                         self.error_if_nonfinite)
         else:
             plan = inputs.plan
             if plan.clip is None:
-                plan.clip = self._clipper.groups(plan.present, self._clip_order.slots)
+                plan.clip = self._clipper.groups(plan.present, self._clip_seq.slots)
             total = self._clipper.clip(plan.clip, self.max_norm, self.error_if_nonfinite,
                                        defer=self._defer_clip if defer else None)
         # native's clip multiplies every gradient in place (by 1.0 too), bumping its version
@@ -542,7 +537,7 @@ class PackedAdamW(AdamW):
         """Notice every edit made since the last step, then list this step's gradients and check
         the state they will read. Raises (see the class docstring) before anything is modified."""
         self._refresh_structure()
-        if self.max_norm is not None and self._clip_order.refresh(self._store.params):
+        if self.max_norm is not None and self._clip_seq.refresh(self._store.params):
             self._planner.invalidate(plans=True)
         if self._store.sync_params():
             self._planner.invalidate()
@@ -633,7 +628,7 @@ class PackedAdamW(AdamW):
         layouts = validate_params(params, 1 if zero is None else zero.world)
         if zero is not None:
             sharding.check_one_device(params)
-        self._clip_order = ClipOrder(self._clip_order_params, params)
+        self._clip_seq = ClipOrder(self._clip_order_params, params)
         old = self._tracker
         grads = gradients_to_carry(old, params)
         states = {slot: self.state[p] for slot, p in enumerate(params) if self.state.get(p)}

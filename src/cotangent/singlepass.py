@@ -1338,10 +1338,13 @@ class Prepared:
 
 def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
                   exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor] | None,
-                  steps: list[Tensor]) -> Prepared:
+                  steps: list[Tensor], leave_out: list[int] | None = None) -> Prepared:
     """Check lists for `launch` (see `single_pass_adamw_lists_`'s Args) except that they do
     not share memory (`spans_disjoint`, which a caller may run once over several lists), and
-    read their addresses. Modifies nothing.
+    read their addresses. Modifies nothing. With `leave_out` (a list), a parameter whose
+    gradient or state has other shapes or strides, or that is not dense, is appended to it by
+    index and left out of the result instead of raising (the caller updates it natively: for
+    for-loop and foreach every tensor's update is its own).
 
     Raises:
         TypeError / ValueError: as `single_pass_adamw_lists_`.
@@ -1357,28 +1360,41 @@ def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
     bases: list[list[int]] = [[] for _ in lists]
     numels = []
     strided = torch.strided
+    taken = []
     for i, p in enumerate(params):
         shape, stride = p.shape, p.stride()
-        for b, x in zip(bases, lists):
+        ptrs = []
+        for x in lists:
             t = x[i]
             if not isinstance(t, Tensor) or (
                     t.dtype is not dtype or not t.is_cpu or t.layout is not strided):
                 raise TypeError("single-pass AdamW needs dense CPU tensors of one dtype, "
                                 "float32 or bfloat16")
             if t.shape != shape or t.stride() != stride:
+                if leave_out is not None:
+                    break
                 raise ValueError("single-pass AdamW needs each parameter's gradient and state "
                                  "in its shape and strides")
-            b.append(t.data_ptr())
-        if not is_dense(p):
-            raise ValueError("single-pass AdamW needs dense parameters (no gaps, no overlap)")
-        numels.append(p.numel())
+            ptrs.append(t.data_ptr())
+        else:
+            if is_dense(p):
+                for b, ptr in zip(bases, ptrs):
+                    b.append(ptr)
+                numels.append(p.numel())
+                taken.append(i)
+                continue
+            if leave_out is None:
+                raise ValueError("single-pass AdamW needs dense parameters (no gaps, no "
+                                 "overlap)")
+        leave_out.append(i)
     if torch.is_grad_enabled() and any(p.requires_grad for p in params):
         raise RuntimeError("single-pass AdamW updates in place: call it under torch.no_grad()")
-    if len({id(s) for s in steps}) != count or any(
+    steps = [steps[i] for i in taken] if len(taken) != count else list(steps)
+    if len({id(s) for s in steps}) != len(steps) or any(
             not isinstance(s, Tensor) or s.dim() != 0 or not s.is_cpu for s in steps):
         raise ValueError("one 0-d CPU step tensor per parameter, each its own (native "
                          "increments each)")
-    return Prepared(dtype, bases, tuple(numels), list(steps))
+    return Prepared(dtype, bases, tuple(numels), steps)
 
 
 def spans_disjoint(starts: list[int], nbytes: list[int]) -> bool:
@@ -1416,6 +1432,8 @@ def _step_values(steps: list[Tensor] | Tensor) -> list[float]:
     dtype, then reads), without modifying them."""
     if isinstance(steps, Tensor):
         return (steps + 1).tolist()
+    if not steps:
+        return []
     dtypes = {s.dtype for s in steps}
     if len(dtypes) == 1:
         return (torch.stack(steps) + 1).tolist()
@@ -1484,13 +1502,15 @@ def _launch(dtype: torch.dtype, bases: list[list[int]], numels: tuple[int, ...],
             raise SinglePassUnavailable("OpenMP may resize thread teams (OMP_DYNAMIC): ATen's "
                                         "chunks are unknown")
     pieces = _pieces(numels, threads, unit, True)
+    if not numels:
+        return
     flags = (1 if weight_decay != 0 else 0) | (2 if maximize else 0) | (4 if amsgrad else 0)
     flags |= 8 if clip_coef is not None else 0
     arrays = [_int64s(b) for b in bases]
     if isinstance(steps, Tensor):
         steps.add_(1)
     else:
-        torch._foreach_add_(steps, 1)  # (per tensor on the CPU: `step_t += 1`'s bits)
+        _compat.foreach_add_(steps, 1)  # (per tensor on the CPU: `step_t += 1`'s bits)
     if bf16:
         lib.cot_singlepass_adamw_bf16(
             *arrays, pieces.data_ptr(), pieces.shape[0], ctypes.cast(nstep, ctypes.c_void_p),
@@ -1795,13 +1815,30 @@ def switched_on() -> bool:
     return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no")
 
 
+_FORKED = False  # this process is a fork of one that loaded the kernel's OpenMP runtime
+
+
+def _after_fork_in_child() -> None:
+    global _FORKED
+    _FORKED = True
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+FORKED_REASON = ("a forked child process: the kernel's OpenMP runtime does not survive fork "
+                 "(its thread team can hang), so native's op sequence runs here")
+
+
 def unavailable_reason() -> str | None:
     """Why the kernel cannot run in this process, or None when it can: not x86-64, an ATen CPU
     capability other than `ISAS`, no C++ compiler or a failed build (`build`), no square root
     with `torch.sqrt`'s bits (`sqrt_kind`), an unknown vector body / scalar tail split
-    (`aten_vector_unit`). Checked once per process (building the kernel on first use); the
-    first time it finds a reason it issues one `SinglePassWarning`."""
+    (`aten_vector_unit`), a forked child (`FORKED_REASON`). Checked once per process (building
+    the kernel on first use); the first time it finds a reason it issues one
+    `SinglePassWarning`."""
     global _UNAVAILABLE, _WARNED
+    if _FORKED:
+        return FORKED_REASON  # (no warning: the parent's choice, the same bits)
     if _UNAVAILABLE is _NOT_CHECKED:
         reason = None
         capability = torch.backends.cpu.get_cpu_capability()

@@ -20,6 +20,7 @@ from torch import Tensor
 
 from cotangent.clipping import PARAM_GROUPS, normalize_clip_order
 from cotangent.adamw import AdamW
+from cotangent.optim import PackedAdamW
 from cotangent.reference import ReferenceUpdate
 
 ARMS = ("cotangent", "packing-only")
@@ -157,7 +158,8 @@ def verify(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], 
 
 def _build_cotangent(arm: str):
     def build(our_spec, our_order, *, max_norm, norm_type, error_if_nonfinite, **adamw_kwargs):
-        opt = AdamW(our_spec, max_norm=max_norm, batched_norms=arm == "cotangent",
+        cls = PackedAdamW if arm == "packing-only" else AdamW
+        opt = cls(our_spec, max_norm=max_norm, batched_norms=arm == "cotangent",
                     norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
                     clip_order=our_order, **adamw_kwargs)
 

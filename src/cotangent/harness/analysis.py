@@ -63,7 +63,8 @@ from cotangent.harness.campaign import (
 ANALYSIS = "analysis"
 REPORT = "report"
 MANIFEST = "manifest.json"
-FACTORIAL_ARMS = ("native", "batched-norms-only", "packing-only", "cotangent")
+# the 2x2 factorial {batched norms} x {packing}: "packed" (cotangent.PackedAdamW) is both
+FACTORIAL_ARMS = ("native", "batched-norms-only", "packing-only", "packed")
 RUN_COLUMNS = ("job", "index", "block", "position", "model", "seed", "arm", "state", "run_dir",
                "steps", "training_s", "update_s", "update_ms_median", "step_ms_median",
                "target_bpb", "time_to_target_s", "test_bpb", "val_bpb", "final_model_sha256",
@@ -238,7 +239,7 @@ def _analyze(campaign: Path, protocol: Protocol, frozen: dict, log) -> dict:
                        for arm in FACTORIAL_ARMS}
                 contrasts = stats.factorial_contrasts([0.0] * len(seeds),
                                                       red["batched-norms-only"],
-                                                      red["packing-only"], red["cotangent"])
+                                                      red["packing-only"], red["packed"])
                 factorial.append({"model": model, "metric": metric, "seeds": seeds,
                                   "contrasts": {name: {"values": v, **summarize(v, protocol)}
                                                 for name, v in contrasts.items()}})

@@ -59,7 +59,8 @@ from datetime import datetime
 from pathlib import Path
 
 RTOL = 1e-9
-FACTORIAL_ARMS = ("native", "batched-norms-only", "packing-only", "cotangent")
+# the 2x2 factorial {batched norms} x {packing}: "packed" (cotangent.PackedAdamW) is both
+FACTORIAL_ARMS = ("native", "batched-norms-only", "packing-only", "packed")
 # The timing-flag rules of cotangent.harness.contention (its docstring defines them).
 SLOW_STEP_FACTOR = 5.0
 OUTLIER_EXCESS_FRACTION = 0.02
@@ -1237,7 +1238,7 @@ def check_factorial(a: Audit, results: dict, models, arms, seeds, done, level) -
         red = {arm: [reduction(done[(m, s, arm)][key], done[(m, s, "native")][key]) for s in ok]
                for arm in FACTORIAL_ARMS}
         n, bn, p, b = ([0.0] * len(ok), red["batched-norms-only"], red["packing-only"],
-                       red["cotangent"])
+                       red["packed"])
         contrasts = {
             "norm_only": [y - x for x, y in zip(n, bn)],
             "packing_only": [y - x for x, y in zip(n, p)],

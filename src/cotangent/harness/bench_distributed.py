@@ -59,7 +59,7 @@ class GradientSource(nn.Module):
 
 
 def _state_bytes(opt) -> int:
-    if isinstance(opt, cotangent.AdamW):
+    if isinstance(opt, (cotangent.AdamW, cotangent.PackedAdamW)):
         return opt.state_bytes()
     state = opt.optim.state if hasattr(opt, "optim") else opt.state
     return sum(v.numel() * v.element_size() for st in state.values() for v in st.values()

@@ -456,13 +456,12 @@ def cmd_calibrate(args) -> int:
             params = list(model.parameters())
             opt = cotangent.AdamW(params, max_norm=1.0, **flags)
             torch.autograd.backward(params, [torch.zeros_like(p) for p in params])
-            opt.step()  # builds the merged AdamW calls (their probes run here)
-            summary = opt.layout_summary()
-            calls = opt.call_summary()
-            print(f"{args.model} {flags}: {summary[0]['tensors']} tensors in "
-                  f"{summary[0]['buckets']} length buckets, {summary[0]['batched_buckets']} "
-                  f"with batched norms; AdamW in {calls['calls']} list elements for "
-                  f"{calls['parameters']} parameters")
+            opt.step()  # the probes of the calls it makes run here
+            path = opt.update_path()
+            print(f"{args.model} {flags}: {len(params)} tensors; update path {path['path']} "
+                  f"({path['single_pass']} by the single pass, {path['native']} native"
+                  + (f": {'; '.join(path['single_pass_notes'])}" if path["single_pass_notes"]
+                     else "") + ")")
     every = calibration.table()
     rows = [r for r in every if calibration_key(r) in used]
     path = calibration.cache_path()

@@ -1,7 +1,7 @@
 """The two off-diagonal cells of the 2x2 factorial {batched norms} x {packing}.
 
-`native` (neither) is `cotangent.ReferenceUpdate`; `cotangent` (both) is `cotangent.AdamW`;
-`packing-only` is `cotangent.AdamW(..., batched_norms=False)`; `batched-norms-only` is
+`native` (neither) is `cotangent.ReferenceUpdate`; `packed` (both) is `cotangent.PackedAdamW`;
+`packing-only` is `cotangent.PackedAdamW(..., batched_norms=False)`; `batched-norms-only` is
 `BatchedNormsOnly` below: gradients stay separate native tensors, equal-length ones are stacked
 (one copy each step: the price of batching without a flat buffer) and reduced by one 2-D norm
 wherever calibration proved it bitwise equal; the clip multiply and AdamW are native. Every cell

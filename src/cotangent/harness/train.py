@@ -1,13 +1,16 @@
 """`cotangent train`: the same seed trained with the native and the Cotangent update phase.
 
-Bitwise arms (the 2x2 factorial {batched norms} x {packing}; every arm gives native's bits):
+Bitwise arms (every arm gives native's bits):
     native              `torch.nn.utils.clip_grad_norm_(params, max_norm)` (foreach=None) then
                         `torch.optim.AdamW(..., fused=True)` - the fastest native CPU path.
-    cotangent           `cotangent.AdamW(..., fused=True, max_norm=max_norm)`: both.
+    cotangent           `cotangent.AdamW(..., fused=True, max_norm=max_norm)`: the product,
+                        reading every tensor where it is.
+The seed study's 2x2 factorial {batched norms} x {packing} (native is neither):
     batched-norms-only  `cotangent.harness.factorial.BatchedNormsOnly`: stacked batched norms,
                         native tensors, native clip multiply and AdamW.
-    packing-only        `cotangent.AdamW(..., batched_norms=False)`: packed buffers, merged
-                        AdamW calls, native per-tensor norms.
+    packing-only        `cotangent.PackedAdamW(..., batched_norms=False)`: packed buffers,
+                        merged AdamW calls, native per-tensor norms.
+    packed              `cotangent.PackedAdamW(...)`: both (the seed study's `cotangent` arm).
 
 Study arms (occurrence aggregation of a shared recurrent core; a study, not a bitwise family:
 their final hashes are recorded, never required to agree), each on a `recurrent-*` model and
@@ -70,7 +73,8 @@ from cotangent.harness.factorial import BatchedNormsOnly
 from cotangent.harness.model import MODEL_CONFIGS, build_model
 from cotangent.harness.schema import setting
 
-BITWISE_ARMS = ("native", "cotangent", "batched-norms-only", "packing-only", "cotangent-zero1")
+BITWISE_ARMS = ("native", "cotangent", "batched-norms-only", "packing-only", "packed",
+                "cotangent-zero1")
 # Study arm -> (the recurrent model's sharing, the OccurrenceAggregator mode or None).
 STUDY_ARMS: dict[str, tuple[str, str | None]] = {
     "U": ("untied", None), "S": ("shared", None), "P": ("replicated", "pooled"),
@@ -405,8 +409,10 @@ class Arm:
             self.update = BatchedNormsOnly(params, max_norm=cfg.max_norm, **kw)
             self.optimizer = self.update.optimizer
         else:
-            # cotangent-zero1: each rank keeps the AdamW state of its share (ZeRO-1)
-            self.optimizer = cotangent.AdamW(
+            # cotangent-zero1: each rank keeps the AdamW state of its share (ZeRO-1);
+            # packing-only / packed: the packed design without / with batched norms
+            cls = cotangent.PackedAdamW if name in ("packing-only", "packed") else cotangent.AdamW
+            self.optimizer = cls(
                 params, max_norm=cfg.max_norm, batched_norms=name != "packing-only",
                 shard="zero1" if name == "cotangent-zero1" else None, **kw)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
@@ -414,7 +420,7 @@ class Arm:
         if data_parallel is not None:  # gradients averaged over the ranks in backward
             self.forward = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[device.index] if device.type == "cuda" else None)
-        if cfg.compile:  # after packing: cotangent.AdamW moves parameter storage
+        if cfg.compile:  # after packing: cotangent.PackedAdamW moves parameter storage
             self.forward = torch.compile(self.forward)
 
     def _build_study(self, name: str, cfg: TrainConfig, device: torch.device) -> None:
@@ -793,7 +799,7 @@ def _start_records(run: _Run, arms: dict[str, Arm], corpus: Corpus, env: dict, p
             "command": sys.argv,
             "data_parallel": SINGLE_PROCESS_RECORD if dp is None else dp.record(),
         }
-        if isinstance(arm.optimizer, cotangent.AdamW):
+        if isinstance(arm.optimizer, cotangent.PackedAdamW):
             meta["layout"] = arm.optimizer.layout_summary()
             meta["buckets"] = sum(layout["buckets"] for layout in meta["layout"])
         canonical = canonical_sha256(arm.model)

@@ -11,9 +11,6 @@ def clip_follows(opt, params) -> bool:
     """Whether `cotangent.AdamW` `opt`'s clip takes the parameters that have gradients in the
     order of `params` (an iterable of tensors), as ``clip_grad_norm_(params, ...)`` would, so
     both norms have the same bits. Identity of tensors is compared, not values."""
-    source = opt._clip_order.current()
-    if source is None:
-        source = [p for group in opt.param_groups for p in group["params"]]
-    ours = [p for p in source if p.grad is not None]
+    ours = [p for p in opt._clip_order() if p.grad is not None]
     theirs = [p for p in params if p.grad is not None]
     return len(ours) == len(theirs) and all(map(lambda a, b: a is b, ours, theirs))

@@ -30,6 +30,7 @@ import torch
 
 from cotangent.integrations import clip_follows
 from cotangent.adamw import AdamW
+from cotangent.optim import PackedAdamW
 
 __all__ = ["CotangentTrainer", "CotangentTrainerMixin", "KeepGradientsPacked"]
 
@@ -51,7 +52,8 @@ def unwrap_optimizer(optimizer):
 
 
 class KeepGradientsPacked(TrainerCallback):
-    """Keeps `cotangent.AdamW`'s gradients in its flat buffer under the Trainer.
+    """Keeps `cotangent.PackedAdamW`'s gradients in its flat buffer under the Trainer
+    (`cotangent.AdamW` reads gradients where autograd leaves them: nothing to keep).
 
     The Trainer resets gradients with ``model.zero_grad()`` (``.grad = None``). At the start of
     every optimizer step (``on_step_begin``, before the first micro-batch) this calls the
@@ -64,7 +66,7 @@ class KeepGradientsPacked(TrainerCallback):
 
     def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
         opt = unwrap_optimizer(optimizer)
-        if isinstance(opt, AdamW):
+        if isinstance(opt, PackedAdamW):
             opt.zero_grad(set_to_none=True)
 
 
