@@ -120,7 +120,7 @@ def test_protocol_train_table_is_checked(tmp_path, train, message):
 
 
 def test_shipped_protocols_parse_and_balance():
-    for name, jobs, arms in (("cpu-quick", 32, 4), ("paper-v6", 96, 2)):
+    for name, jobs, arms in (("cpu-quick", 50, 5), ("paper-v6", 96, 2)):
         path = ROOT / "protocols" / f"{name}.toml"
         protocol = campaign.parse_protocol(path.read_text(), str(path))
         plan = campaign.plan_jobs(protocol)

@@ -67,7 +67,7 @@ def test_all_four_arms_end_identical(model, tmp_path, capsys):
 def test_unknown_arm_is_a_clear_error(capsys):
     assert cli.main(["train", "--model", "tiny", "--arms", "native,fast"]) == 2
     assert "arms must be a non-empty list of distinct names from native, cotangent, " \
-        "batched-norms-only, packing-only, cotangent-zero1, U, S, P, A, AP or PA, got " \
+        "batched-norms-only, packing-only, packed, cotangent-zero1, U, S, P, A, AP or PA, got " \
         "['native', 'fast']" in capsys.readouterr().err
 
 

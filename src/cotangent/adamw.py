@@ -68,6 +68,7 @@ class _Call:
     exp_avg_sqs: list[Tensor | None] = field(default_factory=list)
     max_exp_avg_sqs: list[Tensor | None] = field(default_factory=list)
     steps: list[Tensor | None] = field(default_factory=list)
+    checked: bool = True  # `AdamW._check_param` ran on every parameter
     kernel: singlepass.Prepared | None = None  # the single pass takes this call
     clip_in_pass: bool = False  # and multiplies its gradients by the clip coefficient
     why_native: str | None = None
@@ -232,6 +233,8 @@ class AdamW(torch.optim.AdamW):
         self._last_clip: tuple | None = None  # (total norm, weakrefs to the clipped grads,
         # their versions): `_record_clip`
         self._paths = (0, 0, (), 0)
+        self._direct_fused: dict = {}
+        self._checked: dict = {}  # id(p) -> what `_check_param` last accepted (weakly)
 
     # ------------------------------------------------------------------ the update
 
@@ -335,6 +338,8 @@ class AdamW(torch.optim.AdamW):
         calls: list[_Call] = []
         fresh: list[tuple[_Call, int]] = []
         state = self.state
+        if len(self._checked) > 4 * len(state) + 64:
+            self._checked.clear()  # (entries of parameters long gone)
         for group in self.param_groups:
             if group["capturable"] or group["differentiable"]:
                 raise NotImplementedError(
@@ -354,21 +359,22 @@ class AdamW(torch.optim.AdamW):
                     raise RuntimeError(f"{self._describe(p)} received a sparse gradient: Adam "
                                        "does not support sparse gradients, please consider "
                                        "SparseAdam instead")
-                if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device:
-                    raise RuntimeError(
-                        f"the gradient of {self._describe(p)} is {tuple(g.shape)} {g.dtype} on "
-                        f"{g.device}; native AdamW needs it to match the parameter")
                 key = (p.device, p.dtype)
                 call = by.get(key)
                 if call is None:
                     call = by[key] = _Call(group, kind, [], [])
+                    # a call the single pass may take is checked by it (`_plan_kernel`), and
+                    # natively where it does not take it, before anything is modified
+                    call.checked = singlepass.static_refusal(kind, p.device, p.dtype,
+                                                             group) is not None
                     calls.append(call)
+                if call.checked:
+                    self._check_param(p, amsgrad)
                 entry = state.get(p)
                 if entry:
-                    if state_problem(0, p, entry, amsgrad):
-                        raise RuntimeError(state_problem(self._slot(p), p, entry, amsgrad))
-                    m, v, s = entry["exp_avg"], entry["exp_avg_sq"], entry["step"]
-                    vmax = entry["max_exp_avg_sq"] if amsgrad else None
+                    m, v, s = (entry.get("exp_avg"), entry.get("exp_avg_sq"),
+                               entry.get("step"))
+                    vmax = entry.get("max_exp_avg_sq") if amsgrad else None
                 else:
                     if group["fused"]:
                         _compat.check_fused_support(p)
@@ -382,6 +388,42 @@ class AdamW(torch.optim.AdamW):
                 if amsgrad:
                     call.max_exp_avg_sqs.append(vmax)
         return calls, fresh
+
+    def _check_param(self, p: Tensor, amsgrad: bool) -> None:
+        """Native AdamW's inputs for `p` as native reads them, or a clear error: a gradient of
+        `p`'s shape, dtype and device; a state entry with what native reads (`state_problem`).
+
+        Raises:
+            RuntimeError: naming the parameter.
+        """
+        g, shape = p.grad, p.shape
+        if g.shape != shape or g.dtype is not p.dtype or (
+                g.device != p.device if not (g.is_cpu and p.is_cpu) else False):
+            raise RuntimeError(
+                f"the gradient of {self._describe(p)} is {tuple(g.shape)} {g.dtype} on "
+                f"{g.device}; native AdamW needs it to match the parameter")
+        entry = self.state.get(p)
+        if not entry:
+            return
+        m, v, s = entry.get("exp_avg"), entry.get("exp_avg_sq"), entry.get("step")
+        vmax = entry.get("max_exp_avg_sq") if amsgrad else None
+        # the same tensors as at the last check, and the parameter as it was then: nothing
+        # native reads has changed shape, dtype or device (a moment resized in place aside)
+        seen = self._checked.get(id(p))
+        if (seen is not None and seen[0]() is p and seen[1]() is m and seen[2]() is v
+                and seen[3]() is s and (vmax is None or seen[4]() is vmax)
+                and seen[5] == shape and seen[6] is p.dtype and seen[7] == p.get_device()):
+            return
+        if not (_moment_ok(m, p) and _moment_ok(v, p) and type(s) is Tensor
+                and s.dim() == 0 and (not amsgrad or _moment_ok(vmax, p))):
+            problem = state_problem(self._slot(p), p, entry, amsgrad)
+            if problem:
+                raise RuntimeError(problem)
+            return  # (accepted by the full check: e.g. a tensor subclass; not remembered)
+        if p.device.type == "cpu" or p.device == m.device:
+            self._checked[id(p)] = (weakref.ref(p), weakref.ref(m), weakref.ref(v),
+                                    weakref.ref(s), weakref.ref(vmax) if vmax is not None
+                                    else None, shape, p.dtype, p.get_device())
 
     def _create_state(self, fresh: list[tuple[_Call, int]]) -> None:
         """Native's lazy state initialisation (`torch.optim.Adam._init_group`) for parameters
@@ -482,12 +524,10 @@ class AdamW(torch.optim.AdamW):
             why = "GradScaler state (grad_scale / found_inf): native path"
         fold = why is None and _fold_rule(cut, dtype, call.grads)
         if why is None:
-            key = (call.kind, id(call.group), cut.value if fold else None, dtype)
-            if key not in decisions:
-                decisions[key] = singlepass.decide(call.kind, call.group,
-                                                   cut.value if fold else None, dtype,
-                                                   lambda: self._team(decisions))
-            why = decisions[key]
+            why = self._decide(call, cut.value if fold else None, dtype, decisions)
+            if why is not None and fold:  # the pass may still take the update, clip apart
+                fold = False
+                why = self._decide(call, None, dtype, decisions)
         if why is None:
             left: list[int] = []
             try:
@@ -506,6 +546,20 @@ class AdamW(torch.optim.AdamW):
                     why = rest.why_native
         call.clip_in_pass = call.kernel is not None and fold
         call.why_native = why
+        for c in ([call] if call.kernel is None else []) + extra:
+            if not c.checked:  # what runs natively is checked as native reads it
+                for p in c.params:
+                    self._check_param(p, bool(c.group["amsgrad"]))
+                c.checked = True
+
+    def _decide(self, call: _Call, clip_coef: float | None, dtype: torch.dtype,
+                decisions: dict) -> str | None:
+        """`singlepass.decide` for `call`'s settings, asked once per step and argument."""
+        key = (call.kind, id(call.group), clip_coef, dtype)
+        if key not in decisions:
+            decisions[key] = singlepass.decide(call.kind, call.group, clip_coef, dtype,
+                                               lambda: self._team(decisions))
+        return decisions[key]
 
     @staticmethod
     def _team(decisions: dict) -> tuple[int, tuple[int, ...]]:
@@ -564,8 +618,18 @@ class AdamW(torch.optim.AdamW):
         torch.autograd.graph.increment_version(written)
         return True
 
-    @staticmethod
-    def _run_native(call: _Call, grad_scale, found_inf) -> None:
+    def _direct_fused_exact(self, device: torch.device, dtype: torch.dtype, group: dict) -> bool:
+        """`merge.direct_fused_is_exact`, remembered by this optimizer per (device, dtype, the
+        group's branches, thread count): building the verdict's key costs more than the
+        lookup."""
+        key = (device, dtype, bool(group["amsgrad"]), bool(group["maximize"]),
+               merge.decay_kind(group), torch.is_tensor(group["lr"]), torch.get_num_threads())
+        memo = self._direct_fused
+        if key not in memo:
+            memo[key] = merge.direct_fused_is_exact(device, dtype, group)
+        return memo[key]
+
+    def _run_native(self, call: _Call, grad_scale, found_inf) -> None:
         """Native's functional AdamW over `call`'s lists (the fused kernel called directly where
         `merge.direct_fused_is_exact` proved that equal)."""
         args = (call.params, call.grads, call.exp_avgs, call.exp_avg_sqs, call.max_exp_avg_sqs,
@@ -573,7 +637,7 @@ class AdamW(torch.optim.AdamW):
         p = call.params[0]
         if (call.kind == "fused" and grad_scale is None and found_inf is None
                 and all(s.dtype is torch.float32 and s.device == p.device for s in call.steps)
-                and merge.direct_fused_is_exact(p.device, p.dtype, call.group)):
+                and self._direct_fused_exact(p.device, p.dtype, call.group)):
             # (other step tensors: native's functional path, and its checks and errors)
             merge.run_direct_fused(*args, group=call.group)
         else:
@@ -728,10 +792,18 @@ class AdamW(torch.optim.AdamW):
                     clip_in_pass=clip_in_pass)
 
 
+def _moment_ok(t, p: Tensor) -> bool:
+    """The quick form of `cotangent.store.entry_problem` for a moment (the full check, with its
+    message, runs where this fails): a dense tensor of `p`'s shape, dtype and device."""
+    return (type(t) is Tensor and t.shape == p.shape and t.dtype is p.dtype
+            and t.layout is torch.strided and t.device == p.device)
+
+
 def _split(call: _Call, indices: list[int]) -> _Call:
     """Move the parameters at `indices` out of `call` into a new call of the same group."""
     keep = [i for i in range(len(call.params)) if i not in set(indices)]
     rest = _Call(call.group, call.kind, [], [])
+    rest.checked = call.checked
     for name in ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"):
         values = getattr(call, name)
         if values:

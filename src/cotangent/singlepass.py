@@ -1342,9 +1342,9 @@ def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
     """Check lists for `launch` (see `single_pass_adamw_lists_`'s Args) except that they do
     not share memory (`spans_disjoint`, which a caller may run once over several lists), and
     read their addresses. Modifies nothing. With `leave_out` (a list), a parameter whose
-    gradient or state has other shapes or strides, or that is not dense, is appended to it by
-    index and left out of the result instead of raising (the caller updates it natively: for
-    for-loop and foreach every tensor's update is its own).
+    gradient or state has another dtype, device, shape or strides, or that is not dense, is
+    appended to it by index and left out of the result instead of raising (the caller updates
+    it natively: for for-loop and foreach every tensor's update is its own).
 
     Raises:
         TypeError / ValueError: as `single_pass_adamw_lists_`.
@@ -1368,6 +1368,8 @@ def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
             t = x[i]
             if not isinstance(t, Tensor) or (
                     t.dtype is not dtype or not t.is_cpu or t.layout is not strided):
+                if leave_out is not None:
+                    break
                 raise TypeError("single-pass AdamW needs dense CPU tensors of one dtype, "
                                 "float32 or bfloat16")
             if t.shape != shape or t.stride() != stride:
