@@ -4,6 +4,7 @@ not asserted: benchmarks are measured, not tested)."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import statistics
@@ -132,7 +133,39 @@ def test_the_byte_check_covers_the_single_pass_off_arm(monkeypatch):
         return real_adamw(params, **{**kw, "lr": kw["lr"] * (2 if len(built) == 2 else 1)})
 
     monkeypatch.setattr(cotangent, "AdamW", second_other_lr)
-    assert _row("real-backward", "default").bitwise is False and len(built) == 2
+    # (the third build is the memory measurement's, on a copy of its own)
+    assert _row("real-backward", "default").bitwise is False and len(built) == 3
+
+
+def test_the_byte_check_covers_the_packed_arm(monkeypatch):
+    """Control: the PackedAdamW arm (the design before issue 26) stepping with another learning
+    rate makes the row not bitwise."""
+    real = cotangent.PackedAdamW
+
+    def other_lr(params, **kw):
+        return real(params, **{**kw, "lr": kw["lr"] * 2})
+
+    monkeypatch.setattr(cotangent, "PackedAdamW", other_lr)
+    assert _row("real-backward", "fused").bitwise is False
+
+
+def test_forward_end_bytes_see_a_buffer_an_optimizer_keeps():
+    """The memory row's measure: an optimizer that keeps one extra 1 MiB tensor alive through the
+    forward reads 1 MiB more at the end of the forward than native's."""
+    model = bench.bench_model("tiny-transformer")
+    batches = bench.bench_batches(model, 3, batch_size=1, seq_len=16)
+    kept = []
+
+    def native(params):
+        return torch.optim.AdamW(params, fused=True)
+
+    def hoarding(params):
+        kept.append(torch.empty(1 << 18))  # allocated inside the profiled region
+        return torch.optim.AdamW(params, fused=True)
+
+    base = bench.forward_end_bytes(copy.deepcopy(model), native, lambda o: o.step(), batches)
+    more = bench.forward_end_bytes(copy.deepcopy(model), hoarding, lambda o: o.step(), batches)
+    assert [b - a for a, b in zip(base, more)] == [1 << 20] * 3
 
 
 def test_real_backward_gives_both_arms_fresh_gradients_freed_by_zero_grad():

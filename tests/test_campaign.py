@@ -43,7 +43,8 @@ val_bytes = 2048
 probe_bytes = 1024
 eval_batch = 8
 """
-FACTORIAL = '["native", "cotangent", "batched-norms-only", "packing-only"]'
+# the seed study's 2x2 factorial (native is neither cell, packed both)
+FACTORIAL = '["native", "packed", "batched-norms-only", "packing-only"]'
 
 
 def write_protocol(tmp: Path, *, arms: str = FACTORIAL, seeds: str = "[0, 1]",
@@ -172,7 +173,7 @@ def test_campaign_end_to_end(finished):
         (finished / "protocol.toml").read_bytes()).hexdigest()
     results = json.loads((finished / "analysis" / "results.json").read_text())
     assert [c["candidate"] for c in results["comparisons"]] == [
-        "cotangent", "batched-norms-only", "packing-only"]
+        "packed", "batched-norms-only", "packing-only"]
     for c in results["comparisons"]:
         assert c["pairs"] == 2 and c["identical_final_hash"] == {"pairs": 2, "identical": 2}
         q = c["quality_difference_bpb"]

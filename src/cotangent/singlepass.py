@@ -2037,6 +2037,14 @@ def proven(kind: str, group: dict, parts: tuple, clip_coef: float | None = None,
     return verdict
 
 
+def forget_verdicts() -> None:
+    """Drop this process's memo of verdicts: the next `proven` reads the calibration cache
+    (or probes) again, and so does the square root's choice (`sqrt_kind`). For
+    `cotangent calibrate`, which lists the verdicts a layout uses."""
+    _VERDICTS.clear()
+    sqrt_kind.cache_clear()
+
+
 def process_report() -> dict:
     """What the single pass cost and found in this process, for benchmarks and logs (the one-off
     costs kept apart from per-step times): ``unavailable_reason`` (None when it can run, or why

@@ -261,6 +261,7 @@ def _analyze(campaign: Path, protocol: Protocol, frozen: dict, log) -> dict:
                  "failed": [r["job"] for r in runs if r["state"] == "failed"]},
         "comparisons": comparisons,
         "factorial": factorial,
+        "factorial_both_arm": FACTORIAL_ARMS[-1],
         "timing_flags": timing_flags(list(done.values())),
         "definitions": __doc__,
     }

@@ -1223,7 +1223,11 @@ def check_factorial(a: Audit, results: dict, models, arms, seeds, done, level) -
     """The 2x2 factorial contrasts of results.json, recomputed per model and metric."""
     f = "analysis/results.json"
     recorded = results.get("factorial", [])
-    if not (set(FACTORIAL_ARMS) <= set(arms) and arms[0] == "native"):
+    # the cell with both: "packed" since issue 26; analyses written before it name no cell and
+    # took "cotangent", which then was the packed design
+    both = results.get("factorial_both_arm", "cotangent")
+    factorial_arms = FACTORIAL_ARMS[:-1] + (both,)
+    if not (set(factorial_arms) <= set(arms) and arms[0] == "native"):
         a.check(recorded == [], f, "factorial contrasts without the four factorial arms")
         return
     expected = [(m, metric, key) for m in models for metric, key in
@@ -1232,13 +1236,13 @@ def check_factorial(a: Audit, results: dict, models, arms, seeds, done, level) -
         return
     for rec, (m, metric, key) in zip(recorded, expected):
         where = f"factorial[{m}, {metric}]"
-        ok = [s for s in seeds if all((m, s, arm) in done for arm in FACTORIAL_ARMS)]
+        ok = [s for s in seeds if all((m, s, arm) in done for arm in factorial_arms)]
         a.check(rec.get("model") == m and rec.get("metric") == metric and rec.get("seeds") == ok,
                 f, f"{where}: model, metric or seeds differ")
         red = {arm: [reduction(done[(m, s, arm)][key], done[(m, s, "native")][key]) for s in ok]
-               for arm in FACTORIAL_ARMS}
+               for arm in factorial_arms}
         n, bn, p, b = ([0.0] * len(ok), red["batched-norms-only"], red["packing-only"],
-                       red["packed"])
+                       red[both])
         contrasts = {
             "norm_only": [y - x for x, y in zip(n, bn)],
             "packing_only": [y - x for x, y in zip(n, p)],

@@ -274,6 +274,12 @@ class Row:
     cotangent_off_ms: float | None = None
     off_ratio: float | None = None
     cotangent_off_path: str | None = None  # update_path()["path"] of that arm ("native")
+    # cotangent.PackedAdamW (the packed design before issue 26) in the same interleaving:
+    # update phase (median ms), its ratio to native, its gradient phase, its loop ratio
+    packed_ms: float | None = None
+    packed_ratio: float | None = None
+    packed_backward_ms: float | None = None
+    packed_loop_ratio: float | None = None
 
 
 @contextlib.contextmanager
@@ -344,7 +350,8 @@ def bench_row(shape: str, impl: str, *, pass_ms: float | None = None, repeats: i
     native = torch.optim.AdamW(p1, **BENCH_ADAMW_ARGS, **IMPLS[impl])
     ours = cotangent.AdamW(p2, max_norm=max_norm, **BENCH_ADAMW_ARGS, **IMPLS[impl])
     totals: dict[str, torch.Tensor] = {}
-    losses: dict[str, list[torch.Tensor]] = {"native": [], "cotangent": [], "cotangent-off": []}
+    losses: dict[str, list[torch.Tensor]] = {"native": [], "cotangent": [], "cotangent-off": [],
+                                             "packed": []}
 
     def native_update():
         totals["native"] = torch.nn.utils.clip_grad_norm_(p1, max_norm)
@@ -365,6 +372,16 @@ def bench_row(shape: str, impl: str, *, pass_ms: float | None = None, repeats: i
             totals["cotangent-off"] = off.last_total_norm
 
         arms["cotangent-off"] = (m3, off, p3, off_update)
+    # the design before issue 26 (parameters and gradients packed), in the same interleaving
+    m4 = copy.deepcopy(m1)
+    p4 = list(m4.parameters())
+    packed = cotangent.PackedAdamW(p4, max_norm=max_norm, **BENCH_ADAMW_ARGS, **IMPLS[impl])
+
+    def packed_update():
+        packed.step()
+        totals["packed"] = packed.last_total_norm
+
+    arms["packed"] = (m4, packed, p4, packed_update)
 
     def gradients(name: str, i: int) -> None:
         model, _, params, _ = arms[name]
@@ -469,7 +486,10 @@ def bench_row(shape: str, impl: str, *, pass_ms: float | None = None, repeats: i
         busy=_busy(others, sampler.cpus), cotangent_path=path["path"],
         cotangent_path_notes=tuple(path["single_pass_notes"]), cotangent_off_ms=off_ms,
         off_ratio=None if off_ms is None else off_ms / nat["update"],
-        cotangent_off_path=arms["cotangent-off"][1].update_path()["path"] if with_off else None)
+        cotangent_off_path=arms["cotangent-off"][1].update_path()["path"] if with_off else None,
+        packed_ms=ms["packed"]["update"], packed_ratio=ms["packed"]["update"] / nat["update"],
+        packed_backward_ms=ms["packed"]["backward"],
+        packed_loop_ratio=ms["packed"]["loop"] / nat["loop"])
 
 
 # The project's goals, checked on every run (issue 26): (native implementation, shape
@@ -534,13 +554,15 @@ def format_table(rows: list[Row], pass_ms: float, method: str = "real-backward",
             f"{'step':>7}{'zero_grad n/c':>14}"
             f"{'bwd n/c':>16}{'loop':>7}{'pass_ns':>8}{'floor10_ms':>11}{'/floor':>7}  bitwise  "
             f"{'extra_B':>7}{'largest temp n/c (KiB)':>24}{'fwd-end n/c (MiB)':>19}"
-            f"{'others':>8}")
+            f"{'packed upd/bwd/loop':>21}{'others':>8}")
     lines = [method_line(method, batch_size, seq_len),
              "update = clip + step + zero_grad (native_ms, cotangent_ms, ratio = cotangent / "
              "native); step: the ratio of clip + step alone; bwd: the gradient phase before it "
              "(ms); loop: the ratio of gradient phase + update (the whole iteration); fwd-end: "
              "bytes the allocator holds at the end of a forward (profiler memory events, third "
-             "iteration of a fresh copy; real-backward only)",
+             "iteration of a fresh copy; real-backward only); packed: cotangent.PackedAdamW "
+             "(the packed design before issue 26) in the same interleaving: update ratio, "
+             "gradient phase ms, loop ratio",
              "path: what updated Cotangent's parameters (single-pass kernel, native's op "
              "sequence, mixed); off_ms / off: Cotangent with COTANGENT_SINGLE_PASS=0 in the "
              "same interleaving (update phase; ratio to native): the path before the single "
@@ -563,7 +585,8 @@ def format_table(rows: list[Row], pass_ms: float, method: str = "real-backward",
             f"{'yes' if r.bitwise else 'NO':<7}"
             f"{r.extra_persistent_bytes:>8}{r.native_largest_alloc_bytes / 1024:>13.0f} / "
             f"{r.cotangent_largest_alloc_bytes / 1024:<8.0f}{_mib(r.native_forward_end_bytes):>9} /"
-            f"{_mib(r.cotangent_forward_end_bytes):>8}{others:>8}{'*' if r.busy else ''}")
+            f"{_mib(r.cotangent_forward_end_bytes):>8}{_packed(r):>21}{others:>8}"
+            f"{'*' if r.busy else ''}")
     if others_cpus is not None:
         lines.append(f"load: other work kept {others_cpus:.2f} of {host_cpus} CPUs busy on average "
                      f"during the run (others: per row); ratios move with it on a small machine")
@@ -575,6 +598,12 @@ def format_table(rows: list[Row], pass_ms: float, method: str = "real-backward",
                      f"threads > {BUSY_DEMAND_RATIO} x CPUs; marked *): their times say more "
                      f"about the other work than about the code")
     return "\n".join(lines)
+
+
+def _packed(r: Row) -> str:
+    if r.packed_ratio is None:
+        return "-"
+    return f"{r.packed_ratio:.3f}/{r.packed_backward_ms:.2f}/{r.packed_loop_ratio:.3f}"
 
 
 def _mib(n: int | None) -> str:

@@ -450,6 +450,9 @@ def cmd_calibrate(args) -> int:
     from cotangent import calibration
     from cotangent.harness.model import build_model
 
+    from cotangent import singlepass
+
+    singlepass.forget_verdicts()  # every verdict the layout uses comes through the cache
     with _calibration_keys_used() as used:
         for flags in ({"fused": True}, {"foreach": True}, {"foreach": False}):
             model = build_model(args.model, 0)
