@@ -63,6 +63,7 @@ names the path each step took.
 
 from __future__ import annotations
 
+import array
 import ctypes
 import hashlib
 import logging
@@ -1362,7 +1363,22 @@ def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
     strided = torch.strided
     taken = []
     for i, p in enumerate(params):
-        shape, stride = p.shape, p.stride()
+        shape = p.shape
+        if p.is_contiguous():  # (the common case: contiguous tensors of one shape are alike)
+            ptrs = []
+            for x in lists:
+                t = x[i]
+                if not (isinstance(t, Tensor) and t.dtype is dtype and t.is_cpu
+                        and t.layout is strided and t.is_contiguous() and t.shape == shape):
+                    break
+                ptrs.append(t.data_ptr())
+            else:
+                for b, ptr in zip(bases, ptrs):
+                    b.append(ptr)
+                numels.append(p.numel())
+                taken.append(i)
+                continue
+        stride = p.stride()
         ptrs = []
         for x in lists:
             t = x[i]
@@ -1425,8 +1441,10 @@ def launch(prepared: Prepared, *, implementation: str, lr, beta1: float, beta2: 
 
 
 def _int64s(values: list[int]):
-    """A ctypes array of int64 holding `values` (pointers as integers)."""
-    return (ctypes.c_int64 * len(values))(*values)
+    """A ctypes array of int64 holding `values` (pointers as integers), filled in C
+    (`array.array`) and shared with ctypes without a copy."""
+    buf = array.array("q", values)
+    return (ctypes.c_int64 * len(values)).from_buffer(buf) if values else None
 
 
 def _step_values(steps: list[Tensor] | Tensor) -> list[float]:
