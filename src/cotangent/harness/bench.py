@@ -5,7 +5,8 @@ native `torch.nn.utils.clip_grad_norm_(params, max_norm)` + `torch.optim.AdamW.s
 `zero_grad()` against `cotangent.AdamW(..., max_norm=max_norm).step()` + `zero_grad()` with the
 same AdamW arguments, for each native implementation: `default` (what torch picks with no flag:
 the for-loop on CPU), `foreach` and `fused`. Both arms live in one process and alternate repeat
-by repeat (their order flips every repeat). Each repeat gets its gradients by one of `METHODS`:
+by repeat (their order rotates every repeat, so that each arm takes each position equally
+often). Each repeat gets its gradients by one of `METHODS`:
 
     real-backward    (default) a forward + backward of the arm's model on a small random batch
                      (`BATCH_SIZE` x `SEQ_LEN` tokens, the same batch for both arms), as in
@@ -321,7 +322,7 @@ def bench_row(shape: str, impl: str, *, pass_ms: float | None = None, repeats: i
     cotangent.AdamW(max_norm=max_norm) on two copies of model `shape` (a name of SHAPES, or
     any harness model name such as "tiny-transformer"), arms interleaved.
 
-    Each repeat, for each arm (the order flips every repeat): the gradients (`method`
+    Each repeat, for each arm (the order rotates every repeat): the gradients (`method`
     "real-backward": forward + backward of `bench_loss` on this repeat's batch, the same batch
     for both arms; "synthetic-grads": `torch.autograd.backward(params, grads)` with the same
     fixed random gradients every repeat), then clip + step, then zero_grad, each timed between
@@ -418,7 +419,11 @@ def bench_row(shape: str, impl: str, *, pass_ms: float | None = None, repeats: i
             if i >= warmup:
                 for ph, dt in zip(phases, (t1 - t0, t2 - t1, t3 - t2, t3 - t1, t3 - t0)):
                     times[name][ph].append(dt)
-        order.reverse()
+        # rotate (not reverse): with three or four arms a reversal leaves the middle ones in the
+        # middle every repeat (Cotangent's fused rows read 1.03-1.19 of native there, the same
+        # step 1.01 in a two-arm alternation); rotated, every arm takes every position equally
+        # often
+        order.append(order.pop(0))
     allocs = {}
     for name, (_, _, _, update) in arms.items():  # one more (profiled) step for each
         gradients(name, warmup + repeats)
@@ -447,13 +452,14 @@ def bench_row(shape: str, impl: str, *, pass_ms: float | None = None, repeats: i
     real = method == "real-backward"
     path = ours.update_path()
     end_bytes = {}
+    kept = {}  # each arm's last total norm stays alive, as the timed arms keep theirs
     if real:
         m0 = bench_model(shape).to(dev)
         m0.load_state_dict(m1.state_dict())  # (any weights: memory depends on shapes only)
         for name, make, update in (
                 ("native", lambda p: torch.optim.AdamW(p, **BENCH_ADAMW_ARGS, **IMPLS[impl]),
-                 lambda o: (torch.nn.utils.clip_grad_norm_(
-                     [q for g in o.param_groups for q in g["params"]], max_norm), o.step())),
+                 lambda o: (kept.__setitem__("native", torch.nn.utils.clip_grad_norm_(
+                     [q for g in o.param_groups for q in g["params"]], max_norm)), o.step())),
                 ("cotangent", lambda p: cotangent.AdamW(p, max_norm=max_norm, **BENCH_ADAMW_ARGS,
                                                         **IMPLS[impl]),
                  lambda o: o.step())):
