@@ -641,3 +641,77 @@ def test_two_parameters_sharing_one_gradient_tensor(impl):
         assert_same_bits(total, opt.last_total_norm, f"step {step} total norm")
         assert_same_update(m1.parameters(), ref.optimizer.state, m2.parameters(), opt.state,
                            f"step {step}")
+
+
+# ------------------------------------------------------------------ issue 26: tensors the user holds
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_a_gradient_assigned_once_and_refilled_every_step_is_read_every_step(impl):
+    """The asynchronous actor-critic pattern: a worker's gradient tensor is assigned once as the
+    shared model's ``.grad``, zeroed with ``zero_grad(set_to_none=False)`` and refilled in place
+    by the worker (here ``copy_`` of the worker's gradient): native reads the user's tensor at
+    every step, and so must Cotangent (it did not before: it read its own copy from the second
+    step on)."""
+    torch.manual_seed(0)
+    shared = [nn.Linear(6, 4) for _ in range(2)]
+    shared[1].load_state_dict(shared[0].state_dict())
+    worker = nn.Linear(6, 4)
+    opts = [torch.optim.AdamW(shared[0].parameters(), **HP, **IMPLS[impl]),
+            cotangent.AdamW(shared[1].parameters(), max_norm=0.05, **HP, **IMPLS[impl])]
+    held = [[torch.zeros_like(p) for p in m.parameters()] for m in shared]
+    for m, grads in zip(shared, held):
+        for p, g in zip(m.parameters(), grads):
+            p.grad = g
+    gen = torch.Generator().manual_seed(3)
+    for step in range(4):
+        worker.zero_grad()
+        worker(torch.randn(5, 6, generator=gen)).square().sum().backward()
+        for (m, o), grads in zip(zip(shared, opts), held):
+            o.zero_grad(set_to_none=False)
+            for g, w in zip(grads, worker.parameters()):
+                g.copy_(w.grad)
+        total = torch.nn.utils.clip_grad_norm_(shared[0].parameters(), 0.05)
+        for o in opts:
+            o.step()
+        assert_same_bits(total, opts[1].last_total_norm, f"{impl} step {step}: total norm")
+        assert all(p.grad is g for p, g in zip(shared[1].parameters(), held[1]))
+        assert_same_update(shared[0].parameters(), opts[0].state, shared[1].parameters(),
+                           opts[1].state, f"{impl} step {step}")
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_parameter_memory_shared_with_tensors_outside_the_optimizer_is_updated_there(impl):
+    """Two siblings of the second silent divergence of issue 26, which moved parameters into
+    buffers of its own: (a) two modules built from one weight tensor (``from_pretrained`` with
+    ``freeze=False`` twice): the other module sees every update; (b) an optimizer over
+    parameters that are views of one flat tensor: the flat tensor sees every update. Native
+    updates the memory itself, and so does Cotangent, with native's bits."""
+    torch.manual_seed(0)
+    weight = torch.randn(10, 4)
+    sides = []
+    for cls in (torch.optim.AdamW, cotangent.AdamW):
+        a = nn.Embedding.from_pretrained(weight.clone(), freeze=False)
+        b = nn.Embedding.from_pretrained(a.weight.data, freeze=True)  # shares a's memory
+        flat = torch.randn(40, generator=torch.Generator().manual_seed(1))
+        views = [nn.Parameter(flat[:24].view(6, 4)), nn.Parameter(flat[24:])]
+        kw = dict(max_norm=0.05) if cls is cotangent.AdamW else {}
+        opt = cls([a.weight] + views, **HP, **IMPLS[impl], **kw)
+        sides.append((a, b, flat, views, opt))
+    gen = torch.Generator().manual_seed(2)
+    for step in range(3):
+        idx = torch.randint(0, 10, (7,), generator=gen)
+        x = torch.randn(3, 4, generator=gen)
+        for a, b, flat, views, opt in sides:
+            opt.zero_grad()
+            (a(idx).square().sum() + (views[0] @ x.T).square().sum()
+             + views[1].square().sum()).backward()
+            if isinstance(opt, torch.optim.AdamW) and not isinstance(opt, cotangent.AdamW):
+                torch.nn.utils.clip_grad_norm_([a.weight] + views, 0.05)
+            opt.step()
+        (a1, b1, f1, v1, o1), (a2, b2, f2, v2, o2) = sides
+        assert_same_bits(b1.weight, b2.weight, f"{impl} step {step}: the other module")
+        assert_same_bits(b2.weight, a2.weight, "the other module sees the update")
+        assert_same_bits(f1, f2, f"{impl} step {step}: the flat tensor")
+        assert v2[0].data_ptr() == f2.data_ptr()  # nothing moved
+        assert_same_update([a1.weight] + v1, o1.state, [a2.weight] + v2, o2.state,
+                           f"{impl} step {step}")

@@ -140,9 +140,9 @@ class AdamW(torch.optim.AdamW):
             the param groups and the optimizer cannot see the model. As with native code,
             optimizer parameters missing from the order are updated unclipped, and others in it
             are clipped too.
-        batched_norms: allow one calibrated 2-D norm over gradients that happen to be equal,
-            evenly spaced rows of one storage (`cotangent.clip`); ``False``: native per-tensor
-            norms only.
+        batched_norms: allow one calibrated 2-D norm over CPU gradients that happen to be
+            equal, evenly spaced rows of one storage (`cotangent.clip`); ``False``: native
+            per-tensor norms only.
         shard, shard_norms, process_group: ``shard="zero1"`` builds a `cotangent.PackedAdamW`
             (parameter-aligned ZeRO-1 still runs on the packed buffers; see there).
 
@@ -460,7 +460,9 @@ class AdamW(torch.optim.AdamW):
         """`clip_grad_norm_`'s total norm and clip coefficient over `grads` (raises with
         ``error_if_nonfinite`` before anything is modified). `fold`: the single pass may do the
         multiply (no GradScaler state, a CPU coefficient that is not NaN)."""
-        if self.batched_norms:
+        if self.batched_norms and all(g.device.type == "cpu" for g in grads[:1]):
+            # (on CUDA a (B, K) row norm and `_foreach_norm` reduce in other trees: issue 29;
+            # no batched-norm probe runs there until a measurement shows it can win)
             total = get_total_norm(grads, self.norm_type, self.error_if_nonfinite)
         else:
             norms = []

@@ -80,7 +80,14 @@ class PackedAdamW(AdamW):
     r"""AdamW with built-in gradient clipping over packed flat buffers: `cotangent.AdamW`'s
     seed-study design (parameters moved into flat buffers, gradients copied into one as autograd
     delivers them). `cotangent.AdamW(..., shard="zero1")` builds one; the harness's
-    ``packing-only`` arm uses it with ``batched_norms=False``. Same bits as `cotangent.AdamW`.
+    ``packing-only`` arm uses it with ``batched_norms=False``. Same bits as `cotangent.AdamW`,
+    except where the packing takes over tensors the user still holds (issue 26; the reason
+    `cotangent.AdamW` reads everything in place): a gradient tensor assigned once and refilled
+    in place across steps is read from its copy in the buffer from the second step on, and a
+    parameter whose memory another tensor outside the optimizer also references is moved into
+    the buffer, so that tensor no longer sees the updates (`tests/test_inputs.py`,
+    ``test_a_gradient_assigned_once_*`` and ``test_parameter_memory_shared_*``, pass for
+    `cotangent.AdamW` and fail for this class).
 
     Drop-in for ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)`` followed by
     ``torch.optim.AdamW(params, ...).step()``: same constructor arguments and defaults as
