@@ -26,6 +26,7 @@ from cotangent.clipping import (
     PARAM_GROUPS,
     ClipOrder,
     check_clip_order_known,
+    check_not_sharded_by_zero,
     normalize_clip_order,
 )
 from cotangent.norms import clip_coefficient, multiply_is_identity, native_tensor_norms, total_norm
@@ -215,15 +216,7 @@ class AdamW(torch.optim.AdamW):
         self.error_if_nonfinite = bool(error_if_nonfinite)
         self.batched_norms = bool(batched_norms)
         self._clip_order_params = normalize_clip_order(clip_order)
-        if (max_norm is not None and self._clip_order_params in (None, PARAM_GROUPS)
-                and _compat.built_by_zero_redundancy_optimizer()):
-            raise ValueError(
-                "cotangent.AdamW(max_norm=...) inside ZeroRedundancyOptimizer: each rank's "
-                "optimizer holds one shard of the parameters (its param groups are the shard's), "
-                "so a clip over them would norm that shard alone, where native code clips "
-                "clip_grad_norm_(model.parameters(), ...) on every rank; pass clip_order=model "
-                "(every rank then clips every gradient), or max_norm=None and clip natively "
-                "before ZeroRedundancyOptimizer.step()")
+        check_not_sharded_by_zero(max_norm, self._clip_order_params)
         check_clip_order_known(self.param_groups, self.max_norm, self._clip_order_params)
         if max_norm is not None:
             self._clip_order()  # a callable's result is checked now too (and at every clip)

@@ -255,6 +255,26 @@ def check_clip_order_known(param_groups: list[dict], max_norm, clip_order) -> No
             "parameters in param-group order (as Lightning's gradient_clip_val does)")
 
 
+def check_not_sharded_by_zero(max_norm, clip_order) -> None:
+    """The clip-order rule inside `torch.distributed.optim.ZeroRedundancyOptimizer`, called
+    from an optimizer's constructor: each rank's optimizer there holds one shard of the
+    parameters, so a clip over its own param groups would norm that shard alone.
+
+    Raises:
+        ValueError: `max_norm` set with `clip_order` None or ``"param_groups"`` while a
+            ZeroRedundancyOptimizer builds the optimizer.
+    """
+    if (max_norm is not None and clip_order in (None, PARAM_GROUPS)
+            and _compat.built_by_zero_redundancy_optimizer()):
+        raise ValueError(
+            "cotangent.AdamW(max_norm=...) inside ZeroRedundancyOptimizer: each rank's "
+            "optimizer holds one shard of the parameters (its param groups are the shard's), "
+            "so a clip over them would norm that shard alone, where native code clips "
+            "clip_grad_norm_(model.parameters(), ...) on every rank; pass clip_order=model "
+            "(every rank then clips every gradient), or max_norm=None and clip natively "
+            "before ZeroRedundancyOptimizer.step()")
+
+
 class ClipOrder:
     """What the clip covers, in which order: `clip_grad_norm_`'s parameter list.
 

@@ -26,10 +26,10 @@ from torch import Tensor
 from cotangent import _compat, merge, sharding, singlepass
 from cotangent.adamw import AdamW, NotShardedError
 from cotangent.clipping import (
-    PARAM_GROUPS,
     ClipOrder,
     PackedClipper,
     check_clip_order_known,
+    check_not_sharded_by_zero,
     clip_actual_tensors,
     normalize_clip_order,
 )
@@ -245,15 +245,7 @@ class PackedAdamW(AdamW):
         self.batched_norms = bool(batched_norms)
         # a snapshot of an iterable, as clip_grad_norm_ takes one (`_repack` checks the rule)
         self._clip_order_params = normalize_clip_order(clip_order)
-        if (max_norm is not None and self._clip_order_params in (None, PARAM_GROUPS)
-                and _compat.built_by_zero_redundancy_optimizer()):
-            raise ValueError(
-                "cotangent.AdamW(max_norm=...) inside ZeroRedundancyOptimizer: each rank's "
-                "optimizer holds one shard of the parameters (its param groups are the shard's), "
-                "so a clip over them would norm that shard alone, where native code clips "
-                "clip_grad_norm_(model.parameters(), ...) on every rank; pass clip_order=model "
-                "(every rank then clips every gradient), or max_norm=None and clip natively "
-                "before ZeroRedundancyOptimizer.step()")
+        check_not_sharded_by_zero(max_norm, self._clip_order_params)
         self._last_total_norm: Tensor | None = None
         self._norm_backwards = -1  # tracker.backwards when the norm was computed
         self._clipped: tuple[int, int] | None = None  # (backwards, resets) of clipped gradients
@@ -468,18 +460,7 @@ class PackedAdamW(AdamW):
 
     @torch.no_grad()
     def clip_grad_norm_(self) -> Tensor:
-        """Clip the gradients now, exactly as ``torch.nn.utils.clip_grad_norm_(params, max_norm,
-        norm_type, error_if_nonfinite)`` would at this point, and return the total norm;
-        the next `step()` then does not clip them again.
-
-        Use it where native code's clip sits apart from `optimizer.step()`: with
-        `torch.amp.GradScaler`, ``scaler.unscale_(opt); norm = opt.clip_grad_norm_();
-        scaler.step(opt)`` gives native's gradients and norm even on steps the scaler skips.
-
-        Raises:
-            ValueError: the optimizer was built with ``max_norm=None``.
-            RuntimeError: as `step()`.
-        """
+        """As `cotangent.AdamW.clip_grad_norm_`, over the packed gradients."""
         if (live := _live(self)) is not self:
             return live.clip_grad_norm_()
         _compat.refuse_under_compile("cotangent.AdamW.clip_grad_norm_()")
