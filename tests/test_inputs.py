@@ -715,3 +715,102 @@ def test_parameter_memory_shared_with_tensors_outside_the_optimizer_is_updated_t
         assert v2[0].data_ptr() == f2.data_ptr()  # nothing moved
         assert_same_update([a1.weight] + v1, o1.state, [a2.weight] + v2, o2.state,
                            f"{impl} step {step}")
+
+
+# ------------------------------------------------------------------ a review's inputs (issue 26)
+
+def _two_params_run(make_opt, native_clip, variant, steps=2):
+    torch.manual_seed(0)
+    p0 = torch.randn(8, 8, requires_grad=True)
+    p1 = torch.randn(8, 8, requires_grad=True)
+    opt = make_opt([p0, p1])
+    for s in range(steps):
+        torch.manual_seed(1 + s)
+        p1.grad = torch.randn(8, 8)
+        p0.grad = p1.detach().t() if variant == "grad aliases a parameter" else (
+            torch.randn(8, 8).t())
+        if native_clip:
+            torch.nn.utils.clip_grad_norm_([p0, p1], 1e6)
+        opt.step()
+        if s == 0 and variant == "shared step":
+            opt.state[p1]["step"] = opt.state[p0]["step"]
+    return [p0, p1], opt
+
+
+@pytest.mark.parametrize("variant", ["grad aliases a parameter", "shared step"])
+@pytest.mark.parametrize("impl", ["for-loop", "foreach"])
+def test_a_parameter_left_out_of_the_pass_keeps_native_order(impl, variant):
+    """A transposed gradient sends its parameter to a native call beside the single pass; when
+    it shares memory with another parameter of the step (its gradient is that parameter, or a
+    step tensor is shared), the whole step runs natively in native's order (a review found the
+    left-out parameter updated after the others: other bytes)."""
+    ps, on = _two_params_run(lambda q: torch.optim.AdamW(q, **IMPLS[impl]), True, variant)
+    qs, oo = _two_params_run(lambda q: cotangent.AdamW(q, max_norm=1e6, **IMPLS[impl]), False,
+                             variant)
+    assert_same_update(ps, on.state, qs, oo.state, f"{impl} {variant}", grads=False)
+    assert oo.update_path()["path"] == "native"
+
+
+def test_a_clip_in_the_pass_never_reads_memory_a_native_call_wrote():
+    """A for-loop group's gradient is a fused group's parameter: native multiplies every
+    gradient before any update; the pass, multiplying inside the update, would read the
+    parameter after the fused call updated it. Such a step runs natively."""
+    def run(native):
+        torch.manual_seed(0)
+        a = torch.randn(8, 8, requires_grad=True)
+        b = torch.randn(8, 8, requires_grad=True)
+        groups = [dict(params=[a], fused=True), dict(params=[b])]
+        opt = (torch.optim.AdamW(groups) if native else
+               cotangent.AdamW(groups, max_norm=0.1, clip_order="param_groups"))
+        torch.manual_seed(1)
+        a.grad = torch.randn(8, 8)
+        b.grad = a.detach()  # b's gradient is a's memory
+        total = torch.nn.utils.clip_grad_norm_([a, b], 0.1) if native else None
+        opt.step()
+        return [a, b], opt, total if native else opt.last_total_norm
+
+    ps, on, n1 = run(True)
+    qs, oo, n2 = run(False)
+    assert_same_bits(n1, n2, "total norm")
+    assert_same_update(ps, on.state, qs, oo.state, "gradient aliasing a fused parameter")
+    assert oo.update_path()["clip_in_pass"] == 0
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_a_one_element_step_tensor_runs_as_native_runs_it(impl):
+    """`state[p]["step"]` reshaped to (1,): native reads it with `.item()` and runs; so does
+    Cotangent (natively: the pass takes 0-d step tensors only)."""
+    def run(cls, **kw):
+        torch.manual_seed(0)
+        w = torch.randn(4, 4, requires_grad=True)
+        opt = cls([w], **IMPLS[impl], **kw)
+        for s in range(3):
+            torch.manual_seed(5 + s)
+            w.grad = torch.randn(4, 4)
+            if s == 1:
+                opt.state[w]["step"] = opt.state[w]["step"].reshape(1)
+            opt.step()
+        return [w], opt
+
+    ps, on = run(torch.optim.AdamW)
+    qs, oo = run(cotangent.AdamW)
+    assert_same_update(ps, on.state, qs, oo.state, f"(1,) step, {impl}")
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_an_expanded_gradient_under_an_inactive_clip_raises_as_native(impl):
+    """Native's clip multiplies by 1.0 too, which raises for an expanded (self-overlapping)
+    gradient; Cotangent's skip of a multiply by exactly 1.0 must not hide that."""
+    errors = []
+    for cls, kw in ((torch.optim.AdamW, {}), (cotangent.AdamW, dict(max_norm=1e6))):
+        w = torch.randn(4, 4, requires_grad=True)
+        opt = cls([w], **IMPLS[impl], **kw)
+        w.grad = torch.randn(4).expand(4, 4)
+        before = w.detach().clone()
+        with pytest.raises(RuntimeError) as error:
+            if cls is torch.optim.AdamW:
+                torch.nn.utils.clip_grad_norm_([w], 1e6)
+            opt.step()
+        errors.append(str(error.value))
+        assert_same_bits(w, before, "nothing updated")
+    assert errors[0] == errors[1]

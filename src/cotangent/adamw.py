@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
+from itertools import chain
 
 import torch
 from torch import Tensor
@@ -69,6 +70,7 @@ class _Call:
     exp_avg_sqs: list[Tensor | None] = field(default_factory=list)
     max_exp_avg_sqs: list[Tensor | None] = field(default_factory=list)
     steps: list[Tensor | None] = field(default_factory=list)
+    pos: list[int] = field(default_factory=list)  # each parameter's index in group["params"]
     checked: bool = True  # `AdamW._check_param` ran on every parameter
     kernel: singlepass.Prepared | None = None  # the single pass takes this call
     clip_in_pass: bool = False  # and multiplies its gradients by the clip coefficient
@@ -289,12 +291,8 @@ class AdamW(torch.optim.AdamW):
             self._plan_kernel(call, cut, decisions, allowed=grad_scale is None
                               and found_inf is None, extra=extra)
         calls += extra
-        kernels = [c for c in calls if c.kernel is not None]
-        folding = any(c.clip_in_pass for c in kernels)
-        if kernels and not self._memory_disjoint(kernels, cut if folding else None):
-            for c in kernels:
-                c.kernel, c.clip_in_pass = None, False
-                c.why_native = "tensors share memory: native path"
+        if any(c.kernel is not None for c in calls) and not self._memory_disjoint(calls, cut):
+            calls = self._in_native_order(calls)
         if cut is not None:
             folded = {id(g) for c in calls if c.clip_in_pass for g in c.grads}
             rest = [g for g in cut.grads if id(g) not in folded]
@@ -337,16 +335,16 @@ class AdamW(torch.optim.AdamW):
             if group["capturable"] or group["differentiable"]:
                 raise NotImplementedError(
                     "cotangent.AdamW supports capturable=False and differentiable=False only")
-            params = [p for p in group["params"] if p.grad is not None]
+            params = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
             if not params:
                 continue
             if group["foreach"] and torch.is_tensor(group["lr"]):
                 raise RuntimeError(
                     "lr as a Tensor is not supported for capturable=False and foreach=True")
-            kind = merge.implementation(group, params)
+            kind = merge.implementation(group, [p for _, p in params])
             amsgrad = bool(group["amsgrad"])
             by = {}
-            for p in params:
+            for index, p in params:
                 g = p.grad
                 if g.is_sparse:
                     raise RuntimeError(f"{self._describe(p)} received a sparse gradient: Adam "
@@ -374,6 +372,7 @@ class AdamW(torch.optim.AdamW):
                     fresh.append((call, len(call.params)))
                     m = v = s = vmax = None
                 call.params.append(p)
+                call.pos.append(index)
                 call.grads.append(g)
                 call.exp_avgs.append(m)
                 call.exp_avg_sqs.append(v)
@@ -408,7 +407,7 @@ class AdamW(torch.optim.AdamW):
                 and seen[5] == shape and seen[6] is p.dtype and seen[7] == p.get_device()):
             return
         if not (_moment_ok(m, p) and _moment_ok(v, p) and type(s) is Tensor
-                and s.dim() == 0 and (not amsgrad or _moment_ok(vmax, p))):
+                and s.numel() == 1 and (not amsgrad or _moment_ok(vmax, p))):
             problem = state_problem(self._slot(p), p, entry, amsgrad)
             if problem:
                 raise RuntimeError(problem)
@@ -469,7 +468,9 @@ class AdamW(torch.optim.AdamW):
 
                 check_finite(total, self.norm_type)
         coef = clip_coefficient(total, self.max_norm)
-        identity = multiply_is_identity(coef, self.norm_type)
+        # (an expanded gradient: native's multiply, by 1.0 too, raises; so must ours)
+        identity = multiply_is_identity(coef, self.norm_type) and all(
+            g.is_contiguous() or singlepass.is_dense(g) for g in grads)
         ids = {id(g) for g in grads}
         value = None
         if (fold and not identity and len(ids) == len(grads) and coef.device.type == "cpu"
@@ -565,24 +566,63 @@ class AdamW(torch.optim.AdamW):
         return decisions["team"]
 
     @staticmethod
-    def _memory_disjoint(kernels: list[_Call], cut: _Clip | None) -> bool:
-        """Whether no two tensors the single passes touch (and, with a clip, no two clipped
-        gradients) share memory: then running each pass as a whole, with its clip multiply,
-        gives every element the operations native gives it, in native's order."""
+    def _memory_disjoint(calls: list[_Call], cut: _Clip | None) -> bool:
+        """Whether no two tensors this step touches share memory: every call's parameters,
+        gradients and state, and, with a clip, every clipped gradient (a non-dense tensor counts
+        as all the memory it spans). Then the passes, each run as a whole with its clip
+        multiply, and the native calls, in any order, give every element the operations native
+        gives it, in native's order."""
         starts, nbytes = [], []
-        for c in kernels:
-            s, n = c.kernel.spans()
-            starts += s
-            nbytes += n
+        seen = set()
+        for c in calls:
+            if c.kernel is not None:
+                s, n = c.kernel.spans()
+                starts += s
+                nbytes += n
+                seen.update(id(g) for g in c.grads)
+                continue
+            for t in chain(c.params, c.grads, c.exp_avgs, c.exp_avg_sqs, c.max_exp_avg_sqs,
+                           c.steps):
+                seen.add(id(t))
+                starts.append(t.data_ptr())
+                nbytes.append(_extent(t))
         if cut is not None:
-            inside = {id(g) for c in kernels for g in c.grads}
             for g in cut.grads:
-                if id(g) not in inside:
-                    if not g.is_contiguous() and not singlepass.is_dense(g):
-                        return False  # (its span is not its elements: be safe)
+                if id(g) not in seen:
                     starts.append(g.data_ptr())
-                    nbytes.append(g.numel() * g.element_size())
+                    nbytes.append(_extent(g))
         return singlepass.spans_disjoint(starts, nbytes)
+
+    def _in_native_order(self, calls: list[_Call]) -> list[_Call]:
+        """Tensors of this step share memory: every group runs as native runs it, one native
+        call over its parameters in group order (clip multiplies all natively first)."""
+        merged: dict[int, _Call] = {}
+        for c in calls:
+            m = merged.get(id(c.group))
+            if m is None:
+                m = merged[id(c.group)] = _Call(c.group, c.kind, [], [])
+                m.why_native = "tensors share memory: native path, in native's order"
+            for i, p in enumerate(c.params):
+                if not c.checked:
+                    self._check_param(p, bool(c.group["amsgrad"]))
+                m.pos.append(c.pos[i])
+                m.params.append(p)
+                m.grads.append(c.grads[i])
+                m.exp_avgs.append(c.exp_avgs[i])
+                m.exp_avg_sqs.append(c.exp_avg_sqs[i])
+                m.steps.append(c.steps[i])
+                if c.max_exp_avg_sqs:
+                    m.max_exp_avg_sqs.append(c.max_exp_avg_sqs[i])
+        out = []
+        for m in merged.values():
+            order = sorted(range(len(m.pos)), key=m.pos.__getitem__)
+            for name in ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs",
+                         "steps", "pos"):
+                values = getattr(m, name)
+                if values:
+                    setattr(m, name, [values[i] for i in order])
+            out.append(m)
+        return out
 
     def _run_kernel(self, call: _Call, cut: _Clip | None, decisions: dict) -> bool:
         """Run `call` as one single pass; False (nothing modified, and its gradients
@@ -787,6 +827,14 @@ class AdamW(torch.optim.AdamW):
                     clip_in_pass=clip_in_pass)
 
 
+def _extent(t: Tensor) -> int:
+    """Bytes from `t`'s first element to one past its last (all it may touch: a non-dense
+    tensor spans its gaps too; non-negative strides, as torch tensors have)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
 def _moment_ok(t, p: Tensor) -> bool:
     """The quick form of `cotangent.store.entry_problem` for a moment (the full check, with its
     message, runs where this fails): a dense tensor of `p`'s shape, dtype and device."""
@@ -799,7 +847,8 @@ def _split(call: _Call, indices: list[int]) -> _Call:
     keep = [i for i in range(len(call.params)) if i not in set(indices)]
     rest = _Call(call.group, call.kind, [], [])
     rest.checked = call.checked
-    for name in ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps"):
+    for name in ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps",
+                 "pos"):
         values = getattr(call, name)
         if values:
             setattr(rest, name, [values[i] for i in indices])
