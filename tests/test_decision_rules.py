@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 from test_campaign import (
     AUDIT_PY,
-    FACTORIAL,
     ROOT,
     TINY,
     _edit_json,
@@ -29,6 +28,8 @@ from test_campaign import (
 
 from cotangent.harness import audit
 from cotangent.harness import analysis, campaign, report
+
+RULE_ARMS = '["native", "cotangent", "batched-norms-only", "packing-only"]'  # the rules' arms
 
 PRACTICAL = """
 [[decision_rules]]
@@ -52,7 +53,7 @@ all_of = ["update_s('packing-only') < update_s(native)",
 
 def _tiny_text() -> str:
     """test_campaign's tiny 4-arm protocol."""
-    return TINY.format(arms=FACTORIAL, seeds="[0, 1]", design="latin")
+    return TINY.format(arms=RULE_ARMS, seeds="[0, 1]", design="latin")
 
 
 def parse(rules: str) -> campaign.Protocol:
@@ -176,7 +177,7 @@ def test_decision_rules_may_not_hide_in_train():
 
 
 def test_freeze_names_the_frozen_rules(tmp_path):
-    path = write_protocol(tmp_path)
+    path = write_protocol(tmp_path, arms=RULE_ARMS)
     path.write_text(path.read_text() + PRACTICAL + MECHANISM)
     lines = []
     camp = campaign.freeze(str(path), str(tmp_path / "c"), None, log=lines.append)
