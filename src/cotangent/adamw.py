@@ -31,6 +31,7 @@ from cotangent.clipping import (
     normalize_clip_order,
 )
 from cotangent.norms import clip_coefficient, multiply_is_identity, native_tensor_norms, total_norm
+from cotangent.packing import is_dense_non_overlapping
 from cotangent.store import check_state_dict, describe, state_problem
 
 
@@ -470,7 +471,7 @@ class AdamW(torch.optim.AdamW):
         coef = clip_coefficient(total, self.max_norm)
         # (an expanded gradient: native's multiply, by 1.0 too, raises; so must ours)
         identity = multiply_is_identity(coef, self.norm_type) and all(
-            g.is_contiguous() or singlepass.is_dense(g) for g in grads)
+            is_dense_non_overlapping(g) for g in grads)
         ids = {id(g) for g in grads}
         value = None
         if (fold and not identity and len(ids) == len(grads) and coef.device.type == "cpu"

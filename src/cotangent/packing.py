@@ -110,7 +110,7 @@ def is_dense_non_overlapping(t: Tensor) -> bool:
     Contiguous, channels_last and any permuted-dense tensor qualify; slices with gaps (`x[::2]`)
     and expanded tensors (stride 0) do not.
     """
-    if t.numel() == 0:
+    if t.numel() == 0 or t.is_contiguous():
         return True
     dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1)
     expected = 1

@@ -85,6 +85,7 @@ import torch
 from torch import Tensor
 
 from cotangent import _compat, calibration
+from cotangent.packing import is_dense_non_overlapping
 
 GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: TensorIterator splits work among threads above it
 MKL_SQRT_MODE = 0x2 | 0x140000 | 0x100  # VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE
@@ -1208,20 +1209,6 @@ def _check_scalars(implementation: str, lr, beta1, beta2, clip_coef) -> None:
                          f"{clip_coef!r} (a NaN coefficient: multiply the gradients apart)")
 
 
-def is_dense(t: Tensor) -> bool:
-    """Whether `t` covers exactly ``numel`` consecutive elements of its storage, each once
-    (contiguous, channels_last or another permutation of a contiguous layout)."""
-    if t.is_contiguous():
-        return True
-    dims = sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1)
-    expected = 1
-    for st, sz in dims:
-        if st != expected:
-            return False
-        expected *= sz
-    return True
-
-
 def single_pass_adamw_(params: Tensor, grads: Tensor, exp_avgs: Tensor, exp_avg_sqs: Tensor,
                        max_exp_avg_sqs: Tensor | None, steps: list[Tensor] | Tensor, *,
                        segments: list[tuple[int, int]] | None = None,
@@ -1395,7 +1382,7 @@ def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
                                  "in its shape and strides")
             ptrs.append(t.data_ptr())
         else:
-            if is_dense(p):
+            if is_dense_non_overlapping(p):
                 for b, ptr in zip(bases, ptrs):
                     b.append(ptr)
                 numels.append(p.numel())
