@@ -89,7 +89,7 @@ from cotangent.packing import is_dense_non_overlapping
 
 GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: TensorIterator splits work among threads above it
 MKL_SQRT_MODE = 0x2 | 0x140000 | 0x100  # VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE
-IMPLEMENTATIONS = ("for-loop", "foreach")
+IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
 COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-trapping-math",
                  "-fno-math-errno", "-fopenmp",
                  "-fPIC", "-shared", "-std=c++17")
@@ -500,6 +500,165 @@ void fused_step(bool maximize, bool small, bool ams, bool tail, bool clip, bool 
         }); }); }); }); }); }); });
 }
 
+// ---- The bits of ATen's fused CPU AdamW (`torch._fused_adamw_`: `adam_math` of
+// FusedAdamKernel.cpp, ADAMW mode, float32), as measured on torch 2.13.0+cpu (x86-64: its AVX2
+// build runs on AVX2 and AVX512 machines alike, a vector body of 8 lanes and a scalar tail of
+// the last numel % 8 elements of each tensor; its thread chunks are whole cache lines, so the
+// tail does not move with the thread count). Its scalars are floats rounded from doubles, its
+// square root is the hardware's (correctly rounded, not MKL's), and its compiler contracted
+// two products into fused multiply-adds, in the body and the tail alike:
+//   param * decay; exp_avg = fma(w, grad - exp_avg, exp_avg) for |w| < 0.5, else
+//   fma(w - 1, d, grad) in the body and fma(-d, 1 - w, grad) in the tail;
+//   exp_avg_sq = fma((1 - beta2) * grad, grad, exp_avg_sq * beta2);
+//   denom = sqrt(exp_avg_sq) / bias_correction2_sqrt + eps;
+//   param = param * decay + (-step_size * exp_avg) / denom.
+// Body and tail differ where NaNs meet: maximize multiplies by -1 in the body (a NaN keeps its
+// sign) and negates in the tail; amsgrad's maximum is Vectorized's `maximum` in the body (any
+// NaN gives 0xFFFFFFFF; of +0.0 and -0.0 it keeps exp_avg_sq) and std::max in the tail (keeps
+// max_exp_avg_sq unless exp_avg_sq is greater, so a NaN exp_avg_sq is dropped); where two NaNs
+// meet in one operation the NaN kept is named at each select below (measured with the probe's
+// grids). The clip multiply first, as for the other implementations.
+#ifndef COT_FUSED_GENERAL_ONLY
+#define COT_FUSED_GENERAL_ONLY 0
+#endif
+#ifndef COT_FUSED_LERP_NAN
+#define COT_FUSED_LERP_NAN d
+#endif
+#ifndef COT_FUSED_SQ_NAN
+#define COT_FUSED_SQ_NAN ((MAXIMIZE && !INLINE) ? quiet(-g2) : quiet(g2))
+#endif
+#ifndef COT_FUSED_ADD_NAN
+#define COT_FUSED_ADD_NAN (TAIL ? (is_nan(pd) ? quiet(pd) : (is_nan(q) ? q : r)) : (is_nan(q) ? q : r))
+#endif
+template <bool MAXIMIZE, bool SMALL_WEIGHT, bool AMSGRAD, bool TAIL, bool CLIP, bool DECAY,
+          bool INLINE>
+void aten_fused_general(int64_t n, float* __restrict g_, float* __restrict m_,
+                        float* __restrict v_, float* __restrict vmax_, float* __restrict p_,
+                        const Hyper& h, float bc2s, float nstep) {
+  const float w = h.weight, wm1 = h.weight_m1, omw = h.one_minus_weight;
+  const float b2 = h.beta2, val = h.value2, c = h.clip, decay = h.decay, eps = h.eps;
+  for (int64_t i = 0; i < n; i++) {
+    const float p0 = p_[i];
+    const float pd = DECAY ? p0 * decay : p0;
+    float g = g_[i];
+    if (CLIP) {
+      const float gc = g * c;
+      g = is_nan(g) ? quiet(g) : gc;
+      g_[i] = g;
+    }
+    if (MAXIMIZE) g = -g;                   // (grad * -1 in the body, folded to a negation)
+    const float g2 = g;
+    const float m = m_[i];
+    float d = g - m;
+    d = is_nan(g) ? quiet(g) : d;            // grad - exp_avg: the gradient's NaN first
+    float m1 = SMALL_WEIGHT ? __builtin_fmaf(w, d, m)
+               : TAIL       ? __builtin_fmaf(-d, omw, g)
+                            : __builtin_fmaf(wm1, d, g);
+    m1 = is_nan(d) ? COT_FUSED_LERP_NAN : m1;
+    m_[i] = m1;
+    const float v0 = v_[i];
+    const float sg = val * g2;
+    float v1 = TAIL ? __builtin_fmaf(v0, b2, sg * g2) : __builtin_fmaf(sg, g2, v0 * b2);
+    if (TAIL) v1 = is_nan(v0) ? quiet(v0) : (is_nan(g2) ? quiet(g2) : v1);
+    else v1 = is_nan(g2) ? COT_FUSED_SQ_NAN : v1;
+    v_[i] = v1;
+    float s = v1;
+    if (AMSGRAD) {
+      const float a = vmax_[i];
+      if (TAIL) s = a < v1 ? v1 : a;         // std::max(max_exp_avg_sq, exp_avg_sq)
+      else s = (is_nan(a) || is_nan(v1)) ? from_bits(0xffffffffu) : (a > v1 ? a : v1);
+      vmax_[i] = s;
+    }
+    const float den = __builtin_sqrtf(s) / bc2s + eps;
+    const float t = nstep * m1;
+    float q = t / den;
+    q = is_nan(t) ? t : q;                   // (-step_size * exp_avg) / denom: the numerator's
+    float r = pd + q;
+    r = COT_FUSED_ADD_NAN;
+    p_[i] = r;
+  }
+}
+
+// The vector body in registers, W lanes at a time: a vector where any lane meets a NaN (the
+// gradient, clipped; grad - exp_avg; the decayed parameter; exp_avg_sq, or with amsgrad its
+// maximum's other operand; -step_size * exp_avg or its quotient) is redone by the general path
+// above, whose NaN selects leave every other lane's result as it is: so on the vectors kept
+// here both compute the same IEEE operations on the same values.
+template <bool MAXIMIZE, bool SMALL_WEIGHT, bool AMSGRAD, bool CLIP, bool DECAY, bool INLINE>
+void aten_fused_body(int64_t n, float* __restrict g_, float* __restrict m_,
+                     float* __restrict v_, float* __restrict vmax_, float* __restrict p_,
+                     const Hyper& h, float bc2s, float nstep) {
+  typedef Lanes L;
+  typedef L::V V;
+  constexpr int W = L::W;
+  const V c = L::set1(h.clip), decay = L::set1(h.decay);
+  const V w = L::set1(h.weight), wm1 = L::set1(h.weight_m1), b2 = L::set1(h.beta2);
+  const V val = L::set1(h.value2), eps = L::set1(h.eps);
+  const V bc = L::set1(bc2s), ns = L::set1(nstep);
+  const V sign = L::bits(0x80000000u);
+  for (int64_t i = 0; i < n; i += W) {
+    const int64_t len = n - i < W ? n - i : W;
+    const bool full = len == W;
+    const V g0 = full ? L::load(g_ + i) : L::load_part(g_ + i, len);
+    const V m = full ? L::load(m_ + i) : L::load_part(m_ + i, len);
+    const V v = full ? L::load(v_ + i) : L::load_part(v_ + i, len);
+    const V p = full ? L::load(p_ + i) : L::load_part(p_ + i, len);
+    const V pd = DECAY ? L::mul(p, decay) : p;
+    const V gc = CLIP ? L::mul(g0, c) : g0;
+    const V g = MAXIMIZE ? L::xor_(gc, sign) : gc;
+    const V d = L::sub(g, m);
+    const V m1 = SMALL_WEIGHT ? L::fma(w, d, m) : L::fma(wm1, d, g);
+    const V v1 = L::fma(L::mul(val, g), g, L::mul(v, b2));
+    V a = v1, s = v1;
+    if (AMSGRAD) {
+      a = full ? L::load(vmax_ + i) : L::load_part(vmax_ + i, len);
+      s = L::where_gt(a, v1, a, v1);  // Vectorized maximum: max_exp_avg_sq if greater
+    }
+    const V den = L::add(L::div(L::sqrt(s), bc), eps);
+    const V t = L::mul(ns, m1);
+    const V q = L::div(t, den);
+    const V p1 = L::add(pd, q);
+    const unsigned nan = (L::unordered(g, d) | L::unordered(t, q) | L::unordered(pd, v1) |
+                          (AMSGRAD ? L::unordered(a, v1) : 0u)) & L::all_lanes(len);
+    if (__builtin_expect(nan != 0, 0)) {
+      aten_fused_general<MAXIMIZE, SMALL_WEIGHT, AMSGRAD, false, CLIP, DECAY, INLINE>(
+          len, g_ + i, m_ + i, v_ + i, AMSGRAD ? vmax_ + i : nullptr, p_ + i, h, bc2s, nstep);
+      continue;
+    }
+    if (full) {
+      if (CLIP) L::store(g_ + i, gc);
+      L::store(m_ + i, m1);
+      L::store(v_ + i, v1);
+      if (AMSGRAD) L::store(vmax_ + i, s);
+      L::store(p_ + i, p1);
+      continue;
+    }
+    if (CLIP) L::store_part(g_ + i, len, gc);
+    L::store_part(m_ + i, len, m1);
+    L::store_part(v_ + i, len, v1);
+    if (AMSGRAD) L::store_part(vmax_ + i, len, s);
+    L::store_part(p_ + i, len, p1);
+  }
+}
+
+void aten_fused_step(bool maximize, bool small, bool ams, bool tail, bool clip, bool decay,
+                     bool inl, int64_t n, float* g, float* m, float* v, float* vmax, float* p,
+                     const Hyper& h, float bc2s, float nstep) {
+  with_bool(maximize, [&](auto MX) { with_bool(small, [&](auto SW) {
+    with_bool(ams, [&](auto AM) { with_bool(tail, [&](auto TL) {
+      with_bool(clip, [&](auto CL) { with_bool(decay, [&](auto DC) { with_bool(inl, [&](auto IN) {
+        if (!decltype(TL)::value && !COT_FUSED_GENERAL_ONLY) {
+          aten_fused_body<decltype(MX)::value, decltype(SW)::value, decltype(AM)::value,
+                          decltype(CL)::value, decltype(DC)::value, decltype(IN)::value>(
+              n, g, m, v, vmax, p, h, bc2s, nstep);
+          return;
+        }
+        aten_fused_general<decltype(MX)::value, decltype(SW)::value, decltype(AM)::value,
+                           decltype(TL)::value, decltype(CL)::value, decltype(DC)::value,
+                           decltype(IN)::value>(n, g, m, v, vmax, p, h, bc2s, nstep);
+      }); }); }); }); }); }); });
+}
+
 // ---- bfloat16 buffers. Each ATen op of the for-loop / foreach AdamW on bfloat16 tensors reads
 // bfloat16, computes in float (the same float formulas as above) and rounds its result to
 // bfloat16 (round to nearest even); a NaN result becomes 0xFFFF in the op's vector body
@@ -751,6 +910,18 @@ int cot_singlepass_adamw(float* const* p, float* const* g, float* const* m, floa
   const bool has_decay = flags & 1, maximize = flags & 2, ams = flags & 4, clip = flags & 8;
   const bool small = __builtin_fabsf(h.weight) < 0.5f;  // at::native::is_lerp_weight_small
   sqrt_fn_t sq = reinterpret_cast<sqrt_fn_t>(sqrt_fn);
+  if (flags & 16) {  // the bits of ATen's fused AdamW (pieces: its vector body and tail)
+    for_each_block(pieces, npieces, nthreads, 0,
+                   [&](const int64_t* pc, int64_t start, int64_t len, float*) {
+      const int64_t k = pc[2];
+      aten_fused_step(maximize, small, ams, pc[3] & 1, clip, has_decay, pc[3] & 2, len,
+                      g[k] + start,
+                      m[k] + start, v[k] + start, ams ? vmax[k] + start : nullptr,
+                      p[k] + start, h, static_cast<float>(bc2s[k]),
+                      static_cast<float>(nstep[k]));
+    });
+    return 0;
+  }
   // scratch per thread: s (the square root's input with amsgrad), r (the roots), pd (the
   // decayed parameter)
   for_each_block(pieces, npieces, nthreads, 3 * BLOCK,
@@ -1113,6 +1284,27 @@ def aten_vector_unit(dtype: torch.dtype = torch.float32) -> int | None:
     return None
 
 
+@lru_cache(maxsize=None)
+def fused_vector_unit() -> int | None:
+    """Elements per vector of ATen's fused CPU AdamW (`torch._fused_adamw_`, float32): its
+    scalar tail is the last ``numel % unit`` elements of each tensor. Read off amsgrad's maximum
+    of a zero max_exp_avg_sq and a NaN exp_avg_sq, 0xFFFFFFFF in the vector body (Vectorized
+    `maximum`) and the zero kept in the tail (std::max); None if the pattern is not that."""
+    n = 127
+    vmax = torch.zeros(n)
+    torch._fused_adamw_([torch.zeros(n)], [torch.full((n,), float("nan"))], [torch.zeros(n)],
+                        [torch.zeros(n)], [vmax], [torch.tensor(1.0)], lr=1e-3, beta1=0.9,
+                        beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=True, maximize=False)
+    bits = vmax.view(torch.int32).tolist()
+    body = sum(1 for b in bits if b == -1)
+    if bits[:body] != [-1] * body or any(b != 0 for b in bits[body:]):
+        return None
+    for unit in (8, 16, 32):
+        if n // unit * unit == body:
+            return unit
+    return None
+
+
 def thread_chunks(numel: int, threads: int) -> list[tuple[int, int]]:
     """The (start, end) ranges in which a TensorIterator op over `numel` contiguous elements runs
     its inner loop with `threads` ATen threads (`TensorIteratorBase::for_each`, `at::parallel_for`
@@ -1159,6 +1351,38 @@ def _pieces(numels, threads, unit, split_tails) -> Tensor:
     return t
 
 
+FUSED_TASK_UNIT = 16  # float32 elements per cache line: the fused kernel's parallel_for unit
+
+
+def fused_pieces(numels: tuple[int, ...], threads: int, unit: int) -> Tensor:
+    """Rows of (start, length, segment index, flags) covering each segment as ATen's fused CPU
+    AdamW runs it: its vector body (multiples of `unit`) and scalar tail (the last
+    ``numel % unit`` elements; its thread chunks are whole cache lines, so no other tails);
+    flags bit 0: the tail; bit 1: the copy of the kernel `at::parallel_for` runs inline (one
+    cache line of elements, or one thread), whose compiled code keeps other NaNs than the copy
+    in the parallel region (measured: the sign of exp_avg_sq's NaN under maximize). int64 tensor
+    of shape (pieces, 4)."""
+    rows = []
+    for k, numel in enumerate(numels):
+        inline = 2 if threads <= 1 or numel <= FUSED_TASK_UNIT else 0
+        body = numel // unit * unit
+        if body:
+            rows.append((0, body, k, inline))
+        if numel - body:
+            rows.append((body, numel - body, k, inline | 1))
+    return torch.tensor(rows, dtype=torch.int64).reshape(-1, 4)
+
+
+def _fused_pieces(numels, threads, unit) -> Tensor:
+    key = ("fused", numels, threads, unit)
+    t = _PIECES.get(key)
+    if t is None:
+        if len(_PIECES) > 256:
+            _PIECES.clear()
+        t = _PIECES[key] = fused_pieces(numels, threads, unit)
+    return t
+
+
 def _scalar(x) -> float:
     return float(x.item()) if isinstance(x, Tensor) else float(x)
 
@@ -1166,9 +1390,12 @@ def _scalar(x) -> float:
 def native_step_scalars(step: float, *, implementation: str, lr, beta1: float, beta2: float):
     """(addcdiv value, bias_correction2_sqrt) for one tensor at `step`, computed with the very
     Python/tensor expressions of `_single_tensor_adam` / `_multi_tensor_adam` (capturable=False),
-    returned as Python floats (exact copies of what native hands to ATen)."""
+    returned as Python floats (exact copies of what native hands to ATen); for "fused", the
+    double expressions of ATen's `adam_fused_step_impl` (the value is ``-step_size``)."""
     bias_correction1 = 1 - beta1 ** step
     bias_correction2 = 1 - beta2 ** step
+    if implementation == "fused":  # FusedAdamKernel.cpp: doubles, std::pow and std::sqrt
+        return -(_scalar(lr) / bias_correction1), math.sqrt(bias_correction2)
     if implementation == "for-loop":
         step_size = lr / bias_correction1  # a 0-d tensor when lr is one
         value = -step_size
@@ -1203,6 +1430,8 @@ def _check_scalars(implementation: str, lr, beta1, beta2, clip_coef) -> None:
                          "ATen kernel)")
     if isinstance(lr, Tensor) and implementation == "foreach":
         raise ValueError("native foreach AdamW refuses a tensor lr without capturable=True")
+    if isinstance(lr, Tensor) and implementation == "fused":
+        raise ValueError("a tensor lr with fused AdamW: native path")
     if clip_coef is not None and not (isinstance(clip_coef, float)
                                       and _f32(clip_coef) == clip_coef):
         raise ValueError(f"clip_coef must be a float32 value as a Python float, not NaN, not "
@@ -1464,11 +1693,16 @@ def _launch(dtype: torch.dtype, bases: list[list[int]], numels: tuple[int, ...],
                          "float64: native path (and its error)")
     if not isinstance(steps, Tensor) and len({id(s) for s in steps}) != len(steps):
         raise ValueError("one step tensor per segment, each its own (native increments each)")
+    fused = implementation == "fused"
+    if fused and (bf16 or step_dtypes != {torch.float32}):
+        raise ValueError("the fused bits: float32 parameters and float32 step tensors only "
+                         "(native path)")
     lib = _lib()
-    sq = "hardware" if bf16 else sqrt_kind()  # bfloat16 sqrt: float hardware sqrt, rounded
+    # bfloat16 sqrt: float hardware sqrt, rounded; fused: Vectorized<float>::sqrt and std::sqrt
+    sq = "hardware" if bf16 or fused else sqrt_kind()
     if sq is None:
         raise SinglePassUnavailable("no square root here reproduces torch.sqrt's bits")
-    unit = aten_vector_unit(dtype)
+    unit = fused_vector_unit() if fused else aten_vector_unit(dtype)
     if unit is None:
         raise SinglePassUnavailable("ATen's vector body / scalar tail split is unknown here")
     decay = 1 - lr * weight_decay if weight_decay != 0 else 1.0
@@ -1508,11 +1742,12 @@ def _launch(dtype: torch.dtype, bases: list[list[int]], numels: tuple[int, ...],
         if threads < 1:
             raise SinglePassUnavailable("OpenMP may resize thread teams (OMP_DYNAMIC): ATen's "
                                         "chunks are unknown")
-    pieces = _pieces(numels, threads, unit, True)
+    pieces = _fused_pieces(numels, threads, unit) if fused else _pieces(numels, threads, unit,
+                                                                         True)
     if not numels:
         return
     flags = (1 if weight_decay != 0 else 0) | (2 if maximize else 0) | (4 if amsgrad else 0)
-    flags |= 8 if clip_coef is not None else 0
+    flags |= (8 if clip_coef is not None else 0) | (16 if fused else 0)
     arrays = [_int64s(b) for b in bases]
     if isinstance(steps, Tensor):
         steps.add_(1)
@@ -1528,7 +1763,7 @@ def _launch(dtype: torch.dtype, bases: list[list[int]], numels: tuple[int, ...],
         *arrays[:4], arrays[4] if amsgrad else None, pieces.data_ptr(), pieces.shape[0],
         ctypes.cast(nstep, ctypes.c_void_p), ctypes.cast(bc2s, ctypes.c_void_p),
         scalars[0], scalars[1], scalars[2], scalars[3], scalars[4], flags,
-        sqrt_address(sq), MKL_SQRT_MODE, torch.get_num_threads(),
+        None if fused else sqrt_address(sq), MKL_SQRT_MODE, torch.get_num_threads(),
         0.0 if clip_coef is None else clip_coef)
 
 
@@ -1672,7 +1907,7 @@ def _native_adamw(implementation: str, params, grads, exp_avgs, exp_avg_sqs, max
     from torch.optim.adam import adam as functional_adam  # what torch.optim.AdamW.step calls
 
     functional_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                    foreach=implementation == "foreach", fused=None, capturable=False,
+                    foreach=implementation == "foreach", fused=implementation == "fused" or None, capturable=False,
                     differentiable=False, grad_scale=None, found_inf=None, has_complex=False,
                     decoupled_weight_decay=True, amsgrad=amsgrad, beta1=beta1, beta2=beta2,
                     lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize)
@@ -1705,7 +1940,9 @@ def matches_native(*, implementation: str, lr, beta1: float, beta2: float, eps: 
     """
     try:
         build()
-        if sqrt_kind() is None or aten_vector_unit(dtype) is None:
+        if implementation == "fused" and (dtype != torch.float32 or fused_vector_unit() is None):
+            return False
+        if implementation != "fused" and (sqrt_kind() is None or aten_vector_unit(dtype) is None):
             return False
         if amsgrad and mxcsr() & MXCSR_DAZ:
             return False  # see AMSGRAD_DAZ: and this probe's subnormals are flushed under it
@@ -1881,12 +2118,14 @@ def static_refusal(kind: str, device: torch.device, dtype: torch.dtype,
     fused AdamW, a device other than the CPU, a dtype other than float32 or bfloat16, coupled
     (L2) weight decay, capturable or differentiable."""
     if kind not in IMPLEMENTATIONS:
-        return f"{kind} AdamW runs natively (the single pass reproduces for-loop and foreach)"
+        return f"{kind} AdamW runs natively (the single pass reproduces for-loop, foreach, fused)"
     if device.type != "cpu":
         return f"{device.type} buffers run natively (the single pass is a CPU kernel)"
     if dtype not in DTYPES:
         return (f"{str(dtype).removeprefix('torch.')} buffers run natively (float32 and "
                 f"bfloat16 only)")
+    if kind == "fused" and dtype != torch.float32:
+        return "fused AdamW over bfloat16 runs natively (the single pass has its float32 bits)"
     if not group.get("decoupled_weight_decay", True):
         return "coupled (L2) weight decay runs natively"
     if group.get("capturable") or group.get("differentiable"):
@@ -1966,6 +2205,8 @@ def key_parts(kind: str, group: dict, clip_coef: float | None = None,
     if isinstance(lr, Tensor):
         if kind == "foreach":
             return "a tensor lr with foreach runs natively (native refuses it)"
+        if kind == "fused":
+            return "a tensor lr with fused runs natively"
         if lr.device.type != "cpu" or lr.numel() != 1 or not lr.is_floating_point():
             return "a tensor lr that is not one floating-point CPU value runs natively"
         lr_kind = f"tensor-{str(lr.dtype).removeprefix('torch.')}-{lr.dim()}d"
@@ -1999,8 +2240,9 @@ def key_parts(kind: str, group: dict, clip_coef: float | None = None,
             lerp_branch(beta1), "lr" + scalar_class(lr_value), "decay" + scalar_class(decay),
             "w" + scalar_class(1 - beta1), "b2" + scalar_class(beta2),
             "v2" + scalar_class(1 - beta2), "eps" + scalar_class(eps),
-            "sqrt-" + ("hardware" if dtype == torch.bfloat16 else str(sqrt_kind())),
-            f"unit{aten_vector_unit(dtype)}", f"build-{build().key}", f"mxcsr{modes[0]:#x}",
+            "sqrt-" + ("hardware" if dtype == torch.bfloat16 or kind == "fused"
+                       else str(sqrt_kind())),
+            f"unit{fused_vector_unit() if kind == 'fused' else aten_vector_unit(dtype)}", f"build-{build().key}", f"mxcsr{modes[0]:#x}",
             f"team{size}",
             "noclip" if clip_coef is None else "clip" + scalar_class(clip_coef))
 
