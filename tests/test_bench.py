@@ -103,23 +103,24 @@ def test_the_rows_byte_check_sees_another_learning_rate(method, monkeypatch):
     assert _row(method).bitwise is False
 
 
-def test_for_loop_and_foreach_rows_time_the_single_pass_and_the_path_before_it(monkeypatch):
-    """Default and foreach rows carry a third arm, Cotangent with COTANGENT_SINGLE_PASS=0, in
+def test_every_row_times_the_single_pass_and_the_path_before_it(monkeypatch):
+    """For-loop, foreach and fused rows carry a third arm, Cotangent with COTANGENT_SINGLE_PASS=0, in
     the same interleaving and the same byte checks; each row names the path its arms took
     (the single pass wherever the kernel is available here, else native's op sequence)."""
     from cotangent import singlepass
 
     monkeypatch.delenv(singlepass.ENV_SWITCH, raising=False)
     expected = "single-pass" if singlepass.unavailable_reason() is None else "native"
-    for impl in bench.SINGLE_PASS_IMPLS:
+    rows = []
+    for impl in bench.OFF_ARM_IMPLS:
         row = _row("real-backward", impl)
         assert row.bitwise is True and row.cotangent_path == expected, row.cotangent_path_notes
         assert row.cotangent_off_path == "native"  # switched off: native's op sequence ran
         assert row.cotangent_off_ms > 0 and row.off_ratio == row.cotangent_off_ms / row.native_ms
+        rows.append(row)
     assert singlepass.ENV_SWITCH not in os.environ  # restored after every off step
-    fused = _row("real-backward", "fused")
-    assert fused.cotangent_off_ms is None and fused.cotangent_path == "native"
-    table = bench.format_table([row, fused], PASS_MS, single_pass=singlepass.process_report())
+    assert tuple(r.native_impl for r in rows) == bench.OFF_ARM_IMPLS
+    table = bench.format_table(rows, PASS_MS, single_pass=singlepass.process_report())
     assert f"  {expected:<12}" in table and "single pass: " in table
 
 

@@ -259,7 +259,8 @@ def test_refusals_leave_everything_unmodified():
     cases = [
         (ValueError, dict(kw, beta1=torch.tensor(0.9))),
         (ValueError, dict(kw, lr=torch.tensor(1e-3), implementation="foreach")),
-        (ValueError, dict(kw, implementation="fused")),
+        (ValueError, dict(kw, implementation="fusedd")),
+        (ValueError, dict(kw, lr=torch.tensor(1e-3), implementation="fused")),
         (ValueError, dict(kw, segments=[(0, 30), (30, 10)])),  # two segments, one step
         (ValueError, dict(kw, segments=[(30, 20)])),  # past the end of the buffers
     ]

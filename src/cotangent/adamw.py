@@ -644,14 +644,7 @@ class AdamW(torch.optim.AdamW):
             if call.clip_in_pass:
                 multiply_grads_(call.grads, cut.coef)
             return False
-        # native's in-place ops bump the version counters of what they write (autograd then
-        # refuses a backward through a graph that saved the old values): so must the kernel's
-        written = call.params + call.exp_avgs + call.exp_avg_sqs + call.steps
-        if group["amsgrad"]:
-            written += call.max_exp_avg_sqs
-        if call.clip_in_pass:
-            written += call.grads
-        torch.autograd.graph.increment_version(written)
+        _bump_versions(call, group)
         return True
 
     def _direct_fused_exact(self, device: torch.device, dtype: torch.dtype, group: dict) -> bool:
@@ -841,6 +834,26 @@ def _moment_ok(t, p: Tensor) -> bool:
     message, runs where this fails): a dense tensor of `p`'s shape, dtype and device."""
     return (type(t) is Tensor and t.shape == p.shape and t.dtype is p.dtype
             and t.layout is torch.strided and t.device == p.device)
+
+
+def _bump_versions(call: _Call, group: dict) -> None:
+    """Bump the version counters of what a single pass over `call` wrote as native's ops bump
+    them (autograd then refuses, or allows, a backward through a graph that saved the old
+    values as it does natively): the step tensors are bumped by their increment already; the
+    clip multiply bumps each gradient once; for-loop and foreach AdamW bump each parameter once
+    per in-place op (``mul_`` for the decay, ``addcdiv_``), exp_avg once (``lerp_``), exp_avg_sq
+    twice (``mul_``, ``addcmul_``), max_exp_avg_sq once; `torch._fused_adamw_` bumps none of
+    them (measured, torch 2.13.0 CPU)."""
+    bump = torch.autograd.graph.increment_version
+    if call.clip_in_pass:
+        bump(call.grads)
+    if call.kind == "fused":
+        return
+    written = call.params + call.exp_avgs + call.exp_avg_sqs
+    if group["amsgrad"]:
+        written += call.max_exp_avg_sqs
+    bump(written)
+    bump(call.exp_avg_sqs if group["weight_decay"] == 0 else call.params + call.exp_avg_sqs)
 
 
 def _split(call: _Call, indices: list[int]) -> _Call:

@@ -56,6 +56,10 @@ def _row_runs(grads: list[Tensor]) -> list[tuple[int, int, int]]:
 
 def group_norms(grads: list[Tensor], norm_type: float, foreach: bool | None) -> Tensor:
     """Per-tensor norms of one (device, dtype) group, in order, as a 1-D tensor."""
+    if not any(g.storage_offset() for g in grads):
+        # (a run's later rows sit at positive offsets: tensors of their own, e.g. autograd's
+        # fresh gradients, take the native per-tensor call without the run search)
+        return torch.stack(native_tensor_norms(grads, norm_type, foreach))
     parts: list[Tensor] = []
     pending: list[Tensor] = []
     for start, count, stride in _row_runs(grads):

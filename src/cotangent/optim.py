@@ -408,6 +408,8 @@ class PackedAdamW(AdamW):
     def _decide(self, call, group: dict, clip_coef: float | None) -> str | None:
         """`singlepass.decide` for `call`, asked once per step and argument (`_update` clears
         the memo: the group's hyperparameters may change between steps)."""
+        if call.kind not in singlepass.IMPLEMENTATIONS:
+            return "fused AdamW: native's kernel (the packed design as it was before issue 26)"
         dtype = self._store.layouts[call.single.layout].dtype
         key = (call.kind, call.group_index, clip_coef, dtype)
         memo = self._decisions

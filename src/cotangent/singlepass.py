@@ -89,7 +89,8 @@ from cotangent.packing import is_dense_non_overlapping
 
 GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: TensorIterator splits work among threads above it
 MKL_SQRT_MODE = 0x2 | 0x140000 | 0x100  # VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE
-IMPLEMENTATIONS = ("for-loop", "foreach", "fused")
+IMPLEMENTATIONS = ("for-loop", "foreach")  # native op sequences the kernel follows
+KINDS = IMPLEMENTATIONS + ("fused",)  # ... and ATen's fused kernel, whose bits it has too
 COMPILE_FLAGS = ("-O3", "-mavx2", "-mfma", "-ffp-contract=off", "-fno-trapping-math",
                  "-fno-math-errno", "-fopenmp",
                  "-fPIC", "-shared", "-std=c++17")
@@ -518,17 +519,8 @@ void fused_step(bool maximize, bool small, bool ams, bool tail, bool clip, bool 
 // max_exp_avg_sq unless exp_avg_sq is greater, so a NaN exp_avg_sq is dropped); where two NaNs
 // meet in one operation the NaN kept is named at each select below (measured with the probe's
 // grids). The clip multiply first, as for the other implementations.
-#ifndef COT_FUSED_GENERAL_ONLY
+#ifndef COT_FUSED_GENERAL_ONLY  // (1: every element by the general path, for tests)
 #define COT_FUSED_GENERAL_ONLY 0
-#endif
-#ifndef COT_FUSED_LERP_NAN
-#define COT_FUSED_LERP_NAN d
-#endif
-#ifndef COT_FUSED_SQ_NAN
-#define COT_FUSED_SQ_NAN ((MAXIMIZE && !INLINE) ? quiet(-g2) : quiet(g2))
-#endif
-#ifndef COT_FUSED_ADD_NAN
-#define COT_FUSED_ADD_NAN (TAIL ? (is_nan(pd) ? quiet(pd) : (is_nan(q) ? q : r)) : (is_nan(q) ? q : r))
 #endif
 template <bool MAXIMIZE, bool SMALL_WEIGHT, bool AMSGRAD, bool TAIL, bool CLIP, bool DECAY,
           bool INLINE>
@@ -536,46 +528,52 @@ void aten_fused_general(int64_t n, float* __restrict g_, float* __restrict m_,
                         float* __restrict v_, float* __restrict vmax_, float* __restrict p_,
                         const Hyper& h, float bc2s, float nstep) {
   const float w = h.weight, wm1 = h.weight_m1, omw = h.one_minus_weight;
-  const float b2 = h.beta2, val = h.value2, c = h.clip, decay = h.decay, eps = h.eps;
+  const float b2 = h.beta2, val = h.value2, coef = h.clip, decay = h.decay, eps = h.eps;
   for (int64_t i = 0; i < n; i++) {
-    const float p0 = p_[i];
-    const float pd = DECAY ? p0 * decay : p0;
-    float g = g_[i];
+    const float par0 = p_[i];
+    const float decayed = DECAY ? par0 * decay : par0;
+    float gr = g_[i];
     if (CLIP) {
-      const float gc = g * c;
-      g = is_nan(g) ? quiet(g) : gc;
-      g_[i] = g;
+      const float clipped = gr * coef;
+      gr = is_nan(gr) ? quiet(gr) : clipped;
+      g_[i] = gr;
     }
-    if (MAXIMIZE) g = -g;                   // (grad * -1 in the body, folded to a negation)
-    const float g2 = g;
-    const float m = m_[i];
-    float d = g - m;
-    d = is_nan(g) ? quiet(g) : d;            // grad - exp_avg: the gradient's NaN first
-    float m1 = SMALL_WEIGHT ? __builtin_fmaf(w, d, m)
-               : TAIL       ? __builtin_fmaf(-d, omw, g)
-                            : __builtin_fmaf(wm1, d, g);
-    m1 = is_nan(d) ? COT_FUSED_LERP_NAN : m1;
-    m_[i] = m1;
-    const float v0 = v_[i];
-    const float sg = val * g2;
-    float v1 = TAIL ? __builtin_fmaf(v0, b2, sg * g2) : __builtin_fmaf(sg, g2, v0 * b2);
-    if (TAIL) v1 = is_nan(v0) ? quiet(v0) : (is_nan(g2) ? quiet(g2) : v1);
-    else v1 = is_nan(g2) ? COT_FUSED_SQ_NAN : v1;
-    v_[i] = v1;
-    float s = v1;
+    if (MAXIMIZE) gr = -gr;  // (grad * -1 in the body: the compiler made it a negation)
+    const float avg = m_[i];
+    float diff = gr - avg;
+    diff = is_nan(gr) ? quiet(gr) : diff;  // grad - exp_avg: the gradient's NaN first
+    float avg1 = SMALL_WEIGHT ? __builtin_fmaf(w, diff, avg)
+                 : TAIL       ? __builtin_fmaf(-diff, omw, gr)
+                              : __builtin_fmaf(wm1, diff, gr);
+    avg1 = is_nan(diff) ? diff : avg1;  // the difference's NaN over exp_avg's
+    m_[i] = avg1;
+    // exp_avg_sq: the tail's contraction is the other one, fma(exp_avg_sq, beta2, value*g*g),
+    // and keeps exp_avg_sq's NaN first; the body keeps the gradient's, and under maximize the
+    // copy in the parallel region keeps the sign it had before the negation
+    const float sq0 = v_[i];
+    const float sg = val * gr;
+    float sq1 = TAIL ? __builtin_fmaf(sq0, b2, sg * gr) : __builtin_fmaf(sg, gr, sq0 * b2);
+    if (TAIL) sq1 = is_nan(sq0) ? quiet(sq0) : (is_nan(gr) ? quiet(gr) : sq1);
+    else sq1 = is_nan(gr) ? ((MAXIMIZE && !INLINE) ? quiet(-gr) : quiet(gr)) : sq1;
+    v_[i] = sq1;
+    float root_in = sq1;
     if (AMSGRAD) {
-      const float a = vmax_[i];
-      if (TAIL) s = a < v1 ? v1 : a;         // std::max(max_exp_avg_sq, exp_avg_sq)
-      else s = (is_nan(a) || is_nan(v1)) ? from_bits(0xffffffffu) : (a > v1 ? a : v1);
-      vmax_[i] = s;
+      const float prev = vmax_[i];
+      if (TAIL) root_in = prev < sq1 ? sq1 : prev;  // std::max(max_exp_avg_sq, exp_avg_sq)
+      else root_in = (is_nan(prev) || is_nan(sq1)) ? from_bits(0xffffffffu)
+                                                   : (prev > sq1 ? prev : sq1);
+      vmax_[i] = root_in;
     }
-    const float den = __builtin_sqrtf(s) / bc2s + eps;
-    const float t = nstep * m1;
-    float q = t / den;
-    q = is_nan(t) ? t : q;                   // (-step_size * exp_avg) / denom: the numerator's
-    float r = pd + q;
-    r = COT_FUSED_ADD_NAN;
-    p_[i] = r;
+    const float denom = __builtin_sqrtf(root_in) / bc2s + eps;
+    const float num = nstep * avg1;
+    float quo = num / denom;
+    quo = is_nan(num) ? num : quo;  // (-step_size * exp_avg) / denom: the numerator's NaN
+    // param + quotient: the body keeps the quotient's NaN, the tail (param - step_size *
+    // exp_avg / denom) the parameter's
+    float out = decayed + quo;
+    if (TAIL) out = is_nan(decayed) ? quiet(decayed) : (is_nan(quo) ? quo : out);
+    else out = is_nan(quo) ? quo : out;
+    p_[i] = out;
   }
 }
 
@@ -591,7 +589,7 @@ void aten_fused_body(int64_t n, float* __restrict g_, float* __restrict m_,
   typedef Lanes L;
   typedef L::V V;
   constexpr int W = L::W;
-  const V c = L::set1(h.clip), decay = L::set1(h.decay);
+  const V coef = L::set1(h.clip), decay = L::set1(h.decay);
   const V w = L::set1(h.weight), wm1 = L::set1(h.weight_m1), b2 = L::set1(h.beta2);
   const V val = L::set1(h.value2), eps = L::set1(h.eps);
   const V bc = L::set1(bc2s), ns = L::set1(nstep);
@@ -599,63 +597,65 @@ void aten_fused_body(int64_t n, float* __restrict g_, float* __restrict m_,
   for (int64_t i = 0; i < n; i += W) {
     const int64_t len = n - i < W ? n - i : W;
     const bool full = len == W;
-    const V g0 = full ? L::load(g_ + i) : L::load_part(g_ + i, len);
-    const V m = full ? L::load(m_ + i) : L::load_part(m_ + i, len);
-    const V v = full ? L::load(v_ + i) : L::load_part(v_ + i, len);
-    const V p = full ? L::load(p_ + i) : L::load_part(p_ + i, len);
-    const V pd = DECAY ? L::mul(p, decay) : p;
-    const V gc = CLIP ? L::mul(g0, c) : g0;
-    const V g = MAXIMIZE ? L::xor_(gc, sign) : gc;
-    const V d = L::sub(g, m);
-    const V m1 = SMALL_WEIGHT ? L::fma(w, d, m) : L::fma(wm1, d, g);
-    const V v1 = L::fma(L::mul(val, g), g, L::mul(v, b2));
-    V a = v1, s = v1;
+    const V raw = full ? L::load(g_ + i) : L::load_part(g_ + i, len);
+    const V avg = full ? L::load(m_ + i) : L::load_part(m_ + i, len);
+    const V sq = full ? L::load(v_ + i) : L::load_part(v_ + i, len);
+    const V par = full ? L::load(p_ + i) : L::load_part(p_ + i, len);
+    const V decayed = DECAY ? L::mul(par, decay) : par;
+    const V clipped = CLIP ? L::mul(raw, coef) : raw;
+    const V gr = MAXIMIZE ? L::xor_(clipped, sign) : clipped;
+    const V diff = L::sub(gr, avg);
+    const V avg1 = SMALL_WEIGHT ? L::fma(w, diff, avg) : L::fma(wm1, diff, gr);
+    const V sq1 = L::fma(L::mul(val, gr), gr, L::mul(sq, b2));
+    V prev = sq1, root_in = sq1;
     if (AMSGRAD) {
-      a = full ? L::load(vmax_ + i) : L::load_part(vmax_ + i, len);
-      s = L::where_gt(a, v1, a, v1);  // Vectorized maximum: max_exp_avg_sq if greater
+      prev = full ? L::load(vmax_ + i) : L::load_part(vmax_ + i, len);
+      root_in = L::where_gt(prev, sq1, prev, sq1);  // max_exp_avg_sq where it is greater
     }
-    const V den = L::add(L::div(L::sqrt(s), bc), eps);
-    const V t = L::mul(ns, m1);
-    const V q = L::div(t, den);
-    const V p1 = L::add(pd, q);
-    const unsigned nan = (L::unordered(g, d) | L::unordered(t, q) | L::unordered(pd, v1) |
-                          (AMSGRAD ? L::unordered(a, v1) : 0u)) & L::all_lanes(len);
+    const V denom = L::add(L::div(L::sqrt(root_in), bc), eps);
+    const V num = L::mul(ns, avg1);
+    const V quo = L::div(num, denom);
+    const V par1 = L::add(decayed, quo);
+    const unsigned nan = (L::unordered(gr, diff) | L::unordered(num, quo) |
+                          L::unordered(decayed, sq1) |
+                          (AMSGRAD ? L::unordered(prev, sq1) : 0u)) & L::all_lanes(len);
     if (__builtin_expect(nan != 0, 0)) {
       aten_fused_general<MAXIMIZE, SMALL_WEIGHT, AMSGRAD, false, CLIP, DECAY, INLINE>(
           len, g_ + i, m_ + i, v_ + i, AMSGRAD ? vmax_ + i : nullptr, p_ + i, h, bc2s, nstep);
       continue;
     }
     if (full) {
-      if (CLIP) L::store(g_ + i, gc);
-      L::store(m_ + i, m1);
-      L::store(v_ + i, v1);
-      if (AMSGRAD) L::store(vmax_ + i, s);
-      L::store(p_ + i, p1);
+      if (CLIP) L::store(g_ + i, clipped);
+      L::store(m_ + i, avg1);
+      L::store(v_ + i, sq1);
+      if (AMSGRAD) L::store(vmax_ + i, root_in);
+      L::store(p_ + i, par1);
       continue;
     }
-    if (CLIP) L::store_part(g_ + i, len, gc);
-    L::store_part(m_ + i, len, m1);
-    L::store_part(v_ + i, len, v1);
-    if (AMSGRAD) L::store_part(vmax_ + i, len, s);
-    L::store_part(p_ + i, len, p1);
+    if (CLIP) L::store_part(g_ + i, len, clipped);
+    L::store_part(m_ + i, len, avg1);
+    L::store_part(v_ + i, len, sq1);
+    if (AMSGRAD) L::store_part(vmax_ + i, len, root_in);
+    L::store_part(p_ + i, len, par1);
   }
 }
 
 void aten_fused_step(bool maximize, bool small, bool ams, bool tail, bool clip, bool decay,
-                     bool inl, int64_t n, float* g, float* m, float* v, float* vmax, float* p,
-                     const Hyper& h, float bc2s, float nstep) {
+                     bool inl, int64_t n, float* gr, float* avg, float* sq, float* vmax,
+                     float* par, const Hyper& h, float bc2s, float nstep) {
   with_bool(maximize, [&](auto MX) { with_bool(small, [&](auto SW) {
     with_bool(ams, [&](auto AM) { with_bool(tail, [&](auto TL) {
-      with_bool(clip, [&](auto CL) { with_bool(decay, [&](auto DC) { with_bool(inl, [&](auto IN) {
+      with_bool(clip, [&](auto CL) { with_bool(decay, [&](auto DC) {
+        with_bool(inl, [&](auto IN) {
         if (!decltype(TL)::value && !COT_FUSED_GENERAL_ONLY) {
           aten_fused_body<decltype(MX)::value, decltype(SW)::value, decltype(AM)::value,
                           decltype(CL)::value, decltype(DC)::value, decltype(IN)::value>(
-              n, g, m, v, vmax, p, h, bc2s, nstep);
+              n, gr, avg, sq, vmax, par, h, bc2s, nstep);
           return;
         }
         aten_fused_general<decltype(MX)::value, decltype(SW)::value, decltype(AM)::value,
                            decltype(TL)::value, decltype(CL)::value, decltype(DC)::value,
-                           decltype(IN)::value>(n, g, m, v, vmax, p, h, bc2s, nstep);
+                           decltype(IN)::value>(n, gr, avg, sq, vmax, par, h, bc2s, nstep);
       }); }); }); }); }); }); });
 }
 
@@ -1292,9 +1292,10 @@ def fused_vector_unit() -> int | None:
     `maximum`) and the zero kept in the tail (std::max); None if the pattern is not that."""
     n = 127
     vmax = torch.zeros(n)
-    torch._fused_adamw_([torch.zeros(n)], [torch.full((n,), float("nan"))], [torch.zeros(n)],
-                        [torch.zeros(n)], [vmax], [torch.tensor(1.0)], lr=1e-3, beta1=0.9,
-                        beta2=0.999, weight_decay=0.0, eps=1e-8, amsgrad=True, maximize=False)
+    _compat.fused_adamw_one_group(
+        [torch.zeros(n)], [torch.full((n,), float("nan"))], [torch.zeros(n)], [torch.zeros(n)],
+        [vmax], [torch.tensor(0.0)], amsgrad=True, beta1=0.9, beta2=0.999, lr=1e-3,
+        weight_decay=0.0, eps=1e-8, maximize=False)
     bits = vmax.view(torch.int32).tolist()
     body = sum(1 for b in bits if b == -1)
     if bits[:body] != [-1] * body or any(b != 0 for b in bits[body:]):
@@ -1423,8 +1424,8 @@ def _check_buffers(tensors: list[Tensor]) -> int:
 
 
 def _check_scalars(implementation: str, lr, beta1, beta2, clip_coef) -> None:
-    if implementation not in IMPLEMENTATIONS:
-        raise ValueError(f"implementation must be one of {IMPLEMENTATIONS}, not {implementation!r}")
+    if implementation not in KINDS:
+        raise ValueError(f"implementation must be one of {KINDS}, not {implementation!r}")
     if isinstance(beta1, Tensor) or isinstance(beta2, Tensor):
         raise ValueError("single-pass AdamW takes float betas (a tensor beta takes another "
                          "ATen kernel)")
@@ -2117,7 +2118,7 @@ def static_refusal(kind: str, device: torch.device, dtype: torch.dtype,
     `group` can never take the single pass (None when it may, subject to `decide` at each step):
     fused AdamW, a device other than the CPU, a dtype other than float32 or bfloat16, coupled
     (L2) weight decay, capturable or differentiable."""
-    if kind not in IMPLEMENTATIONS:
+    if kind not in KINDS:
         return f"{kind} AdamW runs natively (the single pass reproduces for-loop, foreach, fused)"
     if device.type != "cpu":
         return f"{device.type} buffers run natively (the single pass is a CPU kernel)"

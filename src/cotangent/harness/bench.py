@@ -72,7 +72,8 @@ METHODS = ("real-backward", "synthetic-grads")
 BATCH_SIZE, SEQ_LEN = 1, 64  # real-backward: sequences per forward, tokens per sequence
 BENCH_ADAMW_ARGS = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 ALLOC_ALIGN = 64  # bytes: c10's CPU allocator hands out 64-byte aligned blocks
-SINGLE_PASS_IMPLS = ("default", "foreach")  # rows that also time Cotangent with the pass off
+SINGLE_PASS_IMPLS = ("default", "foreach")  # native's op sequences: the single pass's own targets
+OFF_ARM_IMPLS = ("default", "foreach", "fused")  # rows that also time Cotangent, pass off
 
 
 def many_small_model() -> nn.Module:
@@ -270,7 +271,7 @@ class Row:
     cotangent_forward_end_bytes: int | None = None
     cotangent_path: str | None = None  # update_path()["path"] of Cotangent's last step
     cotangent_path_notes: tuple[str, ...] = ()  # why the single pass did not take some
-    # SINGLE_PASS_IMPLS rows: Cotangent with COTANGENT_SINGLE_PASS=0 in the same interleaving
+    # OFF_ARM_IMPLS rows: Cotangent with COTANGENT_SINGLE_PASS=0 in the same interleaving
     # (update phase, median ms; its ratio to native); None on other rows
     cotangent_off_ms: float | None = None
     off_ratio: float | None = None
@@ -329,7 +330,7 @@ def bench_row(shape: str, impl: str, *, pass_ms: float | None = None, repeats: i
     device synchronisations. Medians over the repeats after `warmup`; times in ms. Bitwise:
     every loss of the run, then after one more gradient + clip + step the total norm, the
     clipped gradients, parameters, both moments and step counts, byte for byte. For `impl` in
-    SINGLE_PASS_IMPLS a third arm, Cotangent with its single pass switched off, runs in the
+    OFF_ARM_IMPLS a third arm, Cotangent with its single pass switched off, runs in the
     same interleaving and the same byte checks (`cotangent_off_ms`). The floor's pass cost: a
     `pass_probe` before every repeat's arms, median over the timed repeats (`pass_ms` None, the
     default), or the given `pass_ms` (ms per element per pass).
@@ -342,7 +343,7 @@ def bench_row(shape: str, impl: str, *, pass_ms: float | None = None, repeats: i
     m1 = bench_model(shape).to(dev)
     m2 = copy.deepcopy(m1)
     p1, p2 = list(m1.parameters()), list(m2.parameters())
-    with_off = impl in SINGLE_PASS_IMPLS
+    with_off = impl in OFF_ARM_IMPLS
     m3 = copy.deepcopy(m1) if with_off else None
     gen = torch.Generator().manual_seed(1)
     grads = [(torch.randn(p.shape, generator=gen) * 0.01).to(dev) for p in p1]  # norm > 1
