@@ -44,7 +44,8 @@ def run_both(*, implementation="for-loop", lr=1e-3, betas=(0.9, 0.999), eps=1e-8
     params = [torch.nn.Parameter(t.clone()) for t in views(state["param"])]
     opt = torch.optim.AdamW(params, lr=lr.clone() if torch.is_tensor(lr) else lr, betas=betas,
                             eps=eps, weight_decay=weight_decay, maximize=maximize,
-                            amsgrad=amsgrad, foreach=implementation == "foreach")
+                            amsgrad=amsgrad, foreach=implementation == "foreach",
+                            fused=implementation == "fused")
     keys = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if amsgrad else [])
     for i, q in enumerate(params):
         opt.state[q] = dict(step=torch.tensor(start[i]))
@@ -90,7 +91,7 @@ SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("implementation", ["for-loop", "foreach"])
+@pytest.mark.parametrize("implementation", sp.KINDS)
 @pytest.mark.parametrize("setting", SETTINGS, ids=lambda s: ",".join(f"{k}={v}" for k, v in
                                                                      s.items()) or "defaults")
 def test_single_pass_equals_native(implementation, setting):
@@ -443,7 +444,7 @@ def fresh_verdicts(tmp_path, monkeypatch):
 
 def native_vs_cotangent(*, foreach: bool, steps: int = 4, max_norm=None, specials=False,
                         edit=None, models=None, path="single-pass", clip_in_pass=None,
-                        **adamw):
+                        fused: bool = False, **adamw):
     """`steps` steps of native (clip_grad_norm_ + torch.optim.AdamW) and cotangent.AdamW on
     copies of `small_model` with a real backward on the same batch; every parameter, gradient,
     moment and step compared byte for byte after each step, and the path cotangent took
@@ -454,8 +455,9 @@ def native_vs_cotangent(*, foreach: bool, steps: int = 4, max_norm=None, special
     a step. Returns (native model, native optimizer, our model, our optimizer)."""
     m1, m2 = models or (small_model(), small_model())
     native_adamw = {k: v.clone() if torch.is_tensor(v) else v for k, v in adamw.items()}
-    ref = torch.optim.AdamW(m1.parameters(), foreach=foreach, **native_adamw)
-    opt = cotangent.AdamW(m2.parameters(), foreach=foreach, max_norm=max_norm, **adamw)
+    ref = torch.optim.AdamW(m1.parameters(), foreach=foreach, fused=fused, **native_adamw)
+    opt = cotangent.AdamW(m2.parameters(), foreach=foreach, fused=fused, max_norm=max_norm,
+                          **adamw)
     gen = torch.Generator().manual_seed(1)
     for step in range(steps):
         x = torch.randn(4, IN, generator=gen).to(next(m1.parameters()).dtype)
@@ -493,12 +495,13 @@ ADAMW_SETTINGS = [
 ]
 
 
-@pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+@pytest.mark.parametrize("impl", sp.KINDS)
 @pytest.mark.parametrize("setting", ADAMW_SETTINGS, ids=lambda s: ",".join(
     f"{k}={v}" for k, v in s.items()))
-def test_adamw_single_pass_gives_native_bytes(foreach, setting):
+def test_adamw_single_pass_gives_native_bytes(impl, setting):
     with threads(2):
-        *_, opt = native_vs_cotangent(foreach=foreach, **setting)
+        *_, opt = native_vs_cotangent(foreach=impl == "foreach", fused=impl == "fused",
+                                      **setting)
     summary = opt.update_path()
     assert summary["single_pass"] == 6 and summary["native"] == 0, summary
 
