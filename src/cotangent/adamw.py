@@ -17,6 +17,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 from itertools import chain
+from operator import attrgetter
 
 import torch
 from torch import Tensor
@@ -344,6 +345,10 @@ class AdamW(torch.optim.AdamW):
                     "lr as a Tensor is not supported for capturable=False and foreach=True")
             kind = merge.implementation(group, [p for _, p in params])
             amsgrad = bool(group["amsgrad"])
+            call = self._gather_alike(group, kind, params, amsgrad, fresh)
+            if call is not None:
+                calls.append(call)
+                continue
             by = {}
             for index, p in params:
                 g = p.grad
@@ -381,6 +386,33 @@ class AdamW(torch.optim.AdamW):
                 if amsgrad:
                     call.max_exp_avg_sqs.append(vmax)
         return calls, fresh
+
+    def _gather_alike(self, group: dict, kind: str, params: list[tuple[int, Tensor]],
+                      amsgrad: bool, fresh: list[tuple[_Call, int]]) -> _Call | None:
+        """`_gather`'s call for a group whose parameters with a gradient share one device and
+        dtype and all have state, gathered a list at a time (C-level loops); None otherwise
+        (the general loop then runs, with its checks and errors)."""
+        ps = [p for _, p in params]
+        if len(set(map(_DTYPE, ps))) != 1 or len(set(map(_DEVICE, ps))) != 1:
+            return None
+        grads = [p.grad for p in ps]
+        entries = list(map(self.state.get, ps))
+        if not all(entries) or any(map(_IS_SPARSE, grads)):
+            return None
+        call = _Call(group, kind, ps, grads)
+        call.pos = [i for i, _ in params]
+        call.exp_avgs = [e.get("exp_avg") for e in entries]
+        call.exp_avg_sqs = [e.get("exp_avg_sq") for e in entries]
+        call.steps = [e.get("step") for e in entries]
+        if amsgrad:
+            call.max_exp_avg_sqs = [e.get("max_exp_avg_sq") for e in entries]
+        first = ps[0]
+        call.checked = singlepass.static_refusal(kind, first.device, first.dtype,
+                                                 group) is not None
+        if call.checked:
+            for p in ps:
+                self._check_param(p, amsgrad)
+        return call
 
     def _check_param(self, p: Tensor, amsgrad: bool) -> None:
         """Native AdamW's inputs for `p` as native reads them, or a clear error: a gradient of
@@ -453,7 +485,14 @@ class AdamW(torch.optim.AdamW):
         """`clip_grad_norm_`'s total norm and clip coefficient over `grads` (raises with
         ``error_if_nonfinite`` before anything is modified). `fold`: the single pass may do the
         multiply (no GradScaler state, a CPU coefficient that is not NaN)."""
-        if self.batched_norms and all(g.device.type == "cpu" for g in grads[:1]):
+        if self.norm_type == 2.0 and _plain_cpu_float32(grads) and singlepass.norms_proven():
+            # every per-tensor norm in one C call, with ATen's bits (proven by its probe)
+            total = total_norm(singlepass.tensor_norms(grads), self.norm_type)
+            if self.error_if_nonfinite:
+                from cotangent.norms import check_finite
+
+                check_finite(total, self.norm_type)
+        elif self.batched_norms and all(g.device.type == "cpu" for g in grads[:1]):
             # (on CUDA a (B, K) row norm and `_foreach_norm` reduce in other trees: issue 29;
             # no batched-norm probe runs there until a measurement shows it can win)
             total = get_total_norm(grads, self.norm_type, self.error_if_nonfinite)
@@ -834,6 +873,17 @@ def _moment_ok(t, p: Tensor) -> bool:
     message, runs where this fails): a dense tensor of `p`'s shape, dtype and device."""
     return (type(t) is Tensor and t.shape == p.shape and t.dtype is p.dtype
             and t.layout is torch.strided and t.device == p.device)
+
+
+def _plain_cpu_float32(grads: list[Tensor]) -> bool:
+    """Whether `grads` are all contiguous float32 CPU tensors (no subclasses), at least one."""
+    return bool(grads) and all(type(g) is Tensor and g.dtype is torch.float32 and g.is_cpu
+                               and g.is_contiguous() for g in grads)
+
+
+_DTYPE = attrgetter("dtype")
+_DEVICE = attrgetter("device")
+_IS_SPARSE = attrgetter("is_sparse")
 
 
 def _bump_versions(call: _Call, group: dict) -> None:

@@ -79,6 +79,8 @@ import time
 import warnings
 from dataclasses import dataclass
 from functools import lru_cache
+from itertools import repeat
+from operator import attrgetter, is_
 from pathlib import Path
 
 import torch
@@ -787,9 +789,51 @@ void for_each_block(const int64_t* pieces, int64_t npieces, int nthreads,
   delete[] first;
 }
 
+// ---- Per-tensor 2-norms of contiguous float32 tensors with the bits of ATen's CPU norm
+// (`torch.linalg.vector_norm` / `torch._foreach_norm`, ord 2: ReduceOpsKernel.cpp's
+// last-dimension fast path, whose AVX2 build runs on AVX2 and AVX512 machines alike), as
+// measured on torch 2.13.0+cpu: eight lane sums of x * x, each product rounded (no fused
+// multiply-add), folded left to right; then the last numel % 8 elements added one at a time,
+// the products rounded for the first multiple of four of them (the compiler squared those
+// four at a time) and fused into the sum for the others; then the square root. One element:
+// its absolute value (the sign bit cleared, a NaN's payload kept, even a signalling one).
+float aten_norm2(const float* x, int64_t n) {
+  if (n == 1) return from_bits(to_bits(x[0]) & 0x7fffffffu);
+  __m256 acc = _mm256_setzero_ps();
+  const int64_t body = n - n % 8;
+  for (int64_t d = 0; d < body; d += 8) {
+    const __m256 v = _mm256_loadu_ps(x + d);
+    acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+  }
+  float lane[8];
+  _mm256_storeu_ps(lane, acc);
+  float sum = lane[0];
+  for (int j = 1; j < 8; j++) sum = sum + lane[j];
+  const int64_t tail = n - body, rounded = tail / 4 * 4;
+  for (int64_t i = 0; i < rounded; i++) {
+    const float v = x[body + i];
+    sum = sum + v * v;
+  }
+  for (int64_t i = rounded; i < tail; i++) {
+    const float v = x[body + i];
+    sum = __builtin_fmaf(v, v, sum);
+  }
+  return __builtin_sqrtf(sum);
+}
+
 }  // namespace
 
 extern "C" {
+
+// out[i] = the 2-norm of the n[i] contiguous floats at ptr[i] (`aten_norm2`), the tensors
+// shared among nthreads OpenMP threads (each tensor's sum is one thread's, in ATen's order).
+void cot_singlepass_norms(const int64_t* ptr, const int64_t* n, int64_t count, float* out,
+                          int nthreads) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
+  for (int64_t i = 0; i < count; i++) {
+    out[i] = aten_norm2(reinterpret_cast<const float*>(ptr[i]), n[i]);
+  }
+}
 
 // The bfloat16 step (flags: bit0 decay, bit1 maximize; no amsgrad, no clip): base pointers,
 // pieces, nstep, bc2s and the scalars as for cot_singlepass_adamw; every element is read and
@@ -841,7 +885,18 @@ void cot_fill_negative_zero(float* p, int64_t n, int nthreads) {
   }
 }
 
-int cot_singlepass_version() { return 14; }
+int cot_singlepass_version() { return 15; }
+
+// The float32 step counters at ptr[0..n): out[i] = step + 1 as `step_t += 1` rounds it (the
+// calling thread's float modes, like ATen's one-element add), written back when `write`.
+void cot_singlepass_steps(const int64_t* ptr, int64_t n, double* out, int write) {
+  for (int64_t i = 0; i < n; i++) {
+    float* s = reinterpret_cast<float*>(ptr[i]);
+    const float t = *s + 1.0f;
+    out[i] = t;
+    if (write) *s = t;
+  }
+}
 
 // 1 when no two of the n byte spans [start[i], start[i] + nbytes[i]) overlap (empty spans
 // never do), else 0: the kernel reads and writes every tensor as its own.
@@ -1077,6 +1132,12 @@ def _build_locked() -> tuple[ctypes.CDLL, Build]:
                                         ctypes.c_void_p, ctypes.c_longlong]
     lib.cot_singlepass_mxcsr.restype = ctypes.c_int
     lib.cot_singlepass_mxcsr.argtypes = []
+    lib.cot_singlepass_norms.restype = None
+    lib.cot_singlepass_norms.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                         ctypes.c_void_p, ctypes.c_int]
+    lib.cot_singlepass_steps.restype = None
+    lib.cot_singlepass_steps.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p,
+                                         ctypes.c_int]
     if cached:
         _log.info("single-pass kernel loaded from the cache: %s", target)
     else:
@@ -1544,13 +1605,14 @@ class Prepared:
     bases: list[list[int]]
     numels: tuple[int, ...]
     steps: list[Tensor]
+    step_bases: list[int]  # each step tensor's address
 
     def spans(self) -> tuple[list[int], list[int]]:
         """(start addresses, byte lengths) of every tensor, step tensors included."""
-        size = torch.empty((), dtype=self.dtype).element_size()
-        starts = [x for b in self.bases for x in b] + [s.data_ptr() for s in self.steps]
-        nbytes = [n * size for n in self.numels] * len(self.bases) + [
-            s.element_size() for s in self.steps]
+        size = 2 if self.dtype == torch.bfloat16 else 4
+        starts = [x for b in self.bases for x in b] + self.step_bases
+        nbytes = [n * size for n in self.numels] * len(self.bases) + list(
+            map(Tensor.element_size, self.steps))
         return starts, nbytes
 
 
@@ -1575,6 +1637,15 @@ def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
     dtype = params[0].dtype if count else torch.float32
     if dtype not in DTYPES:
         raise TypeError("single-pass AdamW needs CPU tensors of one dtype, float32 or bfloat16")
+    shapes = list(map(_SHAPE, params))
+    if all(_contiguous_alike(x, dtype, shapes) for x in lists):
+        # (the common case, checked a list at a time in C loops: each tensor contiguous, of
+        # its parameter's shape, the dtype, on the CPU)
+        if torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, params)):
+            raise RuntimeError("single-pass AdamW updates in place: call it under "
+                               "torch.no_grad()")
+        return Prepared(dtype, [list(map(_DATA_PTR, x)) for x in lists],
+                        tuple(map(Tensor.numel, params)), *_checked_steps(steps))
     bases: list[list[int]] = [[] for _ in lists]
     numels = []
     strided = torch.strided
@@ -1625,11 +1696,35 @@ def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
     if torch.is_grad_enabled() and any(p.requires_grad for p in params):
         raise RuntimeError("single-pass AdamW updates in place: call it under torch.no_grad()")
     steps = [steps[i] for i in taken] if len(taken) != count else list(steps)
-    if len({id(s) for s in steps}) != len(steps) or any(
-            not isinstance(s, Tensor) or s.dim() != 0 or not s.is_cpu for s in steps):
+    return Prepared(dtype, bases, tuple(numels), *_checked_steps(steps))
+
+
+_SHAPE = attrgetter("shape")
+_DTYPE = attrgetter("dtype")
+_LAYOUT = attrgetter("layout")
+_IS_CPU = attrgetter("is_cpu")
+_REQUIRES_GRAD = attrgetter("requires_grad")
+_DATA_PTR = Tensor.data_ptr
+
+
+def _contiguous_alike(tensors: list, dtype: torch.dtype, shapes: list) -> bool:
+    """Whether every entry of `tensors` is a contiguous strided CPU tensor of `dtype` with the
+    shape at its place in `shapes` (C-level loops: `map` over methods and attribute getters)."""
+    return (all(map(isinstance, tensors, repeat(Tensor)))
+            and all(map(is_, map(_DTYPE, tensors), repeat(dtype)))
+            and all(map(_IS_CPU, tensors))
+            and all(map(is_, map(_LAYOUT, tensors), repeat(torch.strided)))
+            and all(map(Tensor.is_contiguous, tensors))
+            and list(map(_SHAPE, tensors)) == shapes)
+
+
+def _checked_steps(steps: list) -> tuple[list, list[int]]:
+    """(steps, their addresses) after checking they are distinct 0-d CPU tensors."""
+    if not all(map(isinstance, steps, repeat(Tensor))) or len(set(map(id, steps))) != len(
+            steps) or any(map(Tensor.dim, steps)) or not all(map(_IS_CPU, steps)):
         raise ValueError("one 0-d CPU step tensor per parameter, each its own (native "
                          "increments each)")
-    return Prepared(dtype, bases, tuple(numels), steps)
+    return steps, list(map(_DATA_PTR, steps))
 
 
 def spans_disjoint(starts: list[int], nbytes: list[int]) -> bool:
@@ -1639,7 +1734,94 @@ def spans_disjoint(starts: list[int], nbytes: list[int]) -> bool:
     Raises:
         SinglePassUnavailable: the kernel library cannot be built here.
     """
-    return bool(_lib().cot_singlepass_disjoint(_int64s(starts), _int64s(nbytes), len(starts)))
+    a, b = _int64s(starts), _int64s(nbytes)
+    return bool(_lib().cot_singlepass_disjoint(_address(a), _address(b), len(starts)))
+
+
+NORM_PROBE_KIND = "singlepass_norm"
+
+
+def tensor_norms(tensors: list[Tensor]) -> Tensor:
+    """The 2-norm of each tensor, computed in one C call (the tensors shared among
+    `torch.get_num_threads()` threads) with the bits ATen's CPU norm gives each (see
+    `aten_norm2` in the kernel source): a float32 tensor of shape (len(tensors),). Use it only
+    where `norms_proven` holds.
+
+    Args:
+        tensors: contiguous float32 CPU tensors, any shapes (unchecked: the caller checks).
+    Raises:
+        SinglePassUnavailable: the kernel library cannot be built here.
+    """
+    ptrs = _int64s(list(map(_DATA_PTR, tensors)))
+    numels = _int64s(list(map(Tensor.numel, tensors)))
+    out = torch.empty(len(tensors))
+    _lib().cot_singlepass_norms(_address(ptrs), _address(numels), len(tensors),
+                                out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def norm_probe_tensors(seed: int = 0) -> list[Tensor]:
+    """The norm probe's inputs: float32 tensors of every length 0-299 and longer ones (around
+    ATen's thread grain, up to 3M elements), values at random magnitudes from 1e-20 to 1e20
+    (squares overflowing and underflowing), then copies with special values written in (NaNs
+    of both signs and several payloads, infinities, signed zeros, subnormals), and one-element
+    tensors of each special and extreme value."""
+    from cotangent.calibration import SPECIAL_VALUES, sprinkle_special_values, write_special
+
+    gen = torch.Generator().manual_seed(seed)
+    lengths = list(range(300)) + [1023, 4099, 32767, 32768, 32769, 65537, 100003, (1 << 20) + 3,
+                                  3_000_001]
+    out = []
+    for n in lengths:
+        scale = 10.0 ** (float(torch.rand((), generator=gen)) * 40 - 20)
+        out.append(torch.randn(n, generator=gen) * scale)
+    special = [t.clone() for t in out[1:300]]
+    sprinkle_special_values(special)
+    ones = []
+    for v in (*SPECIAL_VALUES, 3e38, -1e-30):
+        ones.append(torch.zeros(1))
+        write_special(ones[-1], 0, v)
+    signalling = torch.zeros(1)
+    signalling.view(torch.int32)[0] = 0x7FA00001
+    return out + special + ones + [signalling]
+
+
+def norms_match_native(seed: int = 0) -> bool:
+    """Probe: does `tensor_norms` give, byte for byte, native clipping's per-tensor norms
+    (`cotangent.norms.native_tensor_norms`, ord 2) of `norm_probe_tensors` here, under the
+    current thread count and float modes? False (never raises) when the kernel cannot run."""
+    from cotangent.norms import _bytes_equal, native_tensor_norms
+
+    try:
+        tensors = norm_probe_tensors(seed)
+        ours = tensor_norms(tensors)
+    except SinglePassUnavailable:
+        return False
+    return _bytes_equal(ours, torch.stack(native_tensor_norms(tensors, 2.0, None)))
+
+
+def norms_proven(team_now=None) -> bool:
+    """Whether the per-tensor 2-norms may come from `tensor_norms` now: the single pass is
+    switched on and available, the OpenMP team computes under one set of float modes with
+    exceptions masked, and a `norms_match_native` probe passed for this build, float modes
+    and thread count (cached in memory and in the calibration file like every probe)."""
+    if not switched_on() or unavailable_reason() is not None:
+        return False
+    size, modes = (team_now or team)()
+    if size < 1 or len(set(modes)) > 1 or modes[0] & 0x1F80 != 0x1F80:
+        return False
+    parts = (f"build-{build().key}", f"mxcsr{modes[0]:#x}", f"team{size}")
+    memo = (NORM_PROBE_KIND,) + parts + (torch.get_num_threads(),)
+    verdict = _VERDICTS.get(memo)
+    if verdict is None:
+        key = calibration.full_key(NORM_PROBE_KIND, "cpu", parts,
+                                   probe=(norms_match_native, norm_probe_tensors))
+        verdict = calibration.lookup(key)
+        if verdict is None:
+            verdict = norms_match_native()
+            calibration.record(key, verdict)
+        _VERDICTS[memo] = verdict
+    return verdict
 
 
 def launch(prepared: Prepared, *, implementation: str, lr, beta1: float, beta2: float,
@@ -1652,16 +1834,21 @@ def launch(prepared: Prepared, *, implementation: str, lr, beta1: float, beta2: 
     if amsgrad != (len(prepared.bases) == 5):
         raise ValueError("amsgrad needs the max_exp_avg_sq list, and only amsgrad")
     _launch(prepared.dtype, prepared.bases, prepared.numels, prepared.steps,
-            implementation=implementation, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
+            step_bases=prepared.step_bases, implementation=implementation, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
             weight_decay=weight_decay, maximize=maximize, amsgrad=amsgrad, threads=threads,
             clip_coef=clip_coef)
 
 
-def _int64s(values: list[int]):
-    """A ctypes array of int64 holding `values` (pointers as integers), filled in C
-    (`array.array`) and shared with ctypes without a copy."""
-    buf = array.array("q", values)
-    return (ctypes.c_int64 * len(values)).from_buffer(buf) if values else None
+def _int64s(values: list[int]) -> array.array:
+    """`values` (pointers as integers) as a C array of int64, filled in C (`array.array`); pass
+    `_address` of it to the kernel while it is alive (no ctypes array type per call: making one
+    costs about 50 us)."""
+    return array.array("q", values)
+
+
+def _address(buf: array.array) -> int | None:
+    """The address of `buf`'s first element, None when it is empty."""
+    return buf.buffer_info()[0] if len(buf) else None
 
 
 def _step_values(steps: list[Tensor] | Tensor) -> list[float]:
@@ -1678,7 +1865,7 @@ def _step_values(steps: list[Tensor] | Tensor) -> list[float]:
 
 
 def _launch(dtype: torch.dtype, bases: list[list[int]], numels: tuple[int, ...], steps, *,
-            implementation: str, lr, beta1: float, beta2: float, eps: float,
+            step_bases: list[int] | None = None, implementation: str, lr, beta1: float, beta2: float, eps: float,
             weight_decay: float, maximize: bool, amsgrad: bool, threads: int | None,
             clip_coef: float | None) -> None:
     """The kernel call shared by the flat and the list API: `bases` holds, per tensor kind
@@ -1688,11 +1875,11 @@ def _launch(dtype: torch.dtype, bases: list[list[int]], numels: tuple[int, ...],
     if bf16 and (amsgrad or clip_coef is not None):
         raise ValueError("bfloat16 buffers: amsgrad and the clip multiply are not reproduced by "
                          "the single pass")
-    step_dtypes = {steps.dtype} if isinstance(steps, Tensor) else {s.dtype for s in steps}
+    step_dtypes = {steps.dtype} if isinstance(steps, Tensor) else set(map(_DTYPE, steps))
     if implementation == "foreach" and not step_dtypes <= {torch.float32, torch.float64}:
         raise ValueError("native foreach AdamW refuses step tensors that are not float32 or "
                          "float64: native path (and its error)")
-    if not isinstance(steps, Tensor) and len({id(s) for s in steps}) != len(steps):
+    if not isinstance(steps, Tensor) and len(set(map(id, steps))) != len(steps):
         raise ValueError("one step tensor per segment, each its own (native increments each)")
     fused = implementation == "fused"
     if fused and (bf16 or step_dtypes != {torch.float32}):
@@ -1716,8 +1903,16 @@ def _launch(dtype: torch.dtype, bases: list[list[int]], numels: tuple[int, ...],
         scalars[4] = _bf16_value(scalars[4])
         if implementation == "foreach":
             scalars[0], scalars[2] = _bf16_value(scalars[0]), _bf16_value(scalars[2])
-    # native: step_t += 1 (in the step tensor's dtype), then the scalars from step_t.item()
-    stepped = _step_values(steps)
+    # native: step_t += 1 (in the step tensor's dtype), then the scalars from step_t.item();
+    # float32 step tensors (native's own) are read and incremented in C
+    in_c = step_bases is not None and step_dtypes == {torch.float32}
+    if in_c:
+        stepped_c = (ctypes.c_double * len(step_bases))()
+        step_array = _int64s(step_bases)
+        _lib().cot_singlepass_steps(_address(step_array), len(step_bases), stepped_c, 0)
+        stepped = list(stepped_c)
+    else:
+        stepped = _step_values(steps)
     by_step: dict[float, tuple[float, float]] = {}
     for t in stepped:
         if t not in by_step:
@@ -1752,16 +1947,21 @@ def _launch(dtype: torch.dtype, bases: list[list[int]], numels: tuple[int, ...],
     arrays = [_int64s(b) for b in bases]
     if isinstance(steps, Tensor):
         steps.add_(1)
+    elif in_c:
+        lib.cot_singlepass_steps(_address(step_array), len(step_bases), stepped_c, 1)
+        torch.autograd.graph.increment_version(steps)  # (as the add's version bump)
     else:
         _compat.foreach_add_(steps, 1)  # (per tensor on the CPU: `step_t += 1`'s bits)
     if bf16:
         lib.cot_singlepass_adamw_bf16(
-            *arrays, pieces.data_ptr(), pieces.shape[0], ctypes.cast(nstep, ctypes.c_void_p),
+            *map(_address, arrays), pieces.data_ptr(), pieces.shape[0],
+            ctypes.cast(nstep, ctypes.c_void_p),
             ctypes.cast(bc2s, ctypes.c_void_p), scalars[0], scalars[1], scalars[2], scalars[3],
             scalars[4], flags, torch.get_num_threads())
         return
     lib.cot_singlepass_adamw(
-        *arrays[:4], arrays[4] if amsgrad else None, pieces.data_ptr(), pieces.shape[0],
+        *map(_address, arrays[:4]), _address(arrays[4]) if amsgrad else None,
+        pieces.data_ptr(), pieces.shape[0],
         ctypes.cast(nstep, ctypes.c_void_p), ctypes.cast(bc2s, ctypes.c_void_p),
         scalars[0], scalars[1], scalars[2], scalars[3], scalars[4], flags,
         None if fused else sqrt_address(sq), MKL_SQRT_MODE, torch.get_num_threads(),
