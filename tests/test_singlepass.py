@@ -1009,3 +1009,104 @@ def test_streaming_fill_refuses_an_inference_tensor_as_fill_does(monkeypatch):
     with pytest.raises(RuntimeError, match="inference tensor outside InferenceMode"):
         sp.fill_negative_zero_(ours)
     assert same_bits(ours, native)  # whatever fill_ leaves (torch 2.13: written, then raised)
+
+
+# ---------------------------------------------------------------------- the fused bits, the norms
+
+def test_fused_vector_unit_and_pieces():
+    """ATen's fused CPU AdamW runs its AVX2 build here (8 lanes, a scalar tail of numel % 8);
+    a tensor of one cache line (16 floats), or any tensor on one thread, runs in the inline copy
+    of its loop (flag bit 1), the tail is flag bit 0."""
+    assert sp.fused_vector_unit() == 8
+    rows = sp.fused_pieces((16, 17, 7, 0), threads=2, unit=8).tolist()
+    assert rows == [[0, 16, 0, 2], [0, 16, 1, 0], [16, 1, 1, 1], [0, 7, 2, 3]]
+    assert {r[3] & 2 for r in sp.fused_pieces((4099,), threads=1, unit=8).tolist()} == {2}
+
+
+@pytest.mark.parametrize("nthreads", [1, 2])
+@pytest.mark.parametrize("setting", [
+    dict(), dict(maximize=True, amsgrad=True), dict(beta1=0.0, weight_decay=0.0),
+    dict(beta1=0.3, maximize=True, clip_coef=0.25)], ids=["plain", "max-ams", "beta1=0", "clip"])
+def test_fused_bits_equal_native_on_both_copies_of_its_loop(setting, nthreads):
+    """The probe (every special value in body, tail, inline and parallel-region positions) passes
+    for the fused bits; NaN gradients under maximize at lengths on both sides of the 16-element
+    cache line show the two copies' signs (the inline copy's NaN exp_avg_sq has the negated
+    gradient's sign, the other's the gradient's own)."""
+    kw = dict(implementation="fused", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+              weight_decay=0.01, maximize=False, amsgrad=False)
+    kw.update(setting)
+    with threads(nthreads):
+        assert sp.matches_native(**kw)
+        for n in (7, 16, 17, 40):
+            grads = [torch.full((n,), float("nan")) for _ in range(2)]
+            grads[1].view(torch.int32)[:] = 0x7FA00001  # a signalling NaN of positive sign
+            ours, theirs = [], []
+            for out, run in ((ours, "kernel"), (theirs, "native")):
+                params = [torch.ones(n) for _ in grads]
+                m = [torch.zeros(n) for _ in grads]
+                v = [torch.full((n,), 1e-4) for _ in grads]
+                steps = [torch.tensor(0.0) for _ in grads]
+                g = [t.clone() for t in grads]
+                if run == "kernel":
+                    sp.single_pass_adamw_lists_(params, g, m, v, [], steps, **dict(
+                        kw, amsgrad=False, maximize=True, clip_coef=None))
+                else:
+                    sp._native_adamw("fused", params, g, m, v, [], steps, **{
+                        k: kw[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay")},
+                        maximize=True, amsgrad=False)
+                out += params + m + v
+            for a, b in zip(ours, theirs):
+                assert_same_bits(a, b, f"{n} elements, {nthreads} threads")
+
+
+def test_norms_equal_native_and_a_kernel_that_fuses_every_tail_square_is_caught(
+        mutants_cache, monkeypatch):
+    """`tensor_norms` gives native clipping's per-tensor norms byte for byte on the probe's
+    tensors (and the probe passes); control: a kernel whose norm fuses every tail square into
+    the sum, and whose fused AdamW forgets the inline copy's NaN sign, fails both probes."""
+    with threads(2):
+        assert sp.norms_match_native()
+        tensors = sp.norm_probe_tensors(seed=1)
+        from cotangent.norms import native_tensor_norms
+
+        assert_same_bits(sp.tensor_norms(tensors),
+                         torch.stack(native_tensor_norms(tensors, 2.0, None)), "norms")
+        kw = dict(implementation="fused", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+                  weight_decay=0.01, maximize=True, amsgrad=False)
+        assert sp.matches_native(**kw)
+        tail_rounded = "for (int64_t i = 0; i < rounded; i++) {"
+        inline_sign = "((MAXIMIZE && !INLINE) ? quiet(-gr) : quiet(gr))"
+        assert sp._SOURCE.count(tail_rounded) == 1 and sp._SOURCE.count(inline_sign) == 1
+        _load(sp._SOURCE.replace(tail_rounded, "for (int64_t i = 0; i < 0; i++) {").replace(
+            inline_sign, "quiet(gr)"), mutants_cache, monkeypatch)
+        assert not sp.norms_match_native()
+        assert not sp.matches_native(**kw)
+
+
+@pytest.mark.parametrize("impl", sp.KINDS)
+@pytest.mark.parametrize("setting", [dict(), dict(weight_decay=0.0, amsgrad=True),
+                                     dict(max_norm=1e-3)], ids=["decay", "ams", "clip"])
+def test_version_counters_are_bumped_as_natives_ops_bump_them(impl, setting):
+    """After two steps every parameter, gradient and state tensor has native's version count
+    (for-loop / foreach: one per in-place op; fused: only the steps'; the clip multiply: one
+    per gradient)."""
+    setting = dict(setting)
+    max_norm = setting.pop("max_norm", None)
+    flags = dict(foreach=impl == "foreach", fused=impl == "fused")
+    counts = []
+    for make in (torch.optim.AdamW, cotangent.AdamW):
+        torch.manual_seed(0)
+        model = small_model()
+        kw = dict(flags, **setting)
+        opt = make(model.parameters(), **kw) if make is torch.optim.AdamW else make(
+            model.parameters(), max_norm=max_norm, **kw)
+        for _ in range(2):
+            model(torch.randn(4, IN)).square().mean().backward()
+            if make is torch.optim.AdamW and max_norm is not None:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+            opt.step()
+        counts.append([(p._version, p.grad._version, *(t._version for t in opt.state[p].values()))
+                       for p in model.parameters()])
+        if make is cotangent.AdamW:
+            assert opt.update_path()["path"] == "single-pass", opt.update_path()
+    assert counts[0] == counts[1]

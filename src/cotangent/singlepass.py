@@ -1,5 +1,6 @@
-"""One pass over memory for the for-loop and foreach AdamW of `torch.optim.AdamW` (CPU; float32
-and bfloat16 parameters).
+"""One pass over memory for the for-loop, foreach and fused AdamW of `torch.optim.AdamW` (CPU;
+float32 parameters, and bfloat16 for for-loop and foreach), and the clip's per-tensor norms in
+one call.
 
 Native for-loop (`torch.optim.adam._single_tensor_adam`) and foreach (`_multi_tensor_adam`) AdamW
 run about ten elementwise ATen operations per parameter, each a pass over memory. This module
@@ -44,15 +45,29 @@ its scalar (eps) to bfloat16 first, and so does `_foreach_mul_` (the decay, beta
 keeps them float (measured on torch 2.13.0, ATen's `BinaryOpsKernel.cpp`, `LerpKernel.cpp`,
 `PointwiseOpsKernel.cpp`). amsgrad and the clip multiply stay native for bfloat16.
 
+Fused AdamW (``implementation="fused"``, float32) follows `torch._fused_adamw_` instead
+(`FusedAdamKernel.cpp`'s `adam_math`, ADAMW mode; measured on torch 2.13.0+cpu, x86-64): its
+AVX2 build runs on AVX2 and AVX512 machines (a vector body of 8 lanes, `fused_vector_unit`, and a
+scalar tail of the last ``numel % 8`` elements of each tensor: its thread chunks are whole cache
+lines); double scalars rounded to float once; the hardware square root; ``fma(w, d, exp_avg)``
+(or ``fma(w - 1, d, grad)`` / ``fma(-d, 1 - w, grad)``) for the lerp; ``fma((1 - beta2) * g, g,
+exp_avg_sq * beta2)`` in the body and ``fma(exp_avg_sq, beta2, (1 - beta2) * g * g)`` in the
+tail; ``param * decay + (-step_size * exp_avg) / denom``. Its NaN rules differ between body and
+tail and between the two compiled copies `at::parallel_for` runs (inline for a tensor of one
+cache line or on one thread, else in its parallel region: `fused_pieces`); the kernel source
+names each. `tensor_norms` gives ATen's per-tensor CPU 2-norms of contiguous float32 tensors
+(`aten_norm2` in the source), where `norms_proven` found them equal to native's.
+
 Nothing here is trusted blindly: `matches_native` runs native AdamW and this pass on probe data
 (lengths around the vector unit and the thread-split grain, NaNs of both signs and several
 payloads, infinities, signed zeros, subnormals, in parameters, gradients and moments) and
 compares every byte; a caller uses the pass only where that probe passed.
 
-`cotangent.AdamW` uses it for its for-loop and foreach calls over float32 CPU flat buffers
-(decoupled weight decay, float betas, not capturable / differentiable): one
-`single_pass_adamw_` per (param group, flat buffer) over the segments of the parameters with a
-gradient at that step, in place (no extra memory). `decide` gates every call at every step:
+`cotangent.AdamW` uses it for its for-loop, foreach and fused calls over CPU tensor lists
+(decoupled weight decay, float betas, not capturable / differentiable): one `launch` per (param
+group, device, dtype) over the parameters with a gradient at that step, reading and writing
+every tensor where it is (`prepare_lists`); `cotangent.PackedAdamW` for its for-loop and
+foreach calls over flat buffers (`single_pass_adamw_`). `decide` gates every call at every step:
 ``COTANGENT_SINGLE_PASS=0`` switches it off; without the kernel (`unavailable_reason`: not
 x86-64, an ATen CPU capability other than AVX2/AVX512, no C++ compiler, a failed build) native's
 op sequence runs and one `SinglePassWarning` per process says so; otherwise a `matches_native`
@@ -1560,8 +1575,10 @@ def single_pass_adamw_lists_(params: list[Tensor], grads: list[Tensor], exp_avgs
             sharing memory.
         steps: native's ``state["step"]`` per parameter, distinct 0-d CPU tensors; incremented
             here by 1 in their dtype, like native.
-        implementation: "for-loop" (`_single_tensor_adam`) or "foreach" (`_multi_tensor_adam`);
-            their scalars are computed with native's own expressions.
+        implementation: "for-loop" (`_single_tensor_adam`), "foreach" (`_multi_tensor_adam`),
+            their scalars computed with native's own expressions, or "fused"
+            (`torch._fused_adamw_`'s bits: float32 tensors, a float lr, float32 steps; its
+            scalars as ATen's doubles).
         lr: a float, or a 0-d tensor (for-loop only: native foreach refuses a tensor lr without
             capturable).
         beta1, beta2, eps, weight_decay, maximize, amsgrad: as `torch.optim.AdamW`.
@@ -2305,8 +2322,8 @@ def unavailable_reason() -> str | None:
     if reason is not None and not _WARNED:
         _WARNED = True
         warnings.warn(
-            f"cotangent: the single-pass for-loop/foreach AdamW kernel is unavailable ({reason}); "
-            "for-loop and foreach AdamW run native's op sequence instead (the same bits, more "
+            f"cotangent: the single-pass AdamW kernel is unavailable ({reason}); for-loop, "
+            "foreach and fused AdamW run native's calls instead (the same bits, more "
             f"passes over memory). Set {ENV_SWITCH}=0 to choose that path and silence this.",
             SinglePassWarning, stacklevel=3)
     return reason  # type: ignore[return-value]
@@ -2314,9 +2331,10 @@ def unavailable_reason() -> str | None:
 
 def static_refusal(kind: str, device: torch.device, dtype: torch.dtype,
                    group: dict) -> str | None:
-    """Why a call of implementation `kind` over a (device, dtype) flat buffer for param group
-    `group` can never take the single pass (None when it may, subject to `decide` at each step):
-    fused AdamW, a device other than the CPU, a dtype other than float32 or bfloat16, coupled
+    """Why a call of implementation `kind` over a (device, dtype) list for param group `group`
+    can never take the single pass (None when it may, subject to `decide` at each step): an
+    unknown implementation, fused AdamW over bfloat16, a device other than the CPU, a dtype
+    other than float32 or bfloat16, coupled
     (L2) weight decay, capturable or differentiable."""
     if kind not in KINDS:
         return f"{kind} AdamW runs natively (the single pass reproduces for-loop, foreach, fused)"
@@ -2514,7 +2532,7 @@ def process_report() -> dict:
 
 def decide(kind: str, group: dict, clip_coef: float | None = None,
            dtype: torch.dtype = torch.float32, team_now=None) -> str | None:
-    """None when a for-loop/foreach call (float32, CPU; see `static_refusal`) with `group`'s
+    """None when a for-loop, foreach or fused call (CPU; see `static_refusal`) with `group`'s
     hyperparameters as they are now (and the clip multiply by `clip_coef` joined to it, when
     given) may take the single pass; otherwise why not: switched off
     by ``COTANGENT_SINGLE_PASS=0``, the kernel unavailable (`unavailable_reason`, warned once),
