@@ -17,6 +17,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 from itertools import chain
+import operator
 from operator import attrgetter
 
 import torch
@@ -117,11 +118,13 @@ class AdamW(torch.optim.AdamW):
     creates them), `zero_grad()` is native's. Edits between steps (param groups, state,
     hyperparameters, ``p.data``) are simply what the next step reads.
 
-    Where it is faster: for-loop and foreach AdamW on float32 (and bfloat16) CPU parameters run
-    as one pass over each (param group, dtype) list (`cotangent.singlepass`: a C++ kernel
-    compiled on first use, used where its probe proved native's bytes for these settings), with
-    the clip multiply in the same pass; a clip coefficient of exactly 1.0 multiplies nothing
-    (``g * 1.0 == g`` there, proven per step by `cotangent.norms.multiply_is_identity`).
+    Where it is faster: for-loop, foreach and fused AdamW on float32 CPU parameters (and
+    for-loop / foreach on bfloat16) run as one pass over each (param group, dtype) list
+    (`cotangent.singlepass`: a C++ kernel compiled on first use, used where its probe proved
+    native's bytes for these settings), with the clip multiply in the same pass, and the clip's
+    per-tensor norms of float32 CPU gradients come from one C call where its probe proved
+    ATen's norms; a clip coefficient of exactly 1.0 multiplies nothing (``g * 1.0 == g`` there,
+    proven per step by `cotangent.norms.multiply_is_identity`).
     ``COTANGENT_SINGLE_PASS=0`` keeps native's op sequence; `update_path()` says what ran.
 
     Args:
@@ -284,10 +287,12 @@ class AdamW(torch.optim.AdamW):
             # after `scaler.unscale_`: unscale first (GradScaler's arithmetic), update unscaled
             _compat.unscale_grads_(order, grad_scale)
             grad_scale = None
-        cut = self._clip_norm(order, fold=grad_scale is None and found_inf is None) if (
+        early = self._prepare_early(calls, order) if not fresh else None
+        decisions: dict = {}
+        cut = self._clip_norm(order, fold=grad_scale is None and found_inf is None,
+                              prepared=early, team_now=lambda: self._team(decisions)) if (
             order is not None) else None
         self._create_state(fresh)
-        decisions: dict = {}
         extra: list[_Call] = []
         for call in calls:
             self._plan_kernel(call, cut, decisions, allowed=grad_scale is None
@@ -481,13 +486,43 @@ class AdamW(torch.optim.AdamW):
         """The gradients `clip_grad_norm_` would clip now, in its order."""
         return [p.grad for p in self._clip_order() if p.grad is not None]
 
-    def _clip_norm(self, grads: list[Tensor], fold: bool) -> _Clip:
+    def _prepare_early(self, calls: list[_Call], order: list[Tensor] | None):
+        """Where the clip order's gradients are exactly one kernel-eligible call's gradients,
+        in its order (one param group, one device and dtype: the common case), that call's
+        lists checked for the kernel now (`singlepass.prepare_lists`, which modifies nothing),
+        so that the clip's norms read the gradients' addresses from it; else None."""
+        if order is None or len(calls) != 1 or self.norm_type != 2.0:
+            return None
+        call = calls[0]
+        if (call.checked or len(call.grads) != len(order)
+                or not all(map(_IS, call.grads, order))
+                or not all(type(g) is Tensor for g in order)):
+            return None
+        left: list[int] = []
+        try:
+            prepared = singlepass.prepare_lists(
+                call.params, call.grads, call.exp_avgs, call.exp_avg_sqs,
+                call.max_exp_avg_sqs if call.group["amsgrad"] else None, call.steps, left)
+        except (TypeError, ValueError, RuntimeError):
+            return None  # (`_plan_kernel` meets the same refusal and says why)
+        if left or prepared.dtype != torch.float32 or not prepared.contiguous:
+            return None
+        call.kernel = prepared
+        return prepared
+
+    def _clip_norm(self, grads: list[Tensor], fold: bool,
+                   prepared: singlepass.Prepared | None = None, team_now=None) -> _Clip:
         """`clip_grad_norm_`'s total norm and clip coefficient over `grads` (raises with
         ``error_if_nonfinite`` before anything is modified). `fold`: the single pass may do the
-        multiply (no GradScaler state, a CPU coefficient that is not NaN)."""
-        if self.norm_type == 2.0 and _plain_cpu_float32(grads) and singlepass.norms_proven():
+        multiply (no GradScaler state, a CPU coefficient that is not NaN). `prepared`: a call's
+        checked lists whose gradients are `grads` (`_prepare_early`); `team_now`: this step's
+        `singlepass.team`."""
+        if self.norm_type == 2.0 and (prepared is not None or _plain_cpu_float32(grads)) and (
+                singlepass.norms_proven(team_now)):
             # every per-tensor norm in one C call, with ATen's bits (proven by its probe)
-            total = total_norm(singlepass.tensor_norms(grads), self.norm_type)
+            norms = (singlepass.tensor_norms(grads) if prepared is None else
+                     singlepass.norms_at(prepared.bases[1], prepared.numels))
+            total = total_norm(norms, self.norm_type)
             if self.error_if_nonfinite:
                 from cotangent.norms import check_finite
 
@@ -509,9 +544,9 @@ class AdamW(torch.optim.AdamW):
                 check_finite(total, self.norm_type)
         coef = clip_coefficient(total, self.max_norm)
         # (an expanded gradient: native's multiply, by 1.0 too, raises; so must ours)
-        identity = multiply_is_identity(coef, self.norm_type) and all(
-            is_dense_non_overlapping(g) for g in grads)
-        ids = {id(g) for g in grads}
+        identity = multiply_is_identity(coef, self.norm_type) and (
+            prepared is not None or all(map(is_dense_non_overlapping, grads)))
+        ids = set(map(id, grads))
         value = None
         if (fold and not identity and len(ids) == len(grads) and coef.device.type == "cpu"
                 and singlepass.switched_on()):  # (a gradient listed twice: native multiplies
@@ -564,7 +599,9 @@ class AdamW(torch.optim.AdamW):
             if why is not None and fold:  # the pass may still take the update, clip apart
                 fold = False
                 why = self._decide(call, None, dtype, decisions)
-        if why is None:
+        if why is not None:
+            call.kernel = None  # (lists checked before the clip, `_prepare_early`: unused)
+        elif call.kernel is None:
             left: list[int] = []
             try:
                 call.kernel = singlepass.prepare_lists(
@@ -849,8 +886,8 @@ class AdamW(torch.optim.AdamW):
         `cotangent.singlepass`), "native" (every parameter by native's functional AdamW: its
         for-loop / foreach op sequence or the fused kernel), "mixed", or None before the first
         step; ``single_pass`` and ``native`` count parameters; ``single_pass_notes`` lists why
-        the single pass did not take the others (e.g. ``off (COTANGENT_SINGLE_PASS=0)``, fused
-        AdamW, a failed probe); ``clip_in_pass`` counts the parameters whose clip multiply ran
+        the single pass did not take the others (e.g. ``off (COTANGENT_SINGLE_PASS=0)``,
+        GradScaler state, a failed probe); ``clip_in_pass`` counts the parameters whose clip multiply ran
         inside their single pass."""
         single, native, notes, clip_in_pass = self._paths
         path = None
@@ -881,6 +918,7 @@ def _plain_cpu_float32(grads: list[Tensor]) -> bool:
                                and g.is_contiguous() for g in grads)
 
 
+_IS = operator.is_
 _DTYPE = attrgetter("dtype")
 _DEVICE = attrgetter("device")
 _IS_SPARSE = attrgetter("is_sparse")

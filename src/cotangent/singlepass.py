@@ -1623,6 +1623,7 @@ class Prepared:
     numels: tuple[int, ...]
     steps: list[Tensor]
     step_bases: list[int]  # each step tensor's address
+    contiguous: bool = False  # every tensor contiguous (the common case's check took them)
 
     def spans(self) -> tuple[list[int], list[int]]:
         """(start addresses, byte lengths) of every tensor, step tensors included."""
@@ -1662,7 +1663,8 @@ def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
             raise RuntimeError("single-pass AdamW updates in place: call it under "
                                "torch.no_grad()")
         return Prepared(dtype, [list(map(_DATA_PTR, x)) for x in lists],
-                        tuple(map(Tensor.numel, params)), *_checked_steps(steps))
+                        tuple(map(Tensor.numel, params)), *_checked_steps(steps),
+                        contiguous=True)
     bases: list[list[int]] = [[] for _ in lists]
     numels = []
     strided = torch.strided
@@ -1769,11 +1771,17 @@ def tensor_norms(tensors: list[Tensor]) -> Tensor:
     Raises:
         SinglePassUnavailable: the kernel library cannot be built here.
     """
-    ptrs = _int64s(list(map(_DATA_PTR, tensors)))
-    numels = _int64s(list(map(Tensor.numel, tensors)))
-    out = torch.empty(len(tensors))
-    _lib().cot_singlepass_norms(_address(ptrs), _address(numels), len(tensors),
-                                out.data_ptr(), torch.get_num_threads())
+    return norms_at(list(map(_DATA_PTR, tensors)), list(map(Tensor.numel, tensors)))
+
+
+def norms_at(addresses: list[int], numels) -> Tensor:
+    """`tensor_norms` of the contiguous float32 tensors whose first elements are at
+    `addresses` and whose lengths are `numels` (e.g. `Prepared.bases[1]` and `.numels`, the
+    gradients a call's lists hold)."""
+    ptrs, lengths = _int64s(addresses), _int64s(list(numels))
+    out = torch.empty(len(ptrs))
+    _lib().cot_singlepass_norms(_address(ptrs), _address(lengths), len(ptrs), out.data_ptr(),
+                                torch.get_num_threads())
     return out
 
 
@@ -1822,6 +1830,7 @@ def norms_proven(team_now=None) -> bool:
     switched on and available, the OpenMP team computes under one set of float modes with
     exceptions masked, and a `norms_match_native` probe passed for this build, float modes
     and thread count (cached in memory and in the calibration file like every probe)."""
+    global _PROBES, _PROBE_S
     if not switched_on() or unavailable_reason() is not None:
         return False
     size, modes = (team_now or team)()
@@ -1835,8 +1844,13 @@ def norms_proven(team_now=None) -> bool:
                                    probe=(norms_match_native, norm_probe_tensors))
         verdict = calibration.lookup(key)
         if verdict is None:
+            _PROBES += 1
+            t0 = time.perf_counter()
             verdict = norms_match_native()
+            _PROBE_S += time.perf_counter() - t0
             calibration.record(key, verdict)
+            if not verdict:
+                _log.info("the kernel's norms differ from native's for %s: native norms", key)
         _VERDICTS[memo] = verdict
     return verdict
 
