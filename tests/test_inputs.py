@@ -814,3 +814,34 @@ def test_an_expanded_gradient_under_an_inactive_clip_raises_as_native(impl):
         errors.append(str(error.value))
         assert_same_bits(w, before, "nothing updated")
     assert errors[0] == errors[1]
+
+
+# ------------------------------------------------------------------ complex parameters
+
+@pytest.mark.parametrize("max_norm", [None, 1.0, 1e30], ids=["no-clip", "clip", "clip-inactive"])
+@pytest.mark.parametrize("impl", ["foreach", "for-loop"])
+def test_complex_parameters_are_updated_as_real_pairs_like_native(impl, max_norm):
+    """Native AdamW updates a complex parameter as pairs of reals (`_init_group` finds
+    ``has_complex``; foreach then views every complex tensor as real, the for-loop each one);
+    so must Cotangent's native call, alone or beside a real parameter in the group (a review's
+    input: foreach had squared the gradient as a complex number, exp_avg_sq with negative real
+    parts)."""
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(3, dtype=torch.complex64, generator=gen), torch.randn(5, generator=gen)]
+    for shapes in (init[:1], init):
+        pa = [nn.Parameter(t.clone()) for t in shapes]
+        pb = [nn.Parameter(t.clone()) for t in shapes]
+        ref = torch.optim.AdamW(pa, **HP, **IMPLS[impl])
+        opt = cotangent.AdamW(pb, max_norm=max_norm, **HP, **IMPLS[impl])
+        for step in range(3):
+            g = [torch.randn(t.shape, dtype=t.dtype, generator=gen) for t in shapes]
+            for p, q, t in zip(pa, pb, g):
+                p.grad, q.grad = t.clone(), t.clone()
+            if max_norm is not None:
+                total = torch.nn.utils.clip_grad_norm_(pa, max_norm)
+            ref.step()
+            opt.step()
+            what = f"{impl} {len(shapes)} parameters, step {step}"
+            assert_same_update(pa, ref.state, pb, opt.state, what)
+            if max_norm is not None:
+                assert_same_bits(opt.last_total_norm, total, what + ": total norm")

@@ -4,9 +4,10 @@ tensor where the user and autograd left it.
 Read `AdamW._update` top to bottom: it is the whole step. It gathers this step's parameters,
 gradients and state per (param group, device, dtype), as native's `_init_group` does (checking
 them first: nothing is modified before an error); computes the total gradient norm and clip
-coefficient exactly as `clip_grad_norm_`; lets the single-pass kernel (`cotangent.singlepass`)
-take the for-loop / foreach calls its probe proved equal to native, with the clip multiply in
-the same pass (`_fold_rule` decides where); multiplies every other gradient and runs every
+coefficient exactly as `clip_grad_norm_` (the per-tensor 2-norms of contiguous float32 CPU
+gradients from one C call where its probe proved ATen's bits); lets the single-pass kernel
+(`cotangent.singlepass`) take the for-loop, foreach and fused calls its probe proved equal to
+native, with the clip multiply in the same pass (`_fold_rule` decides where); multiplies every other gradient and runs every
 other call with native's own functions. Nothing is packed, copied or tracked: after
 `zero_grad()` every ``.grad`` is None, after a backward ``p.grad`` is autograd's tensor, and
 the clipped gradients are left in it, as native leaves them.
@@ -121,9 +122,9 @@ class AdamW(torch.optim.AdamW):
     Where it is faster: for-loop, foreach and fused AdamW on float32 CPU parameters (and
     for-loop / foreach on bfloat16) run as one pass over each (param group, dtype) list
     (`cotangent.singlepass`: a C++ kernel compiled on first use, used where its probe proved
-    native's bytes for these settings), with the clip multiply in the same pass, and the clip's
-    per-tensor norms of float32 CPU gradients come from one C call where its probe proved
-    ATen's norms; a clip coefficient of exactly 1.0 multiplies nothing (``g * 1.0 == g`` there,
+    native's bytes for these settings), with the clip multiply in the same pass for float32
+    (`_fold_rule`), and with ``norm_type=2`` the per-tensor norms of contiguous float32 CPU
+    gradients come from one C call where its probe proved ATen's norms; a clip coefficient of exactly 1.0 multiplies nothing (``g * 1.0 == g`` there,
     proven per step by `cotangent.norms.multiply_is_identity`).
     ``COTANGENT_SINGLE_PASS=0`` keeps native's op sequence; `update_path()` says what ran.
 

@@ -74,7 +74,9 @@ def run_native_adamw(kind: str, params, grads, exp_avgs, exp_avg_sqs, max_exp_av
     beta1, beta2 = group["betas"]
     functional_adam(
         params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-        amsgrad=group["amsgrad"], has_complex=False, beta1=beta1, beta2=beta2, lr=group["lr"],
+        # (as `_init_group` finds it: foreach AdamW then updates complex tensors as real pairs)
+        amsgrad=group["amsgrad"], has_complex=any(map(torch.is_complex, params)),
+        beta1=beta1, beta2=beta2, lr=group["lr"],
         weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
         capturable=group["capturable"], differentiable=group["differentiable"],
         grad_scale=grad_scale, found_inf=found_inf,

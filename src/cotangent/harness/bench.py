@@ -27,8 +27,8 @@ the total norm, the clipped gradients, parameters, both moments and step counts 
 Each row and the run record how busy the machine was (`others_cpus`), since on a small machine
 other work moves the ratios more than anything in the method.
 
-Rows of the for-loop and foreach implementations (default, foreach) also time a third arm in
-the same interleaving: Cotangent with its single pass switched off (``COTANGENT_SINGLE_PASS=0``,
+Every row (default, foreach, fused: `OFF_ARM_IMPLS`) also times a third arm in the same
+interleaving: Cotangent with its single pass switched off (``COTANGENT_SINGLE_PASS=0``,
 native's op sequence over merged ranges: the path before issue #15), so before and after come
 from one run; every row names the path Cotangent's steps took (`cotangent.AdamW.update_path`),
 and the run reports the kernel's one-off costs (build or cache load, probes) apart from the
