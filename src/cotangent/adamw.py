@@ -7,8 +7,8 @@ them first: nothing is modified before an error); computes the total gradient no
 coefficient exactly as `clip_grad_norm_` (the per-tensor 2-norms of contiguous float32 CPU
 gradients from one C call where its probe proved ATen's bits); lets the single-pass kernel
 (`cotangent.singlepass`) take the for-loop, foreach and fused calls its probe proved equal to
-native, with the clip multiply in the same pass (`_fold_rule` decides where); multiplies every other gradient and runs every
-other call with native's own functions. Nothing is packed, copied or tracked: after
+native, with the clip multiply in the same pass (`_fold_rule` decides where); multiplies every
+other gradient and runs every other call with native's own functions. Nothing is packed, copied or tracked: after
 `zero_grad()` every ``.grad`` is None, after a backward ``p.grad`` is autograd's tensor, and
 the clipped gradients are left in it, as native leaves them.
 """
@@ -18,8 +18,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 from itertools import chain
-import operator
-from operator import attrgetter
+from operator import attrgetter, is_
 
 import torch
 from torch import Tensor
@@ -124,8 +123,9 @@ class AdamW(torch.optim.AdamW):
     (`cotangent.singlepass`: a C++ kernel compiled on first use, used where its probe proved
     native's bytes for these settings), with the clip multiply in the same pass for float32
     (`_fold_rule`), and with ``norm_type=2`` the per-tensor norms of contiguous float32 CPU
-    gradients come from one C call where its probe proved ATen's norms; a clip coefficient of exactly 1.0 multiplies nothing (``g * 1.0 == g`` there,
-    proven per step by `cotangent.norms.multiply_is_identity`).
+    gradients come from one C call where its probe proved ATen's norms; a clip coefficient of
+    exactly 1.0 multiplies nothing (``g * 1.0 == g`` there, proven per step by
+    `cotangent.norms.multiply_is_identity`).
     ``COTANGENT_SINGLE_PASS=0`` keeps native's op sequence; `update_path()` says what ran.
 
     Args:
@@ -888,8 +888,8 @@ class AdamW(torch.optim.AdamW):
         for-loop / foreach op sequence or the fused kernel), "mixed", or None before the first
         step; ``single_pass`` and ``native`` count parameters; ``single_pass_notes`` lists why
         the single pass did not take the others (e.g. ``off (COTANGENT_SINGLE_PASS=0)``,
-        GradScaler state, a failed probe); ``clip_in_pass`` counts the parameters whose clip multiply ran
-        inside their single pass."""
+        GradScaler state, a failed probe); ``clip_in_pass`` counts the parameters whose clip
+        multiply ran inside their single pass."""
         single, native, notes, clip_in_pass = self._paths
         path = None
         if single or native:
@@ -919,7 +919,7 @@ def _plain_cpu_float32(grads: list[Tensor]) -> bool:
                                and g.is_contiguous() for g in grads)
 
 
-_IS = operator.is_
+_IS = is_
 _DTYPE = attrgetter("dtype")
 _DEVICE = attrgetter("device")
 _IS_SPARSE = attrgetter("is_sparse")

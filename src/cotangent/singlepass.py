@@ -536,9 +536,6 @@ void fused_step(bool maximize, bool small, bool ams, bool tail, bool clip, bool 
 // max_exp_avg_sq unless exp_avg_sq is greater, so a NaN exp_avg_sq is dropped); where two NaNs
 // meet in one operation the NaN kept is named at each select below (measured with the probe's
 // grids). The clip multiply first, as for the other implementations.
-#ifndef COT_FUSED_GENERAL_ONLY  // (1: every element by the general path, for tests)
-#define COT_FUSED_GENERAL_ONLY 0
-#endif
 template <bool MAXIMIZE, bool SMALL_WEIGHT, bool AMSGRAD, bool TAIL, bool CLIP, bool DECAY,
           bool INLINE>
 void aten_fused_general(int64_t n, float* __restrict g_, float* __restrict m_,
@@ -664,7 +661,7 @@ void aten_fused_step(bool maximize, bool small, bool ams, bool tail, bool clip, 
     with_bool(ams, [&](auto AM) { with_bool(tail, [&](auto TL) {
       with_bool(clip, [&](auto CL) { with_bool(decay, [&](auto DC) {
         with_bool(inl, [&](auto IN) {
-        if (!decltype(TL)::value && !COT_FUSED_GENERAL_ONLY) {
+        if (!decltype(TL)::value) {
           aten_fused_body<decltype(MX)::value, decltype(SW)::value, decltype(AM)::value,
                           decltype(CL)::value, decltype(DC)::value, decltype(IN)::value>(
               n, gr, avg, sq, vmax, par, h, bc2s, nstep);
@@ -1865,8 +1862,8 @@ def launch(prepared: Prepared, *, implementation: str, lr, beta1: float, beta2: 
     if amsgrad != (len(prepared.bases) == 5):
         raise ValueError("amsgrad needs the max_exp_avg_sq list, and only amsgrad")
     _launch(prepared.dtype, prepared.bases, prepared.numels, prepared.steps,
-            step_bases=prepared.step_bases, implementation=implementation, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
-            weight_decay=weight_decay, maximize=maximize, amsgrad=amsgrad, threads=threads,
+            step_bases=prepared.step_bases, implementation=implementation, lr=lr,
+            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize, amsgrad=amsgrad, threads=threads,
             clip_coef=clip_coef)
 
 
@@ -1896,8 +1893,8 @@ def _step_values(steps: list[Tensor] | Tensor) -> list[float]:
 
 
 def _launch(dtype: torch.dtype, bases: list[list[int]], numels: tuple[int, ...], steps, *,
-            step_bases: list[int] | None = None, implementation: str, lr, beta1: float, beta2: float, eps: float,
-            weight_decay: float, maximize: bool, amsgrad: bool, threads: int | None,
+            step_bases: list[int] | None = None, implementation: str, lr, beta1: float,
+            beta2: float, eps: float, weight_decay: float, maximize: bool, amsgrad: bool, threads: int | None,
             clip_coef: float | None) -> None:
     """The kernel call shared by the flat and the list API: `bases` holds, per tensor kind
     (parameter, gradient, exp_avg, exp_avg_sq[, max_exp_avg_sq]), each segment's first
@@ -2139,8 +2136,8 @@ def _native_adamw(implementation: str, params, grads, exp_avgs, exp_avg_sqs, max
     from torch.optim.adam import adam as functional_adam  # what torch.optim.AdamW.step calls
 
     functional_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
-                    foreach=implementation == "foreach", fused=implementation == "fused" or None, capturable=False,
-                    differentiable=False, grad_scale=None, found_inf=None, has_complex=False,
+                    foreach=implementation == "foreach",
+                    fused=implementation == "fused" or None, capturable=False, differentiable=False, grad_scale=None, found_inf=None, has_complex=False,
                     decoupled_weight_decay=True, amsgrad=amsgrad, beta1=beta1, beta2=beta2,
                     lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize)
 
@@ -2475,7 +2472,8 @@ def key_parts(kind: str, group: dict, clip_coef: float | None = None,
             "v2" + scalar_class(1 - beta2), "eps" + scalar_class(eps),
             "sqrt-" + ("hardware" if dtype == torch.bfloat16 or kind == "fused"
                        else str(sqrt_kind())),
-            f"unit{fused_vector_unit() if kind == 'fused' else aten_vector_unit(dtype)}", f"build-{build().key}", f"mxcsr{modes[0]:#x}",
+            f"unit{fused_vector_unit() if kind == 'fused' else aten_vector_unit(dtype)}",
+            f"build-{build().key}", f"mxcsr{modes[0]:#x}",
             f"team{size}",
             "noclip" if clip_coef is None else "clip" + scalar_class(clip_coef))
 
