@@ -32,7 +32,8 @@ from cotangent.clipping import (
     check_not_sharded_by_zero,
     normalize_clip_order,
 )
-from cotangent.norms import clip_coefficient, multiply_is_identity, native_tensor_norms, total_norm
+from cotangent.norms import (check_finite, clip_coefficient, multiply_is_identity,
+                             native_tensor_norms, total_norm)
 from cotangent.packing import is_dense_non_overlapping
 from cotangent.store import check_state_dict, describe, state_problem
 
@@ -524,14 +525,10 @@ class AdamW(torch.optim.AdamW):
             norms = (singlepass.tensor_norms(grads) if prepared is None else
                      singlepass.norms_at(prepared.bases[1], prepared.numels))
             total = total_norm(norms, self.norm_type)
-            if self.error_if_nonfinite:
-                from cotangent.norms import check_finite
-
-                check_finite(total, self.norm_type)
         elif self.batched_norms and all(g.device.type == "cpu" for g in grads[:1]):
             # (on CUDA a (B, K) row norm and `_foreach_norm` reduce in other trees: issue 29;
             # no batched-norm probe runs there until a measurement shows it can win)
-            total = get_total_norm(grads, self.norm_type, self.error_if_nonfinite)
+            total = get_total_norm(grads, self.norm_type)
         else:
             norms = []
             first = grads[0].device if grads else None
@@ -539,10 +536,8 @@ class AdamW(torch.optim.AdamW):
                 part = native_tensor_norms([grads[i] for i in idx], self.norm_type, None)
                 norms.extend(n.to(first) for n in part)
             total = total_norm([torch.stack(norms)] if norms else [], self.norm_type)
-            if self.error_if_nonfinite:
-                from cotangent.norms import check_finite
-
-                check_finite(total, self.norm_type)
+        if self.error_if_nonfinite:
+            check_finite(total, self.norm_type)
         coef = clip_coefficient(total, self.max_norm)
         # (an expanded gradient: native's multiply, by 1.0 too, raises; so must ours)
         identity = multiply_is_identity(coef, self.norm_type) and (

@@ -428,6 +428,28 @@ void emulated_mkl_sqrt(int64_t n, const float* a, float* r, long long) {
 // general path is a select that leaves a non-NaN result as it is, so on the vectors kept here
 // both paths compute the same IEEE operations on the same values (no fused multiply-adds but
 // the explicit ones: -ffp-contract=off).
+// One vector's results to memory at offset i: the clipped gradient (with the clip), exp_avg,
+// exp_avg_sq, max_exp_avg_sq (with amsgrad) and the parameter; masked stores when the vector is
+// partial (len < W).
+template <bool CLIP, bool AMSGRAD>
+inline void store_step(int64_t i, int64_t len, float* g_, float* m_, float* v_, float* vmax_,
+                       float* p_, Lanes::V g, Lanes::V m, Lanes::V v, Lanes::V vmax, Lanes::V p) {
+  typedef Lanes L;
+  if (len == L::W) {
+    if (CLIP) L::store(g_ + i, g);
+    L::store(m_ + i, m);
+    L::store(v_ + i, v);
+    if (AMSGRAD) L::store(vmax_ + i, vmax);
+    L::store(p_ + i, p);
+    return;
+  }
+  if (CLIP) L::store_part(g_ + i, len, g);
+  L::store_part(m_ + i, len, m);
+  L::store_part(v_ + i, len, v);
+  if (AMSGRAD) L::store_part(vmax_ + i, len, vmax);
+  L::store_part(p_ + i, len, p);
+}
+
 template <typename F>
 inline void with_bool(bool b, F f) {
   if (b) f(std::true_type{}); else f(std::false_type{});
@@ -488,19 +510,7 @@ void fused(int64_t n, float* __restrict g_, float* __restrict m_, float* __restr
       update(len, p_ + i, pd_, m_ + i, r_, bc2s, h.eps, nstep);
       continue;
     }
-    if (full) {
-      if (CLIP) L::store(g_ + i, gc);
-      L::store(m_ + i, m1);
-      L::store(v_ + i, v1);
-      if (AMSGRAD) L::store(vmax_ + i, s);
-      L::store(p_ + i, p1);
-      continue;
-    }
-    if (CLIP) L::store_part(g_ + i, len, gc);
-    L::store_part(m_ + i, len, m1);
-    L::store_part(v_ + i, len, v1);
-    if (AMSGRAD) L::store_part(vmax_ + i, len, s);
-    L::store_part(p_ + i, len, p1);
+    store_step<CLIP, AMSGRAD>(i, len, g_, m_, v_, vmax_, p_, gc, m1, v1, s, p1);
   }
 }
 
@@ -638,19 +648,7 @@ void aten_fused_body(int64_t n, float* __restrict g_, float* __restrict m_,
           len, g_ + i, m_ + i, v_ + i, AMSGRAD ? vmax_ + i : nullptr, p_ + i, h, bc2s, nstep);
       continue;
     }
-    if (full) {
-      if (CLIP) L::store(g_ + i, clipped);
-      L::store(m_ + i, avg1);
-      L::store(v_ + i, sq1);
-      if (AMSGRAD) L::store(vmax_ + i, root_in);
-      L::store(p_ + i, par1);
-      continue;
-    }
-    if (CLIP) L::store_part(g_ + i, len, clipped);
-    L::store_part(m_ + i, len, avg1);
-    L::store_part(v_ + i, len, sq1);
-    if (AMSGRAD) L::store_part(vmax_ + i, len, root_in);
-    L::store_part(p_ + i, len, par1);
+    store_step<CLIP, AMSGRAD>(i, len, g_, m_, v_, vmax_, p_, clipped, avg1, sq1, root_in, par1);
   }
 }
 

@@ -73,7 +73,7 @@ BATCH_SIZE, SEQ_LEN = 1, 64  # real-backward: sequences per forward, tokens per 
 BENCH_ADAMW_ARGS = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 ALLOC_ALIGN = 64  # bytes: c10's CPU allocator hands out 64-byte aligned blocks
 SINGLE_PASS_IMPLS = ("default", "foreach")  # native's op sequences: the single pass's own targets
-OFF_ARM_IMPLS = ("default", "foreach", "fused")  # rows that also time Cotangent, pass off
+OFF_ARM_IMPLS = tuple(IMPLS)  # rows that also time Cotangent with the pass off: every one
 
 
 def many_small_model() -> nn.Module:
