@@ -845,3 +845,51 @@ def test_complex_parameters_are_updated_as_real_pairs_like_native(impl, max_norm
             assert_same_update(pa, ref.state, pb, opt.state, what)
             if max_norm is not None:
                 assert_same_bits(opt.last_total_norm, total, what + ": total norm")
+
+
+# ------------------------------------------------------------------ negative-bit views
+
+def _neg_view_run(make, impl: str, clip: bool, target: str):
+    """Two steps with a negative-bit view (`_neg_view`: memory holds -x, reads give x) as the
+    gradient or, on the second step, as exp_avg: (what each step raised or "ok", the
+    parameter, its state)."""
+    p = nn.Parameter(torch.randn(100, generator=torch.Generator().manual_seed(5)))
+    extra = dict(max_norm=1.0) if clip and make is cotangent.AdamW else {}
+    opt = make([p], **HP, **IMPLS[impl], **extra)
+    outcome = []
+    for i in range(2):
+        g = torch.randn(100, generator=torch.Generator().manual_seed(i))
+        p.grad = g._neg_view() if target == "grad" else g
+        if i == 1 and target == "exp_avg":
+            opt.state[p]["exp_avg"] = torch.randn(
+                100, generator=torch.Generator().manual_seed(9))._neg_view()
+        try:
+            if clip and make is torch.optim.AdamW:
+                torch.nn.utils.clip_grad_norm_([p], 1.0)
+            opt.step()
+            outcome.append("ok")
+        except RuntimeError as e:
+            outcome.append(str(e))
+    return outcome, p.detach(), opt.state[p]
+
+
+@pytest.mark.parametrize("reader", [True, False], ids=["compiled-reader", "python-checks"])
+@pytest.mark.parametrize("target", ["grad", "exp_avg"])
+@pytest.mark.parametrize("clip", [False, True], ids=["no-clip", "clip"])
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_negative_bit_views_get_natives_bytes_or_natives_error(impl, clip, target, reader,
+                                                               monkeypatch):
+    """A tensor with the negative bit set keeps -x in memory: the single pass and the norm
+    kernel, which read memory, must leave it to native (whose fused kernel and foreach
+    multiply refuse it: then the same error; its for-loop resolves it: then the same bytes).
+    Both list checks (the compiled reader and the Python reference) refuse it."""
+    from cotangent import tensorlists
+    if not reader:
+        monkeypatch.setattr(tensorlists, "reader", lambda: None)
+    ours, p, state = _neg_view_run(cotangent.AdamW, impl, clip, target)
+    theirs, p_native, state_native = _neg_view_run(torch.optim.AdamW, impl, clip, target)
+    assert ours == theirs
+    assert_same_bits(p.resolve_neg(), p_native.resolve_neg(), "parameter")
+    for key in ("exp_avg", "exp_avg_sq", "step"):
+        if key in state_native:
+            assert_same_bits(state[key].resolve_neg(), state_native[key].resolve_neg(), key)

@@ -5,6 +5,7 @@ COTANGENT_SINGLE_PASS=0, re-probing on edits) against clip_grad_norm_ + torch.op
 
 from __future__ import annotations
 
+import array
 import warnings
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 import cotangent
 from bitwise import (assert_same_bits, assert_same_update, require_register_path,
                      require_single_pass_kernel, same_bits, threads)
-from cotangent import calibration
+from cotangent import _build, calibration, tensorlists
 from cotangent import singlepass as sp
 from cotangent.calibration import sprinkle_special_values
 
@@ -284,7 +285,8 @@ def test_build_is_cached_and_a_missing_compiler_is_a_clear_error(tmp_path, monke
     assert not first.cached and first.compile_s > 0
     assert second.cached and second.path == first.path and second.compile_s == 0.0
     assert str(tmp_path) in first.path
-    monkeypatch.setattr(sp, "_compiler", lambda: None)
+    monkeypatch.setattr(_build, "compiler", lambda: None)
+    monkeypatch.setattr(tensorlists, "_STATE", {})  # (the reader too: restored afterwards)
     with pytest.raises(sp.SinglePassUnavailable, match="no C\\+\\+ compiler"):
         sp._build_locked()
 
@@ -606,7 +608,8 @@ def test_a_wrong_kernel_fails_its_probe_and_native_runs(fresh_verdicts, monkeypa
 
 
 def test_no_compiler_native_path_and_one_warning(fresh_verdicts, monkeypatch):
-    monkeypatch.setattr(sp, "_compiler", lambda: None)
+    monkeypatch.setattr(_build, "compiler", lambda: None)
+    monkeypatch.setattr(tensorlists, "_STATE", {})  # (the reader too: restored afterwards)
     for name in ("_LIB", "_BUILD", "_FAILURE"):
         monkeypatch.setattr(sp, name, None)
     monkeypatch.setattr(sp, "_UNAVAILABLE", sp._NOT_CHECKED)
@@ -1110,3 +1113,95 @@ def test_version_counters_are_bumped_as_natives_ops_bump_them(impl, setting):
         if make is cotangent.AdamW:
             assert opt.update_path()["path"] == "single-pass", opt.update_path()
     assert counts[0] == counts[1]
+
+
+def _reader_lists(n=6, requires_grad=False):
+    """A call's lists as `_gather` hands them to `prepare_lists`: parameters (shapes of 0, 1,
+    many elements, 2-D), gradients, exp_avg, exp_avg_sq, max_exp_avg_sq, float32 steps."""
+    shapes = [(0,), (1,), (17,), (3, 5), (40,), (2, 2, 2)][:n]
+    params = [torch.randn(s).requires_grad_(requires_grad) for s in shapes]
+    rest = [[torch.randn(s) for s in shapes] for _ in range(4)]
+    steps = [torch.tensor(float(i)) for i in range(n)]
+    return [params, *rest, steps]
+
+
+def _neg_view(t):
+    return t._neg_view()
+
+
+# (what is changed, how, whether the C++ reader takes the lists, whether they are disjoint):
+# each row edits tensor 2 of one list; the Python checks are the reference for every row
+READER_CASES = [
+    ("nothing", None, None, True, True),
+    ("transposed gradient", 1, lambda t: torch.randn(5, 3).t(), False, None),
+    ("gradient of another shape", 1, lambda t: torch.randn(17, 1), False, None),
+    ("float64 exp_avg", 2, lambda t: t.double(), False, None),
+    ("exp_avg_sq missing", 3, lambda t: None, False, None),
+    ("gradient as a negative view", 1, _neg_view, False, None),
+    ("inference-mode exp_avg", 2, lambda t: _inference_copy(t), False, None),
+    ("a Parameter as gradient", 1, lambda t: torch.nn.Parameter(t, requires_grad=False),
+     True, True),
+    ("gradient is the exp_avg", 1, "alias", True, False),
+    ("step of one dimension", 5, lambda t: t.reshape(1), False, None),
+    ("float64 step", 5, lambda t: t.double(), True, True),
+    ("step shared with the next", 5, "shared-step", False, None),
+]
+
+
+def _inference_copy(t):
+    with torch.inference_mode():
+        return t.clone()
+
+
+@pytest.mark.parametrize("case", READER_CASES, ids=[c[0] for c in READER_CASES])
+def test_compiled_list_reader_matches_the_python_checks(case, monkeypatch):
+    """`tensorlists.read_lists` (C++) takes exactly the lists `prepare_lists`'s Python checks
+    take as the contiguous case, with the same addresses, numels, step flags and, where it says
+    so, the verdict of `spans_disjoint`; where it declines, the Python checks decide (and raise)
+    as before."""
+    _, index, edit, taken, disjoint = case
+    read = tensorlists.reader()
+    assert read is not None, tensorlists.why_not()
+    lists = _reader_lists()
+    if edit == "alias":
+        lists[index][2] = lists[2][2]
+    elif edit == "shared-step":
+        lists[5][2] = lists[5][3]
+    elif edit is not None:
+        lists[index][2] = edit(lists[index][2])
+    table = array.array("q", bytes(8 * 7 * 6))
+    with torch.no_grad():
+        code = read(lists[:5], lists[5], torch.is_grad_enabled(), table)
+    assert bool(code) == taken
+    if taken:
+        assert bool(code & 4) == disjoint and bool(code & 2) == (case[0] != "float64 step")
+
+    def prepared(with_reader: bool):
+        if not with_reader:
+            monkeypatch.setattr(tensorlists, "reader", lambda: None)
+        try:
+            with torch.no_grad():
+                p = sp.prepare_lists(*lists)
+        except (TypeError, ValueError) as e:
+            return type(e), str(e)
+        finally:
+            monkeypatch.undo()
+        return (p.bases, p.numels, p.step_bases, p.float32_steps,
+                sp.spans_disjoint(*p.spans()), p.disjoint)
+
+    fast, reference = prepared(True), prepared(False)
+    if taken:
+        assert fast[:5] == reference[:5] and fast[5] == fast[4] == disjoint
+        assert fast[0][1][2] == lists[1][2].data_ptr() and reference[5] is None
+    else:
+        assert fast == reference  # the Python checks ran both times
+
+
+def test_compiled_list_reader_refuses_parameters_requiring_grad_in_grad_mode():
+    read = tensorlists.reader()
+    lists = _reader_lists(requires_grad=True)
+    table = array.array("q", bytes(8 * 7 * 6))
+    assert read(lists[:5], lists[5], True, table) == 0
+    assert read(lists[:5], lists[5], False, table) & 1
+    with pytest.raises(RuntimeError, match="torch.no_grad"):
+        sp.prepare_lists(*lists)

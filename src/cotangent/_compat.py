@@ -391,3 +391,10 @@ def mkl_vms_sqrt_address() -> int | None:
             continue
     return None
 
+
+
+def cxx11_abi() -> int:
+    """1 if this torch was built with the C++11 std::string ABI (``_GLIBCXX_USE_CXX11_ABI``),
+    else 0: what code compiled against its headers must be built with
+    (`cotangent.tensorlists`; torch 2.x reports it as ``torch._C._GLIBCXX_USE_CXX11_ABI``)."""
+    return int(torch._C._GLIBCXX_USE_CXX11_ABI)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, repeat
 from operator import attrgetter, is_
 
 import torch
@@ -404,15 +404,16 @@ class AdamW(torch.optim.AdamW):
             return None
         grads = [p.grad for p in ps]
         entries = list(map(self.state.get, ps))
-        if not all(entries) or any(map(_IS_SPARSE, grads)):
+        if (not all(entries) or not all(map(isinstance, entries, repeat(dict)))
+                or any(map(_IS_SPARSE, grads))):
             return None
         call = _Call(group, kind, ps, grads)
         call.pos = [i for i, _ in params]
-        call.exp_avgs = [e.get("exp_avg") for e in entries]
-        call.exp_avg_sqs = [e.get("exp_avg_sq") for e in entries]
-        call.steps = [e.get("step") for e in entries]
+        call.exp_avgs = list(map(dict.get, entries, repeat("exp_avg")))
+        call.exp_avg_sqs = list(map(dict.get, entries, repeat("exp_avg_sq")))
+        call.steps = list(map(dict.get, entries, repeat("step")))
         if amsgrad:
-            call.max_exp_avg_sqs = [e.get("max_exp_avg_sq") for e in entries]
+            call.max_exp_avg_sqs = list(map(dict.get, entries, repeat("max_exp_avg_sq")))
         first = ps[0]
         call.checked = singlepass.static_refusal(kind, first.device, first.dtype,
                                                  group) is not None
@@ -523,7 +524,7 @@ class AdamW(torch.optim.AdamW):
                 singlepass.norms_proven(team_now)):
             # every per-tensor norm in one C call, with ATen's bits (proven by its probe)
             norms = (singlepass.tensor_norms(grads) if prepared is None else
-                     singlepass.norms_at(prepared.bases[1], prepared.numels))
+                     singlepass.gradient_norms(prepared))
             total = total_norm(norms, self.norm_type)
         elif self.batched_norms and all(g.device.type == "cpu" for g in grads[:1]):
             # (on CUDA a (B, K) row norm and `_foreach_norm` reduce in other trees: issue 29;
@@ -540,7 +541,7 @@ class AdamW(torch.optim.AdamW):
             check_finite(total, self.norm_type)
         coef = clip_coefficient(total, self.max_norm)
         # (an expanded gradient: native's multiply, by 1.0 too, raises; so must ours)
-        identity = multiply_is_identity(coef, self.norm_type) and (
+        identity = multiply_is_identity(coef, self.norm_type, singlepass.flushing_now()) and (
             prepared is not None or all(map(is_dense_non_overlapping, grads)))
         ids = set(map(id, grads))
         value = None
@@ -569,7 +570,7 @@ class AdamW(torch.optim.AdamW):
     def _record_clip(self, total: Tensor, grads: list[Tensor]) -> None:
         """Remember the clip: its total norm, and which gradients it left, by weak reference (a
         gradient is freed by ``zero_grad()`` as with native code) and version counter."""
-        self._last_clip = (total, [weakref.ref(g) for g in grads], [g._version for g in grads])
+        self._last_clip = (total, list(map(weakref.ref, grads)), list(map(_VERSION, grads)))
 
     def _clipped_already(self, grads: list[Tensor]) -> bool:
         """Whether `grads` are exactly the gradients the last clip left (same tensors, not
@@ -645,6 +646,11 @@ class AdamW(torch.optim.AdamW):
         as all the memory it spans). Then the passes, each run as a whole with its clip
         multiply, and the native calls, in any order, give every element the operations native
         gives it, in native's order."""
+        if (len(calls) == 1 and calls[0].kernel is not None
+                and calls[0].kernel.disjoint is not None and (
+                    cut is None or (len(cut.grads) == len(calls[0].grads)
+                                    and all(map(_IS, cut.grads, calls[0].grads))))):
+            return calls[0].kernel.disjoint  # (read with the lists: `tensorlists`)
         starts, nbytes = [], []
         seen = set()
         for c in calls:
@@ -909,12 +915,14 @@ def _moment_ok(t, p: Tensor) -> bool:
 
 
 def _plain_cpu_float32(grads: list[Tensor]) -> bool:
-    """Whether `grads` are all contiguous float32 CPU tensors (no subclasses), at least one."""
+    """Whether `grads` are all contiguous float32 CPU tensors (no subclasses, no negative-bit
+    views: their memory holds the negated values), at least one."""
     return bool(grads) and all(type(g) is Tensor and g.dtype is torch.float32 and g.is_cpu
-                               and g.is_contiguous() for g in grads)
+                               and g.is_contiguous() and not g.is_neg() for g in grads)
 
 
 _IS = is_
+_VERSION = attrgetter("_version")
 _DTYPE = attrgetter("dtype")
 _DEVICE = attrgetter("device")
 _IS_SPARSE = attrgetter("is_sparse")

@@ -80,15 +80,11 @@ from __future__ import annotations
 
 import array
 import ctypes
-import hashlib
 import logging
 import math
 import os
 import platform
-import shutil
 import struct
-import subprocess
-import tempfile
 import threading
 import time
 import warnings
@@ -101,7 +97,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from cotangent import _compat, calibration
+from cotangent import _build, _compat, calibration, tensorlists
 from cotangent.packing import is_dense_non_overlapping
 
 GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: TensorIterator splits work among threads above it
@@ -1044,21 +1040,6 @@ _BUILD: Build | None = None
 _FAILURE: str | None = None
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
-    return None
-
-
-def _cache_dir() -> Path | None:
-    """Where compiled kernels are kept across processes: ``kernels`` in Cotangent's cache folder
-    (`cotangent.calibration.cache_root`; default ``~/.cache/cotangent/kernels``); None when
-    ``COTANGENT_CACHE_DIR=off``."""
-    root = calibration.cache_root()
-    return None if root is None else root / "kernels"
-
-
 def build() -> Build:
     """Compile (or load from the cache) the kernel library; raises `SinglePassUnavailable` with
     the reason when there is no compiler or the build fails. Thread-safe; once per process."""
@@ -1080,46 +1061,12 @@ def _build_locked() -> tuple[ctypes.CDLL, Build]:
     if platform.machine().lower() not in ("x86_64", "amd64"):
         raise SinglePassUnavailable(f"single-pass AdamW supports x86-64 only, not "
                                     f"{platform.machine()}")
-    cxx = _compiler()
-    if cxx is None:
-        raise SinglePassUnavailable("no C++ compiler found (set CXX or install g++)")
     try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
-                                 timeout=60).stdout
-    except (OSError, subprocess.SubprocessError) as e:
-        raise SinglePassUnavailable(f"C++ compiler {cxx} does not run: {e}") from e
-    flags = compile_flags()
-    key = hashlib.sha256("\n".join([_SOURCE, cxx, version, *flags]).encode()).hexdigest()
-    cache = _cache_dir()
-    own_tmp = None
-    if cache is not None:
-        try:
-            cache.mkdir(parents=True, exist_ok=True)
-        except OSError:
-            cache = None
-    if cache is None:
-        own_tmp = Path(tempfile.mkdtemp(prefix="cotangent-kernels-"))
-    target = (cache or own_tmp) / f"singlepass-{key[:20]}.so"
-    cached = target.exists()
-    compile_s = 0.0
-    if not cached:
-        src_dir = Path(tempfile.mkdtemp(prefix="cotangent-src-"))
-        src = src_dir / "singlepass.cpp"
-        src.write_text(_SOURCE)
-        tmp_out = target.with_name(f".{target.name}.{os.getpid()}.tmp")
-        t0 = time.perf_counter()
-        try:
-            proc = subprocess.run([cxx, *flags, str(src), "-o", str(tmp_out)],
-                                  capture_output=True, text=True, timeout=600)
-        except (OSError, subprocess.SubprocessError) as e:
-            raise SinglePassUnavailable(f"compiling the single-pass kernel failed: {e}") from e
-        finally:
-            shutil.rmtree(src_dir, ignore_errors=True)
-        compile_s = time.perf_counter() - t0
-        if proc.returncode != 0:
-            raise SinglePassUnavailable(
-                f"compiling the single-pass kernel failed ({cxx}):\n{proc.stderr[-2000:]}")
-        os.replace(tmp_out, target)
+        built = _build.compile_cached("singlepass", _SOURCE, compile_flags())
+    except _build.BuildFailed as e:
+        raise SinglePassUnavailable(str(e)) from e
+    target, cxx, cached, compile_s, key = (built.path, built.compiler, built.cached,
+                                           built.compile_s, built.key)
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
@@ -1544,8 +1491,9 @@ def single_pass_adamw_(params: Tensor, grads: Tensor, exp_avgs: Tensor, exp_avg_
         if o < 0 or k < 0 or o + k > n:
             raise ValueError(f"segment ({o}, {k}) outside buffers of {n} elements")
     size = params.element_size()
-    bases = [[b.data_ptr() + size * o for o, _ in segs] for b in buffers]
-    _launch(params.dtype, bases, tuple(k for _, k in segs), steps, implementation=implementation,
+    arrays = [_int64s([b.data_ptr() + size * o for o, _ in segs]) for b in buffers]
+    _launch(params.dtype, list(map(_address, arrays)), tuple(k for _, k in segs), steps,
+            implementation=implementation,
             lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
             maximize=maximize, amsgrad=amsgrad, threads=threads, clip_coef=clip_coef)
 
@@ -1601,7 +1549,8 @@ def single_pass_adamw_lists_(params: list[Tensor], grads: list[Tensor], exp_avgs
                              max_exp_avg_sqs if amsgrad else None, steps)
     if not prepared.numels:
         return
-    if not spans_disjoint(*prepared.spans()):
+    if not (prepared.disjoint if prepared.disjoint is not None else spans_disjoint(
+            *prepared.spans())):
         raise ValueError("single-pass AdamW needs tensors that do not share memory")
     launch(prepared, implementation=implementation, lr=lr, beta1=beta1, beta2=beta2, eps=eps,
            weight_decay=weight_decay, maximize=maximize, amsgrad=amsgrad, threads=threads,
@@ -1610,34 +1559,66 @@ def single_pass_adamw_lists_(params: list[Tensor], grads: list[Tensor], exp_avgs
 
 @dataclass(frozen=True, slots=True)
 class Prepared:
-    """Tensor lists checked for the kernel (`prepare_lists`): per tensor kind (parameter,
-    gradient, exp_avg, exp_avg_sq[, max_exp_avg_sq]) each tensor's address, plus lengths."""
+    """Tensor lists checked for the kernel (`prepare_lists`). `table`: int64, ``kinds + 2``
+    rows of ``len(numels)`` entries: per tensor kind (parameter, gradient, exp_avg,
+    exp_avg_sq[, max_exp_avg_sq]) each tensor's address, then each step tensor's address, then
+    each parameter's numel. `float32_steps`: every step tensor is float32; `disjoint`: no two
+    of these tensors share a byte (None: not read yet, see `spans`)."""
 
     dtype: torch.dtype
-    bases: list[list[int]]
+    table: array.array
+    kinds: int
     numels: tuple[int, ...]
     steps: list[Tensor]
-    step_bases: list[int]  # each step tensor's address
+    float32_steps: bool
     contiguous: bool = False  # every tensor contiguous (the common case's check took them)
+    disjoint: bool | None = None
+
+    def row(self, r: int) -> int | None:
+        """The address of row `r` of `table` (None when the lists are empty)."""
+        n = len(self.numels)
+        return self.table.buffer_info()[0] + 8 * r * n if n else None
+
+    @property
+    def bases(self) -> list[list[int]]:
+        """Per tensor kind, each tensor's address."""
+        n = len(self.numels)
+        return [self.table[r * n:(r + 1) * n].tolist() for r in range(self.kinds)]
+
+    @property
+    def step_bases(self) -> list[int]:
+        """Each step tensor's address."""
+        n = len(self.numels)
+        return self.table[self.kinds * n:(self.kinds + 1) * n].tolist()
 
     def spans(self) -> tuple[list[int], list[int]]:
         """(start addresses, byte lengths) of every tensor, step tensors included."""
         size = 2 if self.dtype == torch.bfloat16 else 4
-        starts = [x for b in self.bases for x in b] + self.step_bases
-        nbytes = [n * size for n in self.numels] * len(self.bases) + list(
+        n = len(self.numels)
+        starts = self.table[:(self.kinds + 1) * n].tolist()
+        nbytes = [k * size for k in self.numels] * self.kinds + list(
             map(Tensor.element_size, self.steps))
         return starts, nbytes
+
+
+def _table(bases: list[list[int]], step_bases: list[int], numels) -> array.array:
+    return array.array("q", [x for b in bases for x in b] + list(step_bases) + list(numels))
 
 
 def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tensor],
                   exp_avg_sqs: list[Tensor], max_exp_avg_sqs: list[Tensor] | None,
                   steps: list[Tensor], leave_out: list[int] | None = None) -> Prepared:
     """Check lists for `launch` (see `single_pass_adamw_lists_`'s Args) except that they do
-    not share memory (`spans_disjoint`, which a caller may run once over several lists), and
-    read their addresses. Modifies nothing. With `leave_out` (a list), a parameter whose
-    gradient or state has another dtype, device, shape or strides, or that is not dense, is
-    appended to it by index and left out of the result instead of raising (the caller updates
-    it natively: for for-loop and foreach every tensor's update is its own).
+    not share memory (`spans_disjoint`, which a caller may run once over several lists; the
+    compiled reader reports it as `Prepared.disjoint`), and read their addresses. Modifies
+    nothing. With `leave_out` (a list), a parameter whose gradient or state has another dtype,
+    device, shape or strides, or that is not dense, is appended to it by index and left out of
+    the result instead of raising (the caller updates it natively: for for-loop and foreach
+    every tensor's update is its own).
+
+    The common case (every tensor contiguous, of its parameter's shape and dtype, on the CPU)
+    is read by `cotangent.tensorlists` in C++ where it is built; this function's Python checks
+    are the reference and run wherever that reader declines.
 
     Raises:
         TypeError / ValueError: as `single_pass_adamw_lists_`.
@@ -1650,6 +1631,15 @@ def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
     dtype = params[0].dtype if count else torch.float32
     if dtype not in DTYPES:
         raise TypeError("single-pass AdamW needs CPU tensors of one dtype, float32 or bfloat16")
+    read = tensorlists.reader() if count else None
+    if read is not None:
+        table = array.array("q", bytes(8 * (len(lists) + 2) * count))
+        code = read([x if type(x) is list else list(x) for x in lists],
+                    steps if type(steps) is list else list(steps), torch.is_grad_enabled(),
+                    table)
+        if code:
+            return Prepared(dtype, table, len(lists), tuple(table[-count:]), steps,
+                            bool(code & 2), contiguous=True, disjoint=bool(code & 4))
     shapes = list(map(_SHAPE, params))
     if all(_contiguous_alike(x, dtype, shapes) for x in lists):
         # (the common case, checked a list at a time in C loops: each tensor contiguous, of
@@ -1657,9 +1647,11 @@ def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
         if torch.is_grad_enabled() and any(map(_REQUIRES_GRAD, params)):
             raise RuntimeError("single-pass AdamW updates in place: call it under "
                                "torch.no_grad()")
-        return Prepared(dtype, [list(map(_DATA_PTR, x)) for x in lists],
-                        tuple(map(Tensor.numel, params)), *_checked_steps(steps),
-                        contiguous=True)
+        numels = tuple(map(Tensor.numel, params))
+        steps, step_bases = _checked_steps(steps)
+        return Prepared(dtype, _table([list(map(_DATA_PTR, x)) for x in lists], step_bases,
+                                      numels), len(lists), numels, steps,
+                        _float32(steps), contiguous=True)
     bases: list[list[int]] = [[] for _ in lists]
     numels = []
     strided = torch.strided
@@ -1671,7 +1663,8 @@ def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
             for x in lists:
                 t = x[i]
                 if not (isinstance(t, Tensor) and t.dtype is dtype and t.is_cpu
-                        and t.layout is strided and t.is_contiguous() and t.shape == shape):
+                        and t.layout is strided and t.is_contiguous() and t.shape == shape
+                        and not t.is_neg()):
                     break
                 ptrs.append(t.data_ptr())
             else:
@@ -1690,6 +1683,11 @@ def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
                     break
                 raise TypeError("single-pass AdamW needs dense CPU tensors of one dtype, "
                                 "float32 or bfloat16")
+            if t.is_neg():  # (its memory holds the negated values: native resolves them)
+                if leave_out is not None:
+                    break
+                raise TypeError("single-pass AdamW reads memory: a negative-bit view "
+                                "(`_neg_view`) must be materialized (`resolve_neg()`)")
             if t.shape != shape or t.stride() != stride:
                 if leave_out is not None:
                     break
@@ -1710,7 +1708,13 @@ def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
     if torch.is_grad_enabled() and any(p.requires_grad for p in params):
         raise RuntimeError("single-pass AdamW updates in place: call it under torch.no_grad()")
     steps = [steps[i] for i in taken] if len(taken) != count else list(steps)
-    return Prepared(dtype, bases, tuple(numels), *_checked_steps(steps))
+    steps, step_bases = _checked_steps(steps)
+    return Prepared(dtype, _table(bases, step_bases, numels), len(lists), tuple(numels), steps,
+                    _float32(steps))
+
+
+def _float32(steps: list[Tensor]) -> bool:
+    return all(map(is_, map(_DTYPE, steps), repeat(torch.float32)))
 
 
 _SHAPE = attrgetter("shape")
@@ -1723,12 +1727,14 @@ _DATA_PTR = Tensor.data_ptr
 
 def _contiguous_alike(tensors: list, dtype: torch.dtype, shapes: list) -> bool:
     """Whether every entry of `tensors` is a contiguous strided CPU tensor of `dtype` with the
-    shape at its place in `shapes` (C-level loops: `map` over methods and attribute getters)."""
+    shape at its place in `shapes` and without a negative bit (C-level loops: `map` over
+    methods and attribute getters)."""
     return (all(map(isinstance, tensors, repeat(Tensor)))
             and all(map(is_, map(_DTYPE, tensors), repeat(dtype)))
             and all(map(_IS_CPU, tensors))
             and all(map(is_, map(_LAYOUT, tensors), repeat(torch.strided)))
             and all(map(Tensor.is_contiguous, tensors))
+            and not any(map(Tensor.is_neg, tensors))
             and list(map(_SHAPE, tensors)) == shapes)
 
 
@@ -1777,6 +1783,17 @@ def norms_at(addresses: list[int], numels) -> Tensor:
     out = torch.empty(len(ptrs))
     _lib().cot_singlepass_norms(_address(ptrs), _address(lengths), len(ptrs), out.data_ptr(),
                                 torch.get_num_threads())
+    return out
+
+
+def gradient_norms(prepared: Prepared) -> Tensor:
+    """`tensor_norms` of the gradients of `prepared` (its second row of addresses), read from
+    its table without a list."""
+    n = len(prepared.numels)
+    out = torch.empty(n)
+    if n:
+        _lib().cot_singlepass_norms(prepared.row(1), prepared.row(prepared.kinds + 1), n,
+                                    out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -1831,10 +1848,10 @@ def norms_proven(team_now=None) -> bool:
     size, modes = (team_now or team)()
     if size < 1 or len(set(modes)) > 1 or modes[0] & 0x1F80 != 0x1F80:
         return False
-    parts = (f"build-{build().key}", f"mxcsr{modes[0]:#x}", f"team{size}")
-    memo = (NORM_PROBE_KIND,) + parts + (torch.get_num_threads(),)
+    memo = (NORM_PROBE_KIND, size, modes[0], torch.get_num_threads())
     verdict = _VERDICTS.get(memo)
     if verdict is None:
+        parts = (f"build-{build().key}", f"mxcsr{modes[0]:#x}", f"team{size}")
         key = calibration.full_key(NORM_PROBE_KIND, "cpu", parts,
                                    probe=(norms_match_native, norm_probe_tensors))
         verdict = calibration.lookup(key)
@@ -1859,8 +1876,9 @@ def launch(prepared: Prepared, *, implementation: str, lr, beta1: float, beta2: 
     _check_scalars(implementation, lr, beta1, beta2, clip_coef)
     if amsgrad != (len(prepared.bases) == 5):
         raise ValueError("amsgrad needs the max_exp_avg_sq list, and only amsgrad")
-    _launch(prepared.dtype, prepared.bases, prepared.numels, prepared.steps,
-            step_bases=prepared.step_bases, implementation=implementation, lr=lr,
+    _launch(prepared.dtype, [prepared.row(r) for r in range(prepared.kinds)],
+            prepared.numels, prepared.steps, step_row=prepared.row(prepared.kinds),
+            float32_steps=prepared.float32_steps, implementation=implementation, lr=lr,
             beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize, amsgrad=amsgrad, threads=threads,
             clip_coef=clip_coef)
 
@@ -1890,22 +1908,29 @@ def _step_values(steps: list[Tensor] | Tensor) -> list[float]:
     return [(s + 1).item() for s in steps]
 
 
-def _launch(dtype: torch.dtype, bases: list[list[int]], numels: tuple[int, ...], steps, *,
-            step_bases: list[int] | None = None, implementation: str, lr, beta1: float,
-            beta2: float, eps: float, weight_decay: float, maximize: bool, amsgrad: bool, threads: int | None,
-            clip_coef: float | None) -> None:
-    """The kernel call shared by the flat and the list API: `bases` holds, per tensor kind
-    (parameter, gradient, exp_avg, exp_avg_sq[, max_exp_avg_sq]), each segment's first
-    element's address; `numels` the segments' lengths. Raises before modifying anything."""
+def _launch(dtype: torch.dtype, rows: list[int | None], numels: tuple[int, ...], steps, *,
+            step_row: int | None = None, float32_steps: bool = False, implementation: str, lr,
+            beta1: float, beta2: float, eps: float, weight_decay: float, maximize: bool,
+            amsgrad: bool, threads: int | None, clip_coef: float | None) -> None:
+    """The kernel call shared by the flat and the list API: `rows` holds, per tensor kind
+    (parameter, gradient, exp_avg, exp_avg_sq[, max_exp_avg_sq]), the address of an int64
+    array of each segment's first element's address (kept alive by the caller); `numels` the
+    segments' lengths. `step_row`: such an array of the step tensors' addresses, which the
+    caller has checked are distinct 0-d tensors (`float32_steps`: all float32). Raises before
+    modifying anything."""
     bf16 = dtype == torch.bfloat16
     if bf16 and (amsgrad or clip_coef is not None):
         raise ValueError("bfloat16 buffers: amsgrad and the clip multiply are not reproduced by "
                          "the single pass")
-    step_dtypes = {steps.dtype} if isinstance(steps, Tensor) else set(map(_DTYPE, steps))
+    if float32_steps:
+        step_dtypes = {torch.float32}
+    else:
+        step_dtypes = {steps.dtype} if isinstance(steps, Tensor) else set(map(_DTYPE, steps))
     if implementation == "foreach" and not step_dtypes <= {torch.float32, torch.float64}:
         raise ValueError("native foreach AdamW refuses step tensors that are not float32 or "
                          "float64: native path (and its error)")
-    if not isinstance(steps, Tensor) and len(set(map(id, steps))) != len(steps):
+    if step_row is None and not isinstance(steps, Tensor) and len(set(map(id, steps))) != len(
+            steps):
         raise ValueError("one step tensor per segment, each its own (native increments each)")
     fused = implementation == "fused"
     if fused and (bf16 or step_dtypes != {torch.float32}):
@@ -1931,12 +1956,11 @@ def _launch(dtype: torch.dtype, bases: list[list[int]], numels: tuple[int, ...],
             scalars[0], scalars[2] = _bf16_value(scalars[0]), _bf16_value(scalars[2])
     # native: step_t += 1 (in the step tensor's dtype), then the scalars from step_t.item();
     # float32 step tensors (native's own) are read and incremented in C
-    in_c = step_bases is not None and step_dtypes == {torch.float32}
+    in_c = step_row is not None and step_dtypes == {torch.float32}
     if in_c:
-        stepped_c = (ctypes.c_double * len(step_bases))()
-        step_array = _int64s(step_bases)
-        _lib().cot_singlepass_steps(_address(step_array), len(step_bases), stepped_c, 0)
-        stepped = list(stepped_c)
+        stepped_c = array.array("d", bytes(8 * len(numels)))
+        _lib().cot_singlepass_steps(step_row, len(numels), _address(stepped_c), 0)
+        stepped = stepped_c.tolist()
     else:
         stepped = _step_values(steps)
     by_step: dict[float, tuple[float, float]] = {}
@@ -1954,11 +1978,11 @@ def _launch(dtype: torch.dtype, bases: list[list[int]], numels: tuple[int, ...],
         raise ValueError("a scalar beyond float32 (native raises converting it): native path")
     if len(by_step) == 1:
         (a, b), = distinct
-        nstep = (ctypes.c_double * len(stepped))(*[a] * len(stepped))
-        bc2s = (ctypes.c_double * len(stepped))(*[b] * len(stepped))
+        nstep = array.array("d", [a]) * len(stepped)
+        bc2s = array.array("d", [b]) * len(stepped)
     else:
-        nstep = (ctypes.c_double * len(stepped))(*[by_step[t][0] for t in stepped])
-        bc2s = (ctypes.c_double * len(stepped))(*[by_step[t][1] for t in stepped])
+        nstep = array.array("d", [by_step[t][0] for t in stepped])
+        bc2s = array.array("d", [by_step[t][1] for t in stepped])
     if threads is None:
         threads = team()[0]
         if threads < 1:
@@ -1970,25 +1994,23 @@ def _launch(dtype: torch.dtype, bases: list[list[int]], numels: tuple[int, ...],
         return
     flags = (1 if weight_decay != 0 else 0) | (2 if maximize else 0) | (4 if amsgrad else 0)
     flags |= (8 if clip_coef is not None else 0) | (16 if fused else 0)
-    arrays = [_int64s(b) for b in bases]
     if isinstance(steps, Tensor):
         steps.add_(1)
     elif in_c:
-        lib.cot_singlepass_steps(_address(step_array), len(step_bases), stepped_c, 1)
+        lib.cot_singlepass_steps(step_row, len(numels), _address(stepped_c), 1)
         torch.autograd.graph.increment_version(steps)  # (as the add's version bump)
     else:
         _compat.foreach_add_(steps, 1)  # (per tensor on the CPU: `step_t += 1`'s bits)
     if bf16:
         lib.cot_singlepass_adamw_bf16(
-            *map(_address, arrays), pieces.data_ptr(), pieces.shape[0],
-            ctypes.cast(nstep, ctypes.c_void_p),
-            ctypes.cast(bc2s, ctypes.c_void_p), scalars[0], scalars[1], scalars[2], scalars[3],
+            *rows, pieces.data_ptr(), pieces.shape[0],
+            _address(nstep), _address(bc2s), scalars[0], scalars[1], scalars[2], scalars[3],
             scalars[4], flags, torch.get_num_threads())
         return
     lib.cot_singlepass_adamw(
-        *map(_address, arrays[:4]), _address(arrays[4]) if amsgrad else None,
+        *rows[:4], rows[4] if amsgrad else None,
         pieces.data_ptr(), pieces.shape[0],
-        ctypes.cast(nstep, ctypes.c_void_p), ctypes.cast(bc2s, ctypes.c_void_p),
+        _address(nstep), _address(bc2s),
         scalars[0], scalars[1], scalars[2], scalars[3], scalars[4], flags,
         None if fused else sqrt_address(sq), MKL_SQRT_MODE, torch.get_num_threads(),
         0.0 if clip_coef is None else clip_coef)
@@ -2407,6 +2429,16 @@ def mxcsr() -> int:
     """The calling thread's MXCSR fields that change float results (flush-to-zero,
     denormals-are-zero, rounding mode; e.g. after `torch.set_flush_denormal(True)`)."""
     return int(_lib().cot_singlepass_mxcsr()) & 0xE040
+
+
+def flushing_now() -> bool | None:
+    """Whether float32 arithmetic on the calling thread flushes subnormals (x86 FTZ or DAZ in
+    its MXCSR: what `torch.set_flush_denormal(True)` sets), read from the register where the
+    kernel library is loaded (about 1 us); None where it is not (ask
+    `cotangent.norms.flushing_denormals`, which reads it off a multiply)."""
+    if _LIB is None:
+        return None
+    return bool(int(_LIB.cot_singlepass_mxcsr()) & 0x8040)
 
 
 def key_parts(kind: str, group: dict, clip_coef: float | None = None,
