@@ -331,3 +331,19 @@ def test_the_single_pass_line_says_what_happened(monkeypatch):
     assert "not asked for" in bench.single_pass_line(dict(built, unavailable_reason="not checked"))
     assert "unavailable (no C++ compiler)" in bench.single_pass_line(
         dict(built, unavailable_reason="no C++ compiler", build=None))
+
+
+def test_the_single_pass_line_says_how_the_lists_were_read():
+    """The list reader's one-off cost (built, loaded) or why the lists were checked in Python."""
+    base = dict(unavailable_reason=None, probes=0, probe_s=0.0, square_root="hardware",
+                sqrt_check_s=0.0,
+                build=dict(key="abc", cached=True, compile_s=0.0, compiler="c++", flags=[]))
+    line = bench.single_pass_line
+    assert "list reader" not in line(dict(base, list_reader=None))
+    assert "list reader: built in 16.00 s" in line(dict(base, list_reader=dict(
+        available=True, cached=False, compile_s=16.0, why_not=None)))
+    assert "list reader: loaded from the kernel cache" in line(dict(base, list_reader=dict(
+        available=True, cached=True, compile_s=0.0, why_not=None)))
+    assert "list reader: unavailable (no Python headers), lists checked in Python" in line(
+        dict(base, list_reader=dict(available=False, cached=None, compile_s=0.0,
+                                    why_not="no Python headers")))

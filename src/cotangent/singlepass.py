@@ -2561,10 +2561,11 @@ def process_report() -> dict:
     compile_s (0.0 when cached), key (the build hash), flags), ``probes`` (`matches_native`
     probes run here), ``probe_s`` (their seconds), ``square_root`` (`sqrt_kind`'s choice, or
     "not checked") and ``sqrt_check_s`` (seconds `emulation_matches` checked here; 0.0 when its
-    verdict came from the calibration cache)."""
+    verdict came from the calibration cache), ``list_reader`` (`cotangent.tensorlists`: None
+    before any list was read, else available, cached, compile_s and why_not)."""
     reason = "not checked" if _UNAVAILABLE is _NOT_CHECKED else _UNAVAILABLE
     b = _BUILD
-    return dict(unavailable_reason=reason,
+    return dict(unavailable_reason=reason, list_reader=tensorlists.report(),
                 build=None if b is None else dict(compiler=b.compiler, cached=b.cached,
                                                   compile_s=b.compile_s, key=b.key,
                                                   flags=list(compile_flags())),

@@ -99,3 +99,14 @@ def why_not() -> str | None:
 def build_info() -> _build.Compiled | None:
     """How the reader was obtained (`cotangent._build.Compiled`), None if it is not loaded."""
     return _STATE.get("build")
+
+
+def report() -> dict | None:
+    """For benchmarks and logs: None before `reader()` was asked for, else ``available``,
+    ``cached`` (loaded from the kernel cache), ``compile_s`` (0.0 when cached) and ``why_not``."""
+    if "reader" not in _STATE:
+        return None
+    built = _STATE.get("build")
+    return dict(available=_STATE["reader"] is not None,
+                cached=None if built is None else built.cached,
+                compile_s=0.0 if built is None else built.compile_s, why_not=_STATE.get("why"))

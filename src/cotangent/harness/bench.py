@@ -638,8 +638,16 @@ def single_pass_line(report: dict) -> str:
     root, check = report["square_root"], report["sqrt_check_s"]
     root = f"; square root: {root}" + (f" (checked against torch.sqrt in {check:.2f} s)"
                                        if check else "")
+    lists = report.get("list_reader")
+    if lists is None:
+        lists = ""
+    elif lists["available"]:
+        lists = ("; list reader: loaded from the kernel cache" if lists["cached"] else
+                 f"; list reader: built in {lists['compile_s']:.2f} s")
+    else:
+        lists = f"; list reader: unavailable ({lists['why_not']}), lists checked in Python"
     return (f"single pass: kernel {b['key']} {built}; {probes} probe{'' if probes == 1 else 's'} "
-            f"in {report['probe_s']:.2f} s{root} (one-off costs, in no row's times)")
+            f"in {report['probe_s']:.2f} s{root}{lists} (one-off costs, in no row's times)")
 
 
 def run_bench(shapes=SHAPES, impls=tuple(IMPLS), *, repeats: int = 20, warmup: int = 3,
