@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import array
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -1205,3 +1206,22 @@ def test_compiled_list_reader_refuses_parameters_requiring_grad_in_grad_mode():
     assert read(lists[:5], lists[5], False, table) & 1
     with pytest.raises(RuntimeError, match="torch.no_grad"):
         sp.prepare_lists(*lists)
+
+
+def test_kernel_sources_are_package_files_in_the_code_hash(tmp_path, monkeypatch):
+    """The C++ sources are files in the package (`csrc/`), the kernel's text is the file's, and
+    the code hash every run records covers them."""
+    import shutil
+
+    import cotangent.harness.records as records
+
+    csrc = Path(sp.__file__).with_name("csrc")
+    assert sp._SOURCE == (csrc / "singlepass.cpp").read_text()
+    assert tensorlists.SOURCE_PATH == csrc / "tensorlists.cpp" and tensorlists.SOURCE_PATH.exists()
+    copy = tmp_path / "cotangent"
+    shutil.copytree(Path(cotangent.__file__).parent, copy,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    monkeypatch.setattr(cotangent, "__file__", str(copy / "__init__.py"))
+    before = records.source_sha256()
+    (copy / "csrc" / "singlepass.cpp").write_text(sp._SOURCE + "// edited\n")
+    assert records.source_sha256() != before

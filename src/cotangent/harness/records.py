@@ -67,10 +67,11 @@ def write_jsonl(path: Path, rows: list[dict]) -> None:
 
 
 def source_sha256() -> str:
-    """SHA-256 over the installed `cotangent` package's .py files (relative path + bytes)."""
+    """SHA-256 over the installed `cotangent` package's source: its .py files and its C++
+    (``csrc/*.cpp``, the kernels compiled on first use), relative path + bytes, in path order."""
     root = Path(cotangent.__file__).parent
     h = hashlib.sha256()
-    for path in sorted(root.rglob("*.py")):
+    for path in sorted([*root.rglob("*.py"), *root.rglob("*.cpp")]):
         h.update(path.relative_to(root).as_posix().encode() + b"\0")
         h.update(path.read_bytes())
     return h.hexdigest()
