@@ -847,22 +847,39 @@ def test_complex_parameters_are_updated_as_real_pairs_like_native(impl, max_norm
                 assert_same_bits(opt.last_total_norm, total, what + ": total norm")
 
 
-# ------------------------------------------------------------------ negative-bit views
+# ------------------------------------------------------------------ tensors whose memory is not
+#                                                                     plainly theirs to write
 
-def _neg_view_run(make, impl: str, clip: bool, target: str):
-    """Two steps with a negative-bit view (`_neg_view`: memory holds -x, reads give x) as the
-    gradient or, on the second step, as exp_avg: (what each step raised or "ok", the
-    parameter, its state)."""
+def _inference_copy(t):
+    with torch.inference_mode():
+        return t.clone()
+
+
+# a tensor the single pass must leave to native: how it is made, which tensors it may replace
+SPECIAL_TENSORS = {
+    # memory holds -x, reads give x
+    "negative-bit view": (lambda t: t._neg_view(), ("grad", "exp_avg")),
+    # native's in-place ops refuse it outside inference mode (its fused kernel takes some)
+    "inference tensor": (_inference_copy, ("grad", "exp_avg", "exp_avg_sq", "step")),
+}
+SPECIAL_CASES = [(kind, target) for kind, (_, targets) in SPECIAL_TENSORS.items()
+                 for target in targets]
+
+
+def _special_tensor_run(make, impl: str, clip: bool, kind: str, target: str):
+    """Two steps with a `SPECIAL_TENSORS` tensor as the gradient (both steps) or, on the
+    second step, as a state entry: (what each step raised or "ok", the parameter, its
+    state)."""
+    special = SPECIAL_TENSORS[kind][0]
     p = nn.Parameter(torch.randn(100, generator=torch.Generator().manual_seed(5)))
     extra = dict(max_norm=1.0) if clip and make is cotangent.AdamW else {}
     opt = make([p], **HP, **IMPLS[impl], **extra)
     outcome = []
     for i in range(2):
         g = torch.randn(100, generator=torch.Generator().manual_seed(i))
-        p.grad = g._neg_view() if target == "grad" else g
-        if i == 1 and target == "exp_avg":
-            opt.state[p]["exp_avg"] = torch.randn(
-                100, generator=torch.Generator().manual_seed(9))._neg_view()
+        p.grad = special(g) if target == "grad" else g
+        if i == 1 and target != "grad":
+            opt.state[p][target] = special(opt.state[p][target].clone())
         try:
             if clip and make is torch.optim.AdamW:
                 torch.nn.utils.clip_grad_norm_([p], 1.0)
@@ -874,20 +891,24 @@ def _neg_view_run(make, impl: str, clip: bool, target: str):
 
 
 @pytest.mark.parametrize("reader", [True, False], ids=["compiled-reader", "python-checks"])
-@pytest.mark.parametrize("target", ["grad", "exp_avg"])
+@pytest.mark.parametrize("kind,target", SPECIAL_CASES, ids=[f"{k}-{t}" for k, t in SPECIAL_CASES])
 @pytest.mark.parametrize("clip", [False, True], ids=["no-clip", "clip"])
 @pytest.mark.parametrize("impl", sorted(IMPLS))
-def test_negative_bit_views_get_natives_bytes_or_natives_error(impl, clip, target, reader,
-                                                               monkeypatch):
-    """A tensor with the negative bit set keeps -x in memory: the single pass and the norm
-    kernel, which read memory, must leave it to native (whose fused kernel and foreach
-    multiply refuse it: then the same error; its for-loop resolves it: then the same bytes).
-    Both list checks (the compiled reader and the Python reference) refuse it."""
+def test_views_and_inference_tensors_get_natives_bytes_or_natives_error(impl, clip, kind,
+                                                                        target, reader,
+                                                                        monkeypatch):
+    """The single pass and the norm kernel read and write memory, so a tensor whose memory
+    does not hold its values (a negative-bit view) or that native may not write in place (an
+    inference tensor) is native's to handle: the same error where native raises (its fused
+    kernel and foreach multiply refuse a negative-bit view; in-place ops refuse an inference
+    tensor outside inference mode), else the same bytes. Both list checks (the compiled reader
+    and the Python reference) send it there."""
     from cotangent import tensorlists
     if not reader:
         monkeypatch.setattr(tensorlists, "reader", lambda: None)
-    ours, p, state = _neg_view_run(cotangent.AdamW, impl, clip, target)
-    theirs, p_native, state_native = _neg_view_run(torch.optim.AdamW, impl, clip, target)
+    ours, p, state = _special_tensor_run(cotangent.AdamW, impl, clip, kind, target)
+    theirs, p_native, state_native = _special_tensor_run(torch.optim.AdamW, impl, clip, kind,
+                                                         target)
     assert ours == theirs
     assert_same_bits(p.resolve_neg(), p_native.resolve_neg(), "parameter")
     for key in ("exp_avg", "exp_avg_sq", "step"):

@@ -540,9 +540,11 @@ class AdamW(torch.optim.AdamW):
         if self.error_if_nonfinite:
             check_finite(total, self.norm_type)
         coef = clip_coefficient(total, self.max_norm)
-        # (an expanded gradient: native's multiply, by 1.0 too, raises; so must ours)
+        # (an expanded or an inference gradient: native's multiply, by 1.0 too, raises; so
+        # must ours)
         identity = multiply_is_identity(coef, self.norm_type, singlepass.flushing_now()) and (
-            prepared is not None or all(map(is_dense_non_overlapping, grads)))
+            prepared is not None or (all(map(is_dense_non_overlapping, grads))
+                                     and not any(map(Tensor.is_inference, grads))))
         ids = set(map(id, grads))
         value = None
         if (fold and not identity and len(ids) == len(grads) and coef.device.type == "cpu"

@@ -751,6 +751,10 @@ def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
         if code:
             return Prepared(dtype, table, len(lists), tuple(table[-count:]), steps,
                             bool(code & 2), contiguous=True, disjoint=bool(code & 4))
+    if any(isinstance(t, Tensor) and t.is_inference() for x in (*lists, steps) for t in x):
+        # native's in-place ops refuse them outside inference mode and its fused kernel takes
+        # some: the whole call is native's (error or not), never split
+        raise RuntimeError("an inference tensor in the lists: native path")
     shapes = list(map(_SHAPE, params))
     if all(_contiguous_alike(x, dtype, shapes) for x in lists):
         # (the common case, checked a list at a time in C loops: each tensor contiguous, of
