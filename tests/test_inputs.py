@@ -914,3 +914,42 @@ def test_views_and_inference_tensors_get_natives_bytes_or_natives_error(impl, cl
     for key in ("exp_avg", "exp_avg_sq", "step"):
         if key in state_native:
             assert_same_bits(state[key].resolve_neg(), state_native[key].resolve_neg(), key)
+
+
+class _CountingParameter(nn.Parameter):
+    """A parameter subclass with a `__torch_function__` of its own (here it counts the torch
+    calls made on it and, for `mul_` by a float, rounds the factor to bfloat16 first: a stand-in
+    for subclasses that compute otherwise)."""
+
+    calls = 0
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        cls.calls += 1
+        if func is torch.Tensor.mul_ and len(args) == 2 and isinstance(args[1], float):
+            args = (args[0], float(torch.tensor(args[1]).bfloat16()))
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("reader", [True, False], ids=["compiled-reader", "python-checks"])
+@pytest.mark.parametrize("impl", sorted(IMPLS))
+def test_a_parameter_subclass_overriding_torch_function_sees_natives_calls(impl, reader,
+                                                                          monkeypatch):
+    """Native's ops go through a subclass's `__torch_function__`; the single pass would skip
+    it (other bytes where it computes otherwise), so such a call runs natively."""
+    from cotangent import tensorlists
+    if not reader:
+        monkeypatch.setattr(tensorlists, "reader", lambda: None)
+    out = []
+    for make in (torch.optim.AdamW, cotangent.AdamW):
+        p = _CountingParameter(torch.randn(64, generator=torch.Generator().manual_seed(3)))
+        opt = make([p], **HP, **IMPLS[impl])
+        for i in range(2):
+            p.grad = torch.randn(64, generator=torch.Generator().manual_seed(i))
+            opt.step()
+        out.append((p.detach().clone(), opt.state[p]["exp_avg"].clone(), _CountingParameter.calls))
+        _CountingParameter.calls = 0
+    assert_same_bits(out[0][0], out[1][0], "parameter")
+    assert_same_bits(out[0][1], out[1][1], "exp_avg")
+    assert out[1][2] >= out[0][2] > 0  # (every native call reached it)

@@ -1130,6 +1130,11 @@ def _neg_view(t):
     return t._neg_view()
 
 
+class _PlainTensor(torch.Tensor):
+    """A tensor subclass that adds nothing (the compiled reader reads only torch.Tensor and
+    nn.Parameter objects; the Python checks take this one)."""
+
+
 # (what is changed, how, whether the C++ reader takes the lists, whether they are disjoint):
 # each row edits tensor 2 of one list; the Python checks are the reference for every row
 READER_CASES = [
@@ -1143,6 +1148,8 @@ READER_CASES = [
     ("a Parameter as gradient", 1, lambda t: torch.nn.Parameter(t, requires_grad=False),
      True, True),
     ("gradient is the exp_avg", 1, "alias", True, False),
+    ("a plain Tensor subclass as exp_avg", 2, lambda t: t.as_subclass(_PlainTensor), False,
+     None),
     ("step of one dimension", 5, lambda t: t.reshape(1), False, None),
     ("float64 step", 5, lambda t: t.double(), True, True),
     ("step shared with the next", 5, "shared-step", False, None),

@@ -398,3 +398,10 @@ def cxx11_abi() -> int:
     else 0: what code compiled against its headers must be built with
     (`cotangent.tensorlists`; torch 2.x reports it as ``torch._C._GLIBCXX_USE_CXX11_ABI``)."""
     return int(torch._C._GLIBCXX_USE_CXX11_ABI)
+
+
+def default_torch_functions() -> tuple:
+    """The `__torch_function__` implementations of plain tensors: torch.Tensor's (its function)
+    and the one that disables it (``torch._C._disabled_torch_function_impl``, nn.Parameter's);
+    a subclass with any other runs code of its own on every torch op."""
+    return (Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)

@@ -755,6 +755,9 @@ def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
         # native's in-place ops refuse them outside inference mode and its fused kernel takes
         # some: the whole call is native's (error or not), never split
         raise RuntimeError("an inference tensor in the lists: native path")
+    if not all(map(_plain_type, {type(t) for x in (*lists, steps) for t in x})):
+        # native's ops call its __torch_function__ (which may log, or compute otherwise)
+        raise RuntimeError("a tensor subclass overriding __torch_function__: native path")
     shapes = list(map(_SHAPE, params))
     if all(_contiguous_alike(x, dtype, shapes) for x in lists):
         # (the common case, checked a list at a time in C loops: each tensor contiguous, of
@@ -830,6 +833,20 @@ def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
 
 def _float32(steps: list[Tensor]) -> bool:
     return all(map(is_, map(_DTYPE, steps), repeat(torch.float32)))
+
+
+_TORCH_FUNCTION_DEFAULTS = _compat.default_torch_functions()
+
+
+@lru_cache(maxsize=None)
+def _plain_type(cls: type) -> bool:
+    """Whether objects of `cls` go through torch ops as plain tensors: not a tensor subclass
+    with a `__torch_function__` of its own (torch.Tensor's and nn.Parameter's, which disables
+    it, are plain; so are other types, which the checks refuse by name)."""
+    if not issubclass(cls, Tensor):
+        return True
+    f = cls.__torch_function__
+    return getattr(f, "__func__", f) in _TORCH_FUNCTION_DEFAULTS
 
 
 _SHAPE = attrgetter("shape")

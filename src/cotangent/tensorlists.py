@@ -60,6 +60,7 @@ def _load():
         raise _build.BuildFailed(f"cannot load {built.path}")
     lib = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lib)
+    lib.set_types(torch.Tensor, torch.nn.Parameter)
     _log.info("tensor-list reader %s (%.2f s): %s", "loaded from the cache" if built.cached
               else "compiled", built.compile_s, built.path)
     _STATE["build"] = built
@@ -73,8 +74,9 @@ def reader():
 
     ``read_lists`` takes K Python lists of n tensors (parameters first), a Python list of n
     step tensors, whether grad mode is on, and a writable int64 buffer of (K + 2) * n entries
-    (`array.array("q")`). Where every tensor is a plain dense contiguous CPU tensor (no Python
-    dispatch, not an inference tensor, no negative or conjugate bit) of the parameters' dtype and
+    (`array.array("q")`). Where every tensor is a plain dense contiguous CPU tensor (of type
+    torch.Tensor or torch.nn.Parameter exactly, no Python dispatch, not an inference tensor, no
+    negative or conjugate bit) of the parameters' dtype and
     its parameter's sizes, no parameter requires grad in grad mode, and the step tensors are
     distinct 0-d plain CPU tensors, it writes row k (k < K) with the k-th list's addresses, row
     K with the steps' and row K + 1 with the parameters' numels, and returns

@@ -15,11 +15,16 @@ namespace py = pybind11;
 
 namespace {
 
+// The two Python types whose objects are read here (torch.Tensor, torch.nn.Parameter: neither
+// overrides __torch_function__); any other type is left to the Python checks.
+PyTypeObject* tensor_type = nullptr;
+PyTypeObject* parameter_type = nullptr;
+
 // The tensor behind `obj`, or nullptr when it is not a plain dense CPU tensor with storage
-// that the kernel may read through its address (subclasses with Python dispatch, inference
-// tensors, negated or conjugated views and meta tensors are left to the Python checks).
+// that the kernel may read through its address (subclasses, inference tensors, negated or
+// conjugated views and meta tensors are left to the Python checks).
 const at::Tensor* plain_cpu(PyObject* obj) {
-  if (!THPVariable_Check(obj)) return nullptr;
+  if (Py_TYPE(obj) != tensor_type && Py_TYPE(obj) != parameter_type) return nullptr;
   const at::Tensor& t = THPVariable_Unpack(obj);
   if (!t.defined() || t.layout() != c10::kStrided || !t.is_cpu()) return nullptr;
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
@@ -40,7 +45,7 @@ bool disjoint(std::vector<std::pair<int64_t, int64_t>>& spans) {
 
 }  // namespace
 
-// `lists`: K >= 1 Python lists of n tensors each (parameters first, then gradient, exp_avg,
+// `lists`: K >= 1 Python lists of n tensors each (torch.Tensor or torch.nn.Parameter objects) (parameters first, then gradient, exp_avg,
 // exp_avg_sq[, max_exp_avg_sq]); `steps`: a Python list of n step tensors; `out`: a writable
 // int64 buffer of (K + 2) * n entries. Where every tensor of `lists` is contiguous, of the
 // parameters' dtype and its parameter's sizes, on the CPU, no parameter requires grad while
@@ -49,6 +54,7 @@ bool disjoint(std::vector<std::pair<int64_t, int64_t>>& spans) {
 // numels, and returns 1 | 2 (every step tensor float32) | 4 (no two of these tensors' byte
 // spans overlap). Otherwise returns 0 and `out` is unspecified.
 int64_t read_lists(py::list lists, py::list steps, bool grad_enabled, py::buffer out) {
+  if (tensor_type == nullptr) return 0;
   py::buffer_info info = out.request(true);
   const Py_ssize_t kinds = PyList_GET_SIZE(lists.ptr());
   const Py_ssize_t n = PyList_GET_SIZE(steps.ptr());
@@ -102,6 +108,13 @@ int64_t read_lists(py::list lists, py::list steps, bool grad_enabled, py::buffer
   return 1 | (float32_steps ? 2 : 0) | (disjoint(spans) ? 4 : 0);
 }
 
+// Names the two types `plain_cpu` reads (kept referenced for the module's life).
+void set_types(py::object tensor, py::object parameter) {
+  tensor_type = reinterpret_cast<PyTypeObject*>(tensor.release().ptr());
+  parameter_type = reinterpret_cast<PyTypeObject*>(parameter.release().ptr());
+}
+
 PYBIND11_MODULE(COTANGENT_MODULE, m) {
   m.def("read_lists", &read_lists, "Check a single-pass call's tensor lists; read addresses");
+  m.def("set_types", &set_types, "The tensor types read_lists reads");
 }
