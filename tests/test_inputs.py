@@ -855,65 +855,99 @@ def _inference_copy(t):
         return t.clone()
 
 
+class _RoundingTensor(torch.Tensor):
+    """A tensor subclass with a `__torch_dispatch__` of its own (`__torch_function__` disabled,
+    as nn.Parameter's): after every in-place op on it, its values are rounded to bfloat16."""
+
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, data):
+        return torch.Tensor._make_subclass(cls, data)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        from torch.utils._mode_utils import no_dispatch
+        with no_dispatch():
+            out = func(*args, **(kwargs or {}))
+            if func._schema.name.endswith("_") and isinstance(args[0], _RoundingTensor):
+                args[0].copy_(args[0].bfloat16().float())
+        return out
+
+
 # a tensor the single pass must leave to native: how it is made, which tensors it may replace
 SPECIAL_TENSORS = {
-    # memory holds -x, reads give x
-    "negative-bit view": (lambda t: t._neg_view(), ("grad", "exp_avg")),
+    # reads give t, memory holds -t
+    "negative-bit view": (lambda t: (-t)._neg_view(), ("grad", "exp_avg", "step")),
     # native's in-place ops refuse it outside inference mode (its fused kernel takes some)
     "inference tensor": (_inference_copy, ("grad", "exp_avg", "exp_avg_sq", "step")),
+    # no memory (a null data pointer), immutable
+    "ZeroTensor": (lambda t: torch._efficientzerotensor(t.shape), ("grad", "exp_avg",
+                                                                   "exp_avg_sq")),
+    # native's ops run its own code
+    "dispatch subclass": (_RoundingTensor, ("exp_avg",)),
 }
 SPECIAL_CASES = [(kind, target) for kind, (_, targets) in SPECIAL_TENSORS.items()
                  for target in targets]
 
 
+def _values(t):
+    """`t` as a plain tensor holding its values (for the byte comparison)."""
+    return t.as_subclass(torch.Tensor).resolve_neg().clone()
+
+
 def _special_tensor_run(make, impl: str, clip: bool, kind: str, target: str):
-    """Two steps with a `SPECIAL_TENSORS` tensor as the gradient (both steps) or, on the
-    second step, as a state entry: (what each step raised or "ok", the parameter, its
-    state)."""
+    """Two steps over two parameters, the second with a `SPECIAL_TENSORS` tensor as its
+    gradient (both steps) or, on the second step, as a state entry (so a call split around it
+    would show): (what each step raised or "ok", the parameters, their states)."""
     special = SPECIAL_TENSORS[kind][0]
-    p = nn.Parameter(torch.randn(100, generator=torch.Generator().manual_seed(5)))
+    gen = torch.Generator().manual_seed(5)
+    params = [nn.Parameter(torch.randn(100, generator=gen)) for _ in range(2)]
     extra = dict(max_norm=1.0) if clip and make is cotangent.AdamW else {}
-    opt = make([p], **HP, **IMPLS[impl], **extra)
+    opt = make(params, **HP, **IMPLS[impl], **extra)
     outcome = []
     for i in range(2):
-        g = torch.randn(100, generator=torch.Generator().manual_seed(i))
-        p.grad = special(g) if target == "grad" else g
+        for j, p in enumerate(params):
+            g = torch.randn(100, generator=torch.Generator().manual_seed(10 * i + j))
+            p.grad = special(g) if target == "grad" and j == 1 else g
         if i == 1 and target != "grad":
-            opt.state[p][target] = special(opt.state[p][target].clone())
+            opt.state[params[1]][target] = special(opt.state[params[1]][target].clone())
         try:
             if clip and make is torch.optim.AdamW:
-                torch.nn.utils.clip_grad_norm_([p], 1.0)
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
             opt.step()
             outcome.append("ok")
-        except RuntimeError as e:
-            outcome.append(str(e))
-    return outcome, p.detach(), opt.state[p]
+        except Exception as e:  # (native raises RuntimeError, or ZeroDivisionError at step 0)
+            outcome.append(f"{type(e).__name__}: {e}")
+    return outcome, params, [opt.state[p] for p in params]
 
 
 @pytest.mark.parametrize("reader", [True, False], ids=["compiled-reader", "python-checks"])
 @pytest.mark.parametrize("kind,target", SPECIAL_CASES, ids=[f"{k}-{t}" for k, t in SPECIAL_CASES])
 @pytest.mark.parametrize("clip", [False, True], ids=["no-clip", "clip"])
 @pytest.mark.parametrize("impl", sorted(IMPLS))
-def test_views_and_inference_tensors_get_natives_bytes_or_natives_error(impl, clip, kind,
-                                                                        target, reader,
-                                                                        monkeypatch):
+def test_tensors_not_plain_memory_get_natives_bytes_or_natives_error(impl, clip, kind, target,
+                                                                      reader, monkeypatch):
     """The single pass and the norm kernel read and write memory, so a tensor whose memory
-    does not hold its values (a negative-bit view) or that native may not write in place (an
-    inference tensor) is native's to handle: the same error where native raises (its fused
-    kernel and foreach multiply refuse a negative-bit view; in-place ops refuse an inference
-    tensor outside inference mode), else the same bytes. Both list checks (the compiled reader
-    and the Python reference) send it there."""
+    does not hold its values (a negative-bit view, a ZeroTensor), that native may not write in
+    place (an inference tensor) or whose ops run code of its own (a `__torch_dispatch__`
+    subclass) is native's to handle, with its whole call (a call split around it would have
+    updated the other parameter when native raises): the same error where native raises, else
+    the same bytes. Both list checks (the compiled reader and the Python reference) send it
+    there."""
     from cotangent import tensorlists
     if not reader:
         monkeypatch.setattr(tensorlists, "reader", lambda: None)
-    ours, p, state = _special_tensor_run(cotangent.AdamW, impl, clip, kind, target)
-    theirs, p_native, state_native = _special_tensor_run(torch.optim.AdamW, impl, clip, kind,
-                                                         target)
+    ours, ps, states = _special_tensor_run(cotangent.AdamW, impl, clip, kind, target)
+    theirs, ps_native, states_native = _special_tensor_run(torch.optim.AdamW, impl, clip, kind,
+                                                           target)
     assert ours == theirs
-    assert_same_bits(p.resolve_neg(), p_native.resolve_neg(), "parameter")
-    for key in ("exp_avg", "exp_avg_sq", "step"):
-        if key in state_native:
-            assert_same_bits(state[key].resolve_neg(), state_native[key].resolve_neg(), key)
+    for i in range(2):
+        assert_same_bits(_values(ps[i].detach()), _values(ps_native[i].detach()), f"param {i}")
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            if key in states_native[i]:
+                assert_same_bits(_values(states[i][key]), _values(states_native[i][key]),
+                                 f"{key} {i}")
 
 
 class _CountingParameter(nn.Parameter):

@@ -1150,6 +1150,8 @@ READER_CASES = [
     ("gradient is the exp_avg", 1, "alias", True, False),
     ("a plain Tensor subclass as exp_avg", 2, lambda t: t.as_subclass(_PlainTensor), False,
      None),
+    ("ZeroTensor exp_avg_sq", 3, lambda t: torch._efficientzerotensor(t.shape), False, None),
+    ("step as a negative-bit view", 5, lambda t: (-t)._neg_view(), False, None),
     ("step of one dimension", 5, lambda t: t.reshape(1), False, None),
     ("float64 step", 5, lambda t: t.double(), True, True),
     ("step shared with the next", 5, "shared-step", False, None),
@@ -1232,3 +1234,28 @@ def test_kernel_sources_are_package_files_in_the_code_hash(tmp_path, monkeypatch
     before = records.source_sha256()
     (copy / "csrc" / "singlepass.cpp").write_text(sp._SOURCE + "// edited\n")
     assert records.source_sha256() != before
+
+
+def test_a_compiler_that_writes_nothing_is_a_clear_build_failure(tmp_path, monkeypatch):
+    """A "compiler" that exits 0 without writing the library (CXX=/bin/true) fails the build
+    with a message (the kernel then says unavailable), not a FileNotFoundError at a step."""
+    monkeypatch.setenv("COTANGENT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(_build, "compiler", lambda: "/bin/true")
+    with pytest.raises(_build.BuildFailed, match="left no library"):
+        _build.compile_cached("nothing", "int x;", ("-shared",))
+    with pytest.raises(sp.SinglePassUnavailable, match="left no library"):
+        sp._build_locked()
+
+
+@pytest.mark.parametrize("make", [
+    lambda n: memoryview(array.array("q", bytes(16 * n)))[::2],   # strided
+    lambda n: memoryview(array.array("q", bytes(16 * n)))[::-1][:n],  # reversed
+    lambda n: array.array("d", bytes(8 * n)),                      # float64
+    lambda n: array.array("q", bytes(8 * (n - 1))),                # one short
+], ids=["strided", "reversed", "float64", "short"])
+def test_compiled_list_reader_declines_an_output_buffer_it_cannot_fill_in_order(make):
+    read = tensorlists.reader()
+    lists = _reader_lists()
+    n = 7 * 6
+    assert read(lists[:5], lists[5], False, make(n)) == 0
+    assert read(lists[:5], lists[5], False, array.array("q", bytes(8 * n))) & 1

@@ -9,6 +9,7 @@ so later processes load it without compiling. Writes are atomic (a temporary fil
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import os
 import shutil
@@ -78,8 +79,9 @@ def compile_cached(stem: str, source: str, flags: tuple[str, ...], *, suffix: st
             folder.mkdir(parents=True, exist_ok=True)
         except OSError:
             folder = None
-    if folder is None:
+    if folder is None:  # (this process's own, removed at exit: a loaded library stays mapped)
         folder = Path(tempfile.mkdtemp(prefix="cotangent-kernels-"))
+        atexit.register(shutil.rmtree, folder, True)
     target = folder / f"{stem}-{key[:20]}{suffix}"
     if target.exists():
         return Compiled(target, cxx, True, 0.0, key)
@@ -99,5 +101,8 @@ def compile_cached(stem: str, source: str, flags: tuple[str, ...], *, suffix: st
     if proc.returncode != 0:
         tmp_out.unlink(missing_ok=True)
         raise BuildFailed(f"compiling {stem} failed ({cxx}):\n{proc.stderr[-2000:]}")
-    os.replace(tmp_out, target)
+    try:
+        os.replace(tmp_out, target)
+    except OSError as e:  # (e.g. a "compiler" that exits 0 and writes nothing)
+        raise BuildFailed(f"compiling {stem} with {cxx} left no library: {e}") from e
     return Compiled(target, cxx, False, seconds, key)

@@ -405,3 +405,15 @@ def default_torch_functions() -> tuple:
     and the one that disables it (``torch._C._disabled_torch_function_impl``, nn.Parameter's);
     a subclass with any other runs code of its own on every torch op."""
     return (Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
+
+
+def default_torch_dispatch():
+    """torch.Tensor's `__torch_dispatch__` (``torch._C._disabled_torch_dispatch_impl``): a
+    subclass with any other has its own code on every ATen op (the Python dispatch key)."""
+    return torch._C._disabled_torch_dispatch_impl
+
+
+def is_zerotensor(t: Tensor) -> bool:
+    """Whether `t` is a ZeroTensor (``torch._efficientzerotensor``: no memory behind it, its
+    data pointer null, immutable)."""
+    return t._is_zerotensor()

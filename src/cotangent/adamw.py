@@ -917,10 +917,12 @@ def _moment_ok(t, p: Tensor) -> bool:
 
 
 def _plain_cpu_float32(grads: list[Tensor]) -> bool:
-    """Whether `grads` are all contiguous float32 CPU tensors (no subclasses, no negative-bit
-    views: their memory holds the negated values), at least one."""
+    """Whether `grads` are all contiguous float32 CPU tensors (no subclasses; no negative-bit
+    view, whose memory holds the negated values; no ZeroTensor, which has none), at least
+    one."""
     return bool(grads) and all(type(g) is Tensor and g.dtype is torch.float32 and g.is_cpu
-                               and g.is_contiguous() and not g.is_neg() for g in grads)
+                               and g.is_contiguous() and not g.is_neg()
+                               and not _compat.is_zerotensor(g) for g in grads)
 
 
 _IS = is_

@@ -751,13 +751,16 @@ def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
         if code:
             return Prepared(dtype, table, len(lists), tuple(table[-count:]), steps,
                             bool(code & 2), contiguous=True, disjoint=bool(code & 4))
-    if any(isinstance(t, Tensor) and t.is_inference() for x in (*lists, steps) for t in x):
-        # native's in-place ops refuse them outside inference mode and its fused kernel takes
-        # some: the whole call is native's (error or not), never split
-        raise RuntimeError("an inference tensor in the lists: native path")
+    if any(isinstance(t, Tensor) and _not_plain_memory(t) for x in (*lists, steps) for t in x):
+        # the whole call is native's (its error or its bytes), never split: a call split around
+        # it would have updated the rest when native raises for it
+        raise RuntimeError("a negative-bit view, an inference tensor or a ZeroTensor in the "
+                           "lists: native path")
     if not all(map(_plain_type, {type(t) for x in (*lists, steps) for t in x})):
-        # native's ops call its __torch_function__ (which may log, or compute otherwise)
-        raise RuntimeError("a tensor subclass overriding __torch_function__: native path")
+        # native's ops call its __torch_function__ / __torch_dispatch__ (which may log, or
+        # compute otherwise)
+        raise RuntimeError("a tensor subclass with __torch_function__ or __torch_dispatch__ of "
+                           "its own: native path")
     shapes = list(map(_SHAPE, params))
     if all(_contiguous_alike(x, dtype, shapes) for x in lists):
         # (the common case, checked a list at a time in C loops: each tensor contiguous, of
@@ -781,8 +784,7 @@ def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
             for x in lists:
                 t = x[i]
                 if not (isinstance(t, Tensor) and t.dtype is dtype and t.is_cpu
-                        and t.layout is strided and t.is_contiguous() and t.shape == shape
-                        and not t.is_neg()):
+                        and t.layout is strided and t.is_contiguous() and t.shape == shape):
                     break
                 ptrs.append(t.data_ptr())
             else:
@@ -801,11 +803,6 @@ def prepare_lists(params: list[Tensor], grads: list[Tensor], exp_avgs: list[Tens
                     break
                 raise TypeError("single-pass AdamW needs dense CPU tensors of one dtype, "
                                 "float32 or bfloat16")
-            if t.is_neg():  # (its memory holds the negated values: native resolves them)
-                if leave_out is not None:
-                    break
-                raise TypeError("single-pass AdamW reads memory: a negative-bit view "
-                                "(`_neg_view`) must be materialized (`resolve_neg()`)")
             if t.shape != shape or t.stride() != stride:
                 if leave_out is not None:
                     break
@@ -836,17 +833,29 @@ def _float32(steps: list[Tensor]) -> bool:
 
 
 _TORCH_FUNCTION_DEFAULTS = _compat.default_torch_functions()
+_TORCH_DISPATCH_DEFAULT = _compat.default_torch_dispatch()
 
 
 @lru_cache(maxsize=None)
 def _plain_type(cls: type) -> bool:
     """Whether objects of `cls` go through torch ops as plain tensors: not a tensor subclass
-    with a `__torch_function__` of its own (torch.Tensor's and nn.Parameter's, which disables
-    it, are plain; so are other types, which the checks refuse by name)."""
+    with a `__torch_function__` or `__torch_dispatch__` of its own (torch.Tensor's and
+    nn.Parameter's, which disables the first, are plain; so are other types, which the checks
+    refuse by name)."""
     if not issubclass(cls, Tensor):
         return True
     f = cls.__torch_function__
-    return getattr(f, "__func__", f) in _TORCH_FUNCTION_DEFAULTS
+    d = getattr(cls, "__torch_dispatch__", _TORCH_DISPATCH_DEFAULT)
+    return (getattr(f, "__func__", f) in _TORCH_FUNCTION_DEFAULTS
+            and getattr(d, "__func__", d) is _TORCH_DISPATCH_DEFAULT)
+
+
+def _not_plain_memory(t: Tensor) -> bool:
+    """A tensor whose memory the pass may not read or write as its values: a negative-bit view
+    (memory holds -x; native's fused kernel and foreach multiply refuse it, its for-loop
+    resolves it), an inference tensor (native's in-place ops refuse it outside inference mode;
+    its fused kernel takes some) or a ZeroTensor (no memory; immutable)."""
+    return t.is_neg() or t.is_inference() or _compat.is_zerotensor(t)
 
 
 _SHAPE = attrgetter("shape")
@@ -859,14 +868,13 @@ _DATA_PTR = Tensor.data_ptr
 
 def _contiguous_alike(tensors: list, dtype: torch.dtype, shapes: list) -> bool:
     """Whether every entry of `tensors` is a contiguous strided CPU tensor of `dtype` with the
-    shape at its place in `shapes` and without a negative bit (C-level loops: `map` over
-    methods and attribute getters)."""
+    shape at its place in `shapes` (C-level loops: `map` over methods and attribute
+    getters)."""
     return (all(map(isinstance, tensors, repeat(Tensor)))
             and all(map(is_, map(_DTYPE, tensors), repeat(dtype)))
             and all(map(_IS_CPU, tensors))
             and all(map(is_, map(_LAYOUT, tensors), repeat(torch.strided)))
             and all(map(Tensor.is_contiguous, tensors))
-            and not any(map(Tensor.is_neg, tensors))
             and list(map(_SHAPE, tensors)) == shapes)
 
 
@@ -1478,6 +1486,8 @@ def unavailable_reason() -> str | None:
                     reason = "no square root here reproduces torch.sqrt's bits"
                 elif aten_vector_unit() is None:
                     reason = "ATen's vector body / scalar tail split is not the known one"
+                else:
+                    tensorlists.reader()  # (built now: its cost is not a probe's; optional)
             except SinglePassUnavailable as e:
                 reason = str(e)
         _UNAVAILABLE = reason

@@ -22,14 +22,14 @@ PyTypeObject* parameter_type = nullptr;
 
 // The tensor behind `obj`, or nullptr when it is not a plain dense CPU tensor with storage
 // that the kernel may read through its address (subclasses, inference tensors, negated or
-// conjugated views and meta tensors are left to the Python checks).
+// conjugated views, ZeroTensors and meta tensors are left to the Python checks).
 const at::Tensor* plain_cpu(PyObject* obj) {
   if (Py_TYPE(obj) != tensor_type && Py_TYPE(obj) != parameter_type) return nullptr;
   const at::Tensor& t = THPVariable_Unpack(obj);
   if (!t.defined() || t.layout() != c10::kStrided || !t.is_cpu()) return nullptr;
   c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (impl->is_python_dispatch() || !t.has_storage() || t.is_inference() || t.is_neg() ||
-      t.is_conj()) {
+      t.is_conj() || t._is_zerotensor() || (t.data_ptr() == nullptr && t.numel() > 0)) {
     return nullptr;
   }
   return &t;
@@ -47,7 +47,7 @@ bool disjoint(std::vector<std::pair<int64_t, int64_t>>& spans) {
 
 // `lists`: K >= 1 Python lists of n tensors each (torch.Tensor or torch.nn.Parameter objects) (parameters first, then gradient, exp_avg,
 // exp_avg_sq[, max_exp_avg_sq]); `steps`: a Python list of n step tensors; `out`: a writable
-// int64 buffer of (K + 2) * n entries. Where every tensor of `lists` is contiguous, of the
+// contiguous int64 buffer (format "q", e.g. array.array("q")) of (K + 2) * n entries. Where every tensor of `lists` is contiguous, of the
 // parameters' dtype and its parameter's sizes, on the CPU, no parameter requires grad while
 // `grad_enabled`, and the step tensors are distinct 0-d CPU tensors: fills row k (k < K) with
 // the k-th list's data pointers, row K with the steps' and row K + 1 with the parameters'
@@ -58,7 +58,8 @@ int64_t read_lists(py::list lists, py::list steps, bool grad_enabled, py::buffer
   py::buffer_info info = out.request(true);
   const Py_ssize_t kinds = PyList_GET_SIZE(lists.ptr());
   const Py_ssize_t n = PyList_GET_SIZE(steps.ptr());
-  if (kinds < 1 || info.itemsize != 8 || info.ndim != 1 || info.shape[0] != (kinds + 2) * n) {
+  if (kinds < 1 || info.ndim != 1 || info.format != py::format_descriptor<int64_t>::format() ||
+      info.itemsize != 8 || info.strides[0] != 8 || info.shape[0] != (kinds + 2) * n) {
     return 0;
   }
   int64_t* table = static_cast<int64_t*>(info.ptr);
