@@ -2,7 +2,8 @@
 
 A library is compiled once per source, compiler (path and version) and flag set, and kept in
 the kernel cache (``kernels`` in `cotangent.calibration.cache_root`, default
-``~/.cache/cotangent/kernels``; a private temporary folder when ``COTANGENT_CACHE_DIR=off``),
+``~/.cache/cotangent/kernels``; a private temporary folder, removed at exit, when
+``COTANGENT_CACHE_DIR=off``),
 so later processes load it without compiling. Writes are atomic (a temporary file, then
 `os.replace`), so processes building at once never load a half-written library.
 """

@@ -49,7 +49,8 @@ def _load():
     if not (Path(sysconfig.get_paths()["include"]) / "Python.h").exists():
         raise _build.BuildFailed("no Python headers (Python.h) to compile against")
     source = SOURCE_PATH.read_text()
-    # the module's name must be fixed before its key is known: one name per torch version
+    # one module name (its PyInit symbol) for every build: each build is its own file, loaded
+    # by path
     module = "cotangent_tensorlists"
     flags, link = _flags_and_link(module)
     built = _build.compile_cached(module, source, flags, suffix=suffix, link=link,
@@ -75,11 +76,11 @@ def reader():
     ``read_lists`` takes K Python lists of n tensors (parameters first), a Python list of n
     step tensors, whether grad mode is on, and a writable int64 buffer of (K + 2) * n entries
     (`array.array("q")`). Where every tensor is a plain dense contiguous CPU tensor (of type
-    torch.Tensor or torch.nn.Parameter exactly, no Python dispatch, not an inference tensor, no
-    negative or conjugate bit) of the parameters' dtype and
-    its parameter's sizes, no parameter requires grad in grad mode, and the step tensors are
-    distinct 0-d plain CPU tensors, it writes row k (k < K) with the k-th list's addresses, row
-    K with the steps' and row K + 1 with the parameters' numels, and returns
+    torch.Tensor or torch.nn.Parameter exactly, no Python dispatch, not an inference tensor nor
+    a ZeroTensor, no negative or conjugate bit) of the parameters' dtype and its parameter's
+    sizes, no parameter requires grad in grad mode, and the step tensors are distinct 0-d
+    plain CPU tensors, it writes row k (k < K) with the k-th list's addresses, row K with the
+    steps' and row K + 1 with the parameters' numels, and returns
     ``1 | 2 * (every step float32) | 4 * (no two byte spans overlap)``; otherwise 0.
     """
     if "reader" not in _STATE:
