@@ -27,6 +27,7 @@ A fresh calibration cache (a temporary directory) is used, so every verdict is p
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
@@ -288,6 +289,13 @@ def ddp_world_one(device, width, steps):
                     return dict(passed=False, step=step, backend=backend)
         return dict(passed=True, backend=backend)
     finally:
+        # every collective done, then the DDP wrappers freed while the group is still
+        # registered: a Reducer dropping a gloo group's last reference joins the group's worker
+        # threads under the GIL, which a worker freeing a finished work's Python state needs
+        # (a hang seen once in a CPU dry run)
+        dist.barrier()
+        d1 = d2 = None
+        gc.collect()
         dist.destroy_process_group()
 
 
