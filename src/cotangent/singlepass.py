@@ -917,8 +917,8 @@ def tensor_norms(tensors: list[Tensor]) -> Tensor:
 
 def norms_at(addresses: list[int], numels) -> Tensor:
     """`tensor_norms` of the contiguous float32 tensors whose first elements are at
-    `addresses` and whose lengths are `numels` (e.g. `Prepared.bases[1]` and `.numels`, the
-    gradients a call's lists hold)."""
+    `addresses` and whose lengths are `numels` (a call's checked gradients: `gradient_norms`,
+    which reads them from its table)."""
     ptrs, lengths = _int64s(addresses), _int64s(list(numels))
     out = torch.empty(len(ptrs))
     _lib().cot_singlepass_norms(_address(ptrs), _address(lengths), len(ptrs), out.data_ptr(),
@@ -1014,7 +1014,7 @@ def launch(prepared: Prepared, *, implementation: str, lr, beta1: float, beta2: 
     `spans_disjoint`); arguments and errors as `single_pass_adamw_lists_`, raised before
     anything is modified."""
     _check_scalars(implementation, lr, beta1, beta2, clip_coef)
-    if amsgrad != (len(prepared.bases) == 5):
+    if amsgrad != (prepared.kinds == 5):
         raise ValueError("amsgrad needs the max_exp_avg_sq list, and only amsgrad")
     _launch(prepared.dtype, [prepared.row(r) for r in range(prepared.kinds)],
             prepared.numels, prepared.steps, step_row=prepared.row(prepared.kinds),

@@ -109,7 +109,7 @@ def report() -> dict | None:
     ``cached`` (loaded from the kernel cache), ``compile_s`` (0.0 when cached) and ``why_not``."""
     if "reader" not in _STATE:
         return None
-    built = _STATE.get("build")
+    built = build_info()
     return dict(available=_STATE["reader"] is not None,
                 cached=None if built is None else built.cached,
                 compile_s=0.0 if built is None else built.compile_s, why_not=_STATE.get("why"))
