@@ -3,8 +3,12 @@
 1. `cotangent.Muon` against `torch.optim.Muon` (same arguments): bytes of every parameter and
    momentum buffer after each step, the batched-probe verdict per batch, and the median step
    time of each (arms interleaved, gradients from a real backward before each step).
-2. `cotangent.MuonAdamW` packed against reference (eager, then compiled): bytes after each
-   step and the median update-phase time of each.
+2. `cotangent.MuonAdamW` (its one path, the published stack/copy step; eager), one run: its
+   in-place semantics after every step (each parameter keeps its storage, `data_ptr`; each
+   `p.grad` is still the tensor autograd produced in that step's backward, bytes unchanged by
+   the step; every parameter's values changed) and the median step time (and of the
+   backward, of zero_grad, of step + zero_grad). Its former packed path is gone, so there is
+   nothing to compare it with.
 
 Writes one JSON document to the path given by --out (default: stdout only).
     PYTHONPATH=src python3 scripts/device_muon_check.py --out $OUT/muon-cuda.json
@@ -77,58 +81,73 @@ def muon_rows(groups, device, steps, repeats):
     return out
 
 
-def muon_adamw_rows(width, blocks, device, steps, repeats, compile):
+def muon_adamw_run(width, blocks, device, steps, repeats):
+    """One MuonAdamW run (eager): in-place checks after every step, median times after the
+    `steps` warm-up ones."""
     shapes = [(width, width)] * 4 * blocks + [(4 * width, width), (width, 4 * width)] * blocks
-
-    def build():
-        torch.manual_seed(0)
-        emb = nn.Parameter(torch.randn(256, width, device=device) * 0.02)
-        mats = _mats(shapes, device, 0)
-        return emb, mats
-
-    arms = {}
-    for packed in (False, True):
-        emb, mats = build()
-        opt = cotangent.MuonAdamW([{"params": [emb], "lr": 0.2}], list(mats), packed=packed,
-                                  compile=compile)
-        arms[packed] = (emb, mats, opt)
+    torch.manual_seed(0)
+    emb = nn.Parameter(torch.randn(256, width, device=device) * 0.02)
+    mats = _mats(shapes, device, 0)
+    params = [emb, *mats]
+    names = ["emb"] + [f"mats.{i}" for i in range(len(mats))]
+    opt = cotangent.MuonAdamW([{"params": [emb], "lr": 0.2}], list(mats))
+    storage = [p.data_ptr() for p in params]
+    produced = {}  # id(p) -> the gradient autograd accumulated into p.grad in this backward
+    for p in params:
+        p.register_post_accumulate_grad_hook(lambda q: produced.__setitem__(id(q), q.grad))
     gen = torch.Generator(device=device).manual_seed(1)
-    times = {False: [], True: []}
-    parts = {(packed, k): [] for packed in (False, True) for k in ("backward", "step", "zero")}
-    problem = None
+    parts = {k: [] for k in ("backward", "step", "zero", "update")}
+    problems = []
+    checks = 0
     for step in range(steps + repeats):
         idx = torch.randint(0, 256, (16,), device=device, generator=gen)
-        for packed in ((False, True) if step % 2 == 0 else (True, False)):
-            emb, mats, opt = arms[packed]
-            x = emb[idx]
-            for w in mats:
-                x = x + torch.tanh(x @ w.T) if w.shape[0] == w.shape[1] else x
-            loss = x.square().mean() + _loss(mats, {width: emb[idx], 4 * width: torch.ones(
-                16, 4 * width, device=device)})
-            _sync(device)
-            tb = time.perf_counter()
-            loss.backward()
-            _sync(device)
-            t0 = time.perf_counter()
-            opt.step()
-            _sync(device)
-            t1 = time.perf_counter()
-            opt.zero_grad()
-            _sync(device)
-            t2 = time.perf_counter()
-            times[packed].append(t2 - t0)
-            for k, v in (("backward", t0 - tb), ("step", t1 - t0), ("zero", t2 - t1)):
-                parts[(packed, k)].append(v)
-        for a, b in zip([arms[False][0], *arms[False][1]], [arms[True][0], *arms[True][1]]):
-            problem = problem or first_difference(a, b)
-    ref = statistics.median(times[False][steps:]) * 1e3
-    pk = statistics.median(times[True][steps:]) * 1e3
-    row = {"model": f"{blocks} blocks x width {width}", "compile": compile,
-           "reference_ms": ref, "packed_ms": pk, "ratio": pk / ref,
-           "bitwise": problem is None, "first_difference": problem,
-           "first_step_s": {"reference": times[False][0], "packed": times[True][0]},
-           "median_ms": {("packed" if p else "reference") + "_" + k:
-                         statistics.median(v[steps:]) * 1e3 for (p, k), v in parts.items()}}
+        x = emb[idx]
+        for w in mats:
+            x = x + torch.tanh(x @ w.T) if w.shape[0] == w.shape[1] else x
+        loss = x.square().mean() + _loss(mats, {width: emb[idx], 4 * width: torch.ones(
+            16, 4 * width, device=device)})
+        produced.clear()
+        _sync(device)
+        tb = time.perf_counter()
+        loss.backward()
+        _sync(device)
+        grads = [p.grad for p in params]
+        grad_copies = [g.clone() for g in grads]
+        before = [p.detach().clone() for p in params]
+        _sync(device)
+        t0 = time.perf_counter()
+        opt.step()
+        _sync(device)
+        t1 = time.perf_counter()
+        for name, p, ptr, g, g0, p0 in zip(names, params, storage, grads, grad_copies, before):
+            checks += 1
+            if p.data_ptr() != ptr:
+                problems.append(f"step {step} {name}: parameter moved (data_ptr {ptr:#x} -> "
+                                f"{p.data_ptr():#x})")
+            if produced.get(id(p)) is not g:
+                problems.append(f"step {step} {name}: p.grad after backward is not the "
+                                "tensor autograd accumulated")
+            if p.grad is not g:
+                problems.append(f"step {step} {name}: step() replaced p.grad")
+            diff = first_difference(g0, p.grad)
+            if diff:
+                problems.append(f"step {step} {name}: step() changed p.grad: {diff}")
+            if torch.equal(p0, p.detach()):
+                problems.append(f"step {step} {name}: step() left the parameter unchanged")
+        del grads, grad_copies, before
+        _sync(device)
+        t2 = time.perf_counter()
+        opt.zero_grad()
+        _sync(device)
+        t3 = time.perf_counter()
+        for k, v in (("backward", t0 - tb), ("step", t1 - t0), ("zero", t3 - t2),
+                     ("update", (t1 - t0) + (t3 - t2))):
+            parts[k].append(v)
+    row = {"model": f"{blocks} blocks x width {width}", "compile": False,
+           "step_ms": statistics.median(parts["step"][steps:]) * 1e3,
+           "in_place": not problems, "checks": checks, "problems": problems[:10],
+           "problem_count": len(problems), "first_step_s": parts["step"][0],
+           "median_ms": {k: statistics.median(v[steps:]) * 1e3 for k, v in parts.items()}}
     print(json.dumps(row), flush=True)
     return row
 
@@ -151,14 +170,13 @@ def main(argv=None) -> int:
               "device": torch.cuda.get_device_name() if device.type == "cuda" else
               platform.processor() or platform.machine(), "threads": torch.get_num_threads(),
               "muon": muon_rows(groups, device, steps, repeats),
-              "muon_adamw": [muon_adamw_rows(width, blocks, device, steps, repeats, c)
-                             for c in (False, True)]}
+              "muon_adamw": muon_adamw_run(width, blocks, device, steps, repeats)}
     text = json.dumps(result, indent=1)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
-    ok = all(r["bitwise"] for r in result["muon"] + result["muon_adamw"])
-    print("all bitwise" if ok else "DIFFERENCES FOUND", flush=True)
+    ok = all(r["bitwise"] for r in result["muon"]) and result["muon_adamw"]["in_place"]
+    print("Muon all bitwise, MuonAdamW in place" if ok else "DIFFERENCES FOUND", flush=True)
     return 0 if ok else 1
 
 

@@ -1,6 +1,6 @@
-"""`cotangent bench --muon` (harness/bench_muon.py) at tiny sizes: every row bitwise and complete,
-the table formats, and the byte comparison catches one arm perturbed by one ULP (after the run,
-and inside the packed arm's step). Speed is measured, not tested."""
+"""`cotangent bench --muon` (harness/bench_muon.py) at tiny sizes: every Muon row bitwise and
+complete, the table formats, and the byte comparison catches one arm perturbed by one ULP (after
+the run, and inside cotangent.Muon's step). Speed is measured, not tested."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-import cotangent.muon_adamw
+import cotangent
 from cotangent.harness import bench_muon
 from cotangent.harness.bench_muon import (
     format_muon_table,
@@ -19,45 +19,40 @@ from cotangent.harness.bench_muon import (
     run_muon_bench,
 )
 
+# "mix": one matrix of (8, 24) alone in its shape, so in no batch
 TINY_SETS = {"3x16x32": [(3, 16, 32)], "mix": [(2, 24, 8), (2, 8, 8), (1, 8, 24)]}
-TINY = dict(repeats=2, warmup=1, batch_size=2, seq_len=16, log=lambda line: None)
+TINY = dict(repeats=2, warmup=1, log=lambda line: None)
 
 
-def _run(**kw):
-    return run_muon_bench(("recurrent-mini",), TINY_SETS, **{**TINY, **kw})
+def _run(sets=TINY_SETS, **kw):
+    return run_muon_bench(sets, **{**TINY, **kw})
 
 
 def test_rows_are_bitwise_timed_and_formatted():
-    result = _run()
-    (row,) = result["muon_adamw_rows"]
-    assert row["model"] == "recurrent-mini" and row["compile"] is False
-    assert (row["params"], row["tensors"]) == (425_984, 34)
-    assert sorted(map(tuple, row["muon_groups"])) == [
-        (8, 64, 64), (8, 64, 256), (8, 192, 64), (8, 256, 64)]
-    assert row["batch"] == [2, 16] and row["repeats"] == 2
-    for arm in ("reference", "packed"):
-        for phase in ("zero_grad", "forward", "backward", "step", "update"):
-            assert row[f"{arm}_{phase}_ms"] > 0
-    assert row["stack_copy_ms"] > 0 and row["ratio"] > 0
-    assert row["zero_accum_ms"] == pytest.approx(
-        row["packed_zero_grad_backward_ms"] - row["reference_zero_grad_backward_ms"])
-    assert row["net_ms"] == pytest.approx(
-        row["packed_zero_grad_backward_step_ms"] - row["reference_zero_grad_backward_step_ms"])
-    assert isinstance(row["zero_accum_paired_ms"], float)
-    assert isinstance(row["net_paired_ms"], float)
-    assert row["bitwise"] is True and row["difference"] is None
-    # gradient and parameter of 34 tensors, AdamW state of 2 (step, exp_avg, exp_avg_sq),
-    # Muon state on the first member of each of 4 groups (two buffers)
-    assert row["tensors_compared"] == 2 * 34 + 3 * 2 + 2 * 4
-
+    logged = []
+    result = _run(log=logged.append)
+    assert "muon_adamw_rows" not in result
     assert [r["matrices"] for r in result["muon_rows"]] == list(TINY_SETS)
+    assert len(logged) == 2 and "3x16x32" in logged[0] and "mix" in logged[1]
     for r in result["muon_rows"]:
+        assert r["kind"] == "muon" and r["repeats"] == 2 and r["warmup"] == 1
         assert r["bitwise"] is True and r["difference"] is None
-        assert r["torch_step_ms"] > 0 and r["cotangent_step_ms"] > 0 and r["ratio"] > 0
-        assert r["batches"] == len(TINY_SETS[r["matrices"]]) and 0 <= r["batched"] <= r["batches"]
+        for arm in ("torch", "cotangent"):
+            for phase in ("step", "zero_grad", "backward"):
+                assert r[f"{arm}_{phase}_ms"] > 0
+        assert r["ratio"] == pytest.approx(r["cotangent_step_ms"] / r["torch_step_ms"])
         assert r["tensors"] == sum(n for n, _, _ in TINY_SETS[r["matrices"]])
-    mix = result["muon_rows"][1]
+        # only batches of two or more equal-shape matrices are listed
+        assert r["batches"] == sum(1 for n, _, _ in TINY_SETS[r["matrices"]] if n >= 2)
+        assert r["batches"] == len(r["batch_summary"])
+        assert 0 <= r["batched"] <= r["batches"]
+        assert all(b["matrices"] >= 2 for b in r["batch_summary"])
+        # gradient and parameter of every matrix, momentum buffer of every matrix
+        assert r["tensors_compared"] == 3 * r["tensors"]
+    three, mix = result["muon_rows"]
+    assert three["spec"] == [[3, 16, 32]] and three["params"] == 3 * 16 * 32
     assert mix["params"] == 2 * 24 * 8 + 2 * 8 * 8 + 8 * 24
+    assert sorted(b["shape"] for b in mix["batch_summary"]) == [[8, 8], [24, 8]]
 
     assert muon_bench_ok(result)
     table = result["table"]
@@ -66,12 +61,20 @@ def test_rows_are_bitwise_timed_and_formatted():
     assert result["wall_s"] > 0 and "CPUs busy during the run" in table.splitlines()[0]
     if result["host_cpus"] is not None:  # /proc/stat readable (Linux)
         assert isinstance(result["others_cpus"], float)
-    assert "recurrent-mini" in table and "3x16x32" in table and "mix" in table
-    assert table.count(" yes") == 3 and "NO" not in table and "first difference" not in table
+    assert "MuonAdamW" not in table and "packed" not in table
+    assert "(of all batches: two or more equal-shape matrices of a group)" in table
+    assert "3x16x32" in table and "mix" in table and f"{mix['batched']}/2 " in table
+    assert table.count(" yes") == 2 and "NO" not in table and "first difference" not in table
     decoded = json.loads(muon_result_json(result))
-    assert "table" not in decoded and decoded["muon_adamw_rows"][0]["bitwise"] is True
+    assert "table" not in decoded and "muon_adamw_rows" not in decoded
+    assert [r["bitwise"] for r in decoded["muon_rows"]] == [True, True]
     assert decoded["environment"]["torch"] == torch.__version__
     assert decoded["environment"]["threads"] == torch.get_num_threads()
+
+
+def test_muon_repeats_sets_the_timed_steps():
+    (row,) = _run({"3x16x32": TINY_SETS["3x16x32"]}, muon_repeats=3)["muon_rows"]
+    assert row["repeats"] == 3 and row["bitwise"] is True
 
 
 def _one_ulp_up(t: torch.Tensor) -> None:
@@ -84,56 +87,62 @@ def test_one_arm_nudged_after_the_run_is_reported_not_bitwise(monkeypatch):
     compare = bench_muon.compare_arms
 
     def nudged(names, params_a, opt_a, params_b, opt_b):
-        _one_ulp_up(params_b[-1])  # the second arm's last parameter, +1 ULP in one element
+        _one_ulp_up(params_b[-1])  # the cotangent arm's last matrix, +1 ULP in one element
         return compare(names, params_a, opt_a, params_b, opt_b)
 
     monkeypatch.setattr(bench_muon, "compare_arms", nudged)
     result = _run()
-    rows = result["muon_adamw_rows"] + result["muon_rows"]
-    assert len(rows) == 3
+    rows = result["muon_rows"]
+    assert len(rows) == 2
     for r in rows:
         assert r["bitwise"] is False
         assert r["difference"].startswith("parameter ") and "(1 ULP)" in r["difference"]
         assert "1 of " in r["difference"]
-    assert result["table"].count(" NO") == 3 and result["table"].count("first difference") == 3
+    assert result["table"].count(" NO") == 2 and result["table"].count("first difference") == 2
+    assert "first difference (mix): parameter" in result["table"]
     assert not muon_bench_ok(result)
 
 
-def test_packed_arm_perturbed_inside_its_step_is_reported_not_bitwise(monkeypatch):
-    step = cotangent.muon_adamw.muon_step
+def test_cotangent_arm_perturbed_inside_its_step_is_reported_not_bitwise(monkeypatch):
+    step = cotangent.Muon.step
+    calls = []
 
-    def perturbed(grads, params, *args):
-        step(grads, params, *args)
-        if not args[-1]:  # blend_in_place False: the packed path only
-            _one_ulp_up(params)
+    def perturbed(self, *args, **kw):
+        out = step(self, *args, **kw)
+        calls.append(self)
+        if len(calls) == 3:  # the last step (1 warm-up + 2 timed) of the only row
+            _one_ulp_up(self.param_groups[0]["params"][0])
+        return out
 
-    monkeypatch.setattr(cotangent.muon_adamw, "muon_step", perturbed)
-    result = run_muon_bench(("recurrent-mini",), {}, **TINY)
-    (row,) = result["muon_adamw_rows"]
-    assert result["muon_rows"] == []
-    assert row["bitwise"] is False and "ULP" in row["difference"]
+    monkeypatch.setattr(cotangent.Muon, "step", perturbed)
+    result = _run({"3x16x32": TINY_SETS["3x16x32"]})
+    (row,) = result["muon_rows"]
+    assert len(calls) == 3 and all(isinstance(o, cotangent.Muon) for o in calls)
+    assert row["bitwise"] is False and "(1 ULP)" in row["difference"]
+    assert row["difference"].startswith("parameter ")
+    assert not muon_bench_ok(result)
 
 
 def test_header_names_the_settings():
-    line = muon_bench_header(("recurrent-mini",), TINY_SETS, 2, 1, compile=True)
-    assert "1 model(s) (eager + compiled)" in line and "2 matrix set(s)" in line
-    assert "2 repeats (+1 warm-up)" in line
+    line = muon_bench_header(TINY_SETS, 2, 1)
+    assert line.startswith("Muon benchmark on cpu: cotangent.Muon vs torch.optim.Muon")
+    assert "2 matrix set(s)" in line and "2 repeats (+1 warm-up)" in line
+    assert "MuonAdamW" not in line and "model" not in line
 
 
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="unknown matrix set.*foo.*valid: 8x384x384"):
-        run_muon_bench((), ("foo",))
+        run_muon_bench(("foo",))
+    with pytest.raises(ValueError, match="unknown matrix set.*recurrent-mini"):
+        run_muon_bench(("recurrent-mini",))  # the former MuonAdamW rows' model
     with pytest.raises(ValueError, match="repeats must be >= 1"):
-        run_muon_bench((), (), repeats=0)
-
-
-@pytest.mark.e2e
-def test_compiled_rows_are_bitwise():
-    result = run_muon_bench(("recurrent-mini",), {}, compile=True, **TINY)
-    eager, compiled = result["muon_adamw_rows"]
-    assert (eager["compile"], compiled["compile"]) == (False, True)
-    assert compiled["bitwise"] is True and compiled["packed_update_ms"] > 0
-    assert "compiled" in result["table"]
+        run_muon_bench((), repeats=0)
+    with pytest.raises(ValueError, match="repeats must be >= 1 and warmup >= 0"):
+        run_muon_bench((), warmup=-1)
+    with pytest.raises(ValueError, match="repeats must be >= 1"):
+        run_muon_bench((), muon_repeats=0)
+    with pytest.raises(TypeError):
+        run_muon_bench((), compile=True)  # the MuonAdamW rows' keyword is gone
 
 
 def test_cli_bench_muon(capsys):
@@ -142,8 +151,28 @@ def test_cli_bench_muon(capsys):
     assert cli.main(["bench", "--muon", "--shapes", "4x64x256", "--repeats", "2",
                      "--warmup", "0", "--json"]) == 0
     out = capsys.readouterr().out
+    assert "1 matrix set(s), 2 repeats (+0 warm-up)" in out
     assert "4x64x256" in out and '"bitwise": true' in out
-    assert cli.main(["bench", "--muon", "--shapes", "nope"]) == 2
-    assert "valid with --muon" in capsys.readouterr().err
-    assert cli.main(["bench", "--compile"]) == 2
-    assert "--compile applies to --muon only" in capsys.readouterr().err
+    doc = json.loads(out.strip().splitlines()[-1])
+    assert [r["matrices"] for r in doc["muon_rows"]] == ["4x64x256"]
+    assert "muon_adamw_rows" not in doc
+    for bad in ("nope", "recurrent-mini"):
+        assert cli.main(["bench", "--muon", "--shapes", bad]) == 2
+        err = capsys.readouterr().err
+        assert f"unknown shape(s) {bad}" in err
+        assert f"valid with --muon: {', '.join(bench_muon.MATRIX_SETS)}" in err
+    with pytest.raises(SystemExit) as exc:  # bench has no --compile any more
+        cli.main(["bench", "--muon", "--compile"])
+    assert exc.value.code == 2 and "unrecognized arguments: --compile" in capsys.readouterr().err
+
+
+def test_cli_help_names_the_matrix_sets_and_no_muon_adamw(capsys, monkeypatch):
+    from cotangent.harness import cli
+
+    monkeypatch.setenv("COLUMNS", "1000")  # no line breaks inside a set's name
+    with pytest.raises(SystemExit):
+        cli.main(["bench", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "cotangent.Muon vs torch.optim.Muon" in text
+    assert ", ".join(bench_muon.MATRIX_SETS) in text
+    assert "MuonAdamW" not in text and "--compile" not in text

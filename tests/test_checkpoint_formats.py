@@ -1,10 +1,10 @@
-"""Checkpoint formats with packed optimizers, one process, no process group.
+"""Checkpoint formats with Cotangent's optimizers, one process, no process group.
 
 `torch.distributed.checkpoint` (DCP): `get_model_state_dict` / `get_optimizer_state_dict`,
 `dcp.save` / `dcp.load` to a directory, `set_model_state_dict` / `set_optimizer_state_dict`, for
 `cotangent.AdamW` (with its built-in clip), `cotangent.Muon` and `cotangent.MuonAdamW`. The
 oracle is the uninterrupted native run (`clip_grad_norm_` + `torch.optim.AdamW`,
-`torch.optim.Muon`, MuonAdamW's published path ``packed=False``): after a resume every
+`torch.optim.Muon`, an uninterrupted MuonAdamW): after a resume every
 parameter, gradient and state entry is compared with it byte for byte (`tests/bitwise.py`) at
 every step. Then what DCP and `torch.save` write for a packed model or a part of it: the bytes a
 native model's checkpoint holds, never the flat buffer. CPU, torch 2.13.0.
@@ -74,10 +74,8 @@ ARMS = {
                                                       max_norm=MAX_NORM), False),
     "native Muon": (lambda m, lr: torch.optim.Muon(_matrices(m), lr=lr), False),
     "cotangent.Muon": (lambda m, lr: cotangent.Muon(_matrices(m), lr=lr), False),
-    "MuonAdamW published": (lambda m, lr: cotangent.MuonAdamW(
-        [{"params": _others(m)}], _matrices(m), muon_lr=lr, packed=False), False),
-    "MuonAdamW packed": (lambda m, lr: cotangent.MuonAdamW(
-        [{"params": _others(m)}], _matrices(m), muon_lr=lr, packed=True), False),
+    "MuonAdamW": (lambda m, lr: cotangent.MuonAdamW(
+        [{"params": _others(m)}], _matrices(m), muon_lr=lr), False),
 }
 LR = {"AdamW": 1e-2, "Muon": 2e-2}
 
@@ -202,9 +200,7 @@ PAIRS = {
     "Muon": ("native Muon", [("cotangent.Muon", "cotangent.Muon"),
                              ("native Muon", "cotangent.Muon"),
                              ("cotangent.Muon", "native Muon")]),
-    "MuonAdamW": ("MuonAdamW published", [("MuonAdamW packed", "MuonAdamW packed"),
-                                          ("MuonAdamW published", "MuonAdamW packed"),
-                                          ("MuonAdamW packed", "MuonAdamW published")]),
+    "MuonAdamW": ("MuonAdamW", [("MuonAdamW", "MuonAdamW")]),
 }
 CASES = [(family, first, second) for family, (_, pairs) in PAIRS.items()
          for first, second in pairs]
@@ -220,22 +216,21 @@ def test_dcp_resume_mid_run_is_the_uninterrupted_native_run(tmp_path, family, fi
     uninterrupted native run's, as loaded and after each step. With ``zero_grad-before-load``
     the fresh optimizer's `zero_grad()` runs before `get_optimizer_state_dict`: DCP initialises
     an optimizer's state (one zero-lr step) only when it has no state and every ``.grad`` is
-    None, and otherwise loads nothing into it; a packed optimizer's `zero_grad()` leaves
-    ``.grad`` None while its state is empty, as native, so the state is loaded. MuonAdamW
+    None, and otherwise loads nothing into it; Cotangent's `zero_grad()` is native's and leaves
+    ``.grad`` None, so the state is loaded. MuonAdamW
     loads with ``StateDictOptions(strict=False)`` (next test)."""
     reference = uninterrupted(PAIRS[family][0])
     loaded, snaps = resumed(first, second, tmp_path / "ckpt", zero_grad_first)
     assert_resume_matches(reference, loaded, snaps, f"{first} -> {second}")
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "published"])
-def test_dcp_strict_load_refuses_muon_adamw_state_layout(tmp_path, packed):
+def test_dcp_strict_load_refuses_muon_adamw_state_layout(tmp_path):
     """MuonAdamW keeps a Muon group's momentum buffers, (n, rows, cols), in the state of the
-    group's first matrix only (nanochat's layout, both paths): the other members have no state
+    group's first matrix only (nanochat's layout): the other members have no state
     entry, and `set_optimizer_state_dict` with the default ``strict=True`` refuses the
     checkpoint with a clear error (nothing silent); ``strict=False`` loads it (resume test)."""
     model = make_model()
-    opt = ARMS["MuonAdamW packed" if packed else "MuonAdamW published"][0](model, 2e-2)
+    opt = ARMS["MuonAdamW"][0](model, 2e-2)
     train(model, opt, False, batches()[:1])
     dcp_save(model, opt, tmp_path / "ckpt")
     with pytest.raises(RuntimeError, match=r"Missing optimizer state for parameter '2\.weight' "
@@ -255,14 +250,14 @@ def test_the_comparison_sees_a_lost_optimizer_state_and_another_lr(tmp_path):
             assert_resume_matches(reference, loaded, snaps, what)
 
 
-@pytest.mark.parametrize("arm", ["cotangent.AdamW", "cotangent.Muon", "MuonAdamW packed"])
-def test_zero_grad_of_a_fresh_packed_optimizer_leaves_grad_none(arm):
+@pytest.mark.parametrize("arm", ["cotangent.AdamW", "cotangent.Muon", "MuonAdamW"])
+def test_zero_grad_leaves_grad_none_and_the_backward_fills_it_in_place(arm):
     """Before the first update `zero_grad()` leaves every ``.grad`` None, as native (what
-    DCP's state initialisation tests), and so it does after updates (outside torch.distributed):
-    each backward's fresh gradients are copied into the flat buffer as they arrive, with
-    native's bits (first step compared)."""
+    DCP's state initialisation tests), and so it does after updates; the next backward's
+    gradients are autograd's own tensors, read where they are (first step compared with
+    the uninterrupted reference run)."""
     native_arm = {"cotangent.AdamW": "native AdamW", "cotangent.Muon": "native Muon",
-                  "MuonAdamW packed": "MuonAdamW published"}[arm]
+                  "MuonAdamW": "MuonAdamW"}[arm]
     build, clip = ARMS[arm]
     model = make_model()
     opt = build(model, _lr(arm))
@@ -274,12 +269,8 @@ def test_zero_grad_of_a_fresh_packed_optimizer_leaves_grad_none(arm):
     assert not differences(uninterrupted(native_arm)[0], after[0], arm)
     assert all(p.grad is None for p in packed)
     model(batches()[1]).square().mean().backward()
-    if arm == "cotangent.AdamW":  # the gradients autograd produced, read where they are
-        params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-        assert all(p.grad.untyped_storage().data_ptr() not in params for p in packed)
-        return
-    flat = {b.untyped_storage().data_ptr() for b in opt._store.flat_grads}
-    assert all(p.grad.untyped_storage().data_ptr() in flat for p in packed)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    assert all(p.grad.untyped_storage().data_ptr() not in params for p in packed)
 
 
 def _dcp_files(path) -> dict[str, bytes]:

@@ -19,7 +19,7 @@ from bitwise import assert_same_bits, assert_same_update, same_bits
 
 class Mats(nn.Module):
     """Square, wide and tall matrices, three of one shape (one batch), and a transposed
-    (non-contiguous) one that stays on the per-matrix path."""
+    (non-contiguous) one, alone of its shape: per matrix."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -144,7 +144,7 @@ def test_add_param_group_and_replaced_data():
     for m, o in ((native, opt_n), (ours, opt_o)):
         o.add_param_group({"params": [m.b.weight, m.c.weight, m.down.weight, m.t]})
     lockstep(native, ours, opt_n, opt_o, steps=2)
-    for m in (native, ours):  # new storage for a parameter: repacked at the next step
+    for m in (native, ours):  # new storage for a parameter (nothing of ours depends on it)
         m.b.weight.data = m.b.weight.data.clone()
     lockstep(native, ours, opt_n, opt_o, steps=2)
 
@@ -170,20 +170,49 @@ def test_failed_probe_keeps_native_per_matrix_path(monkeypatch):
     assert [b["batched"] for b in opt_o.batch_summary() if b["shape"] == [48, 48]] == [False]
 
 
-def test_packed_views_and_errors():
+def test_parameters_and_gradients_stay_where_they_are():
+    """Nothing of the user's moves: each parameter keeps its storage, ``p.grad`` is the tensor
+    the backward produced (read in place, as native), `zero_grad` leaves None; the three (48, 48)
+    weights share one momentum tensor of Cotangent's own (their buffers are its slices)."""
     model = build()
-    opt = cotangent.Muon(model.parameters())
-    assert [b["matrices"] for b in opt.batch_summary()] == [1, 3, 1, 1]  # t first (own param)
-    # the three (48, 48) weights are rows of one buffer: consecutive 64-byte aligned segments
-    ptrs = [m.weight.data_ptr() for m in (model.a, model.b, model.c)]
-    assert ptrs[1] - ptrs[0] == ptrs[2] - ptrs[1] == 48 * 48 * 4
-    assert all(p % 64 == 0 for p in ptrs)
+    opt = cotangent.Muon(model.parameters(), lr=0.02)
+    ptrs = [p.data_ptr() for p in model.parameters()]
+    assert [b["matrices"] for b in opt.batch_summary()] == [3]  # the other shapes are alone
+    gen = torch.Generator().manual_seed(3)
+    for step in range(3):
+        loss_of(model, 0, gen).backward()
+        grads = [p.grad for p in model.parameters()]
+        grad_ptrs = [g.data_ptr() for g in grads]
+        opt.step()
+        assert [p.data_ptr() for p in model.parameters()] == ptrs, f"step {step}"
+        assert all(p.grad is g and g.data_ptr() == q for p, g, q in
+                   zip(model.parameters(), grads, grad_ptrs)), f"step {step}"
+        opt.zero_grad()
+        assert all(p.grad is None for p in model.parameters())
+    bufs = [opt.state[m.weight]["momentum_buffer"] for m in (model.a, model.b, model.c)]
+    assert bufs[0].untyped_storage().data_ptr() == bufs[2].untyped_storage().data_ptr()
+    assert bufs[1].data_ptr() - bufs[0].data_ptr() == 48 * 48 * 4
     with pytest.raises(ValueError, match="2D"):
         cotangent.Muon([nn.Parameter(torch.zeros(3))])
-    w = nn.Parameter(torch.zeros(4, 4))
-    with pytest.warns(UserWarning, match="duplicate parameters"):  # torch's own, first
-        with pytest.raises(ValueError, match="same tensor"):
-            cotangent.Muon([w, w])
+
+
+def test_a_repeated_parameter_is_stepped_as_native_steps_it():
+    """torch.optim.Muon warns about a parameter listed twice in a group and then steps it twice
+    per `step()`; so does cotangent.Muon (that parameter joins no batch)."""
+    def run(cls):
+        g = torch.Generator().manual_seed(2)
+        w, others = (nn.Parameter(torch.randn(8, 8, generator=g)),
+                     [nn.Parameter(torch.randn(8, 8, generator=g)) for _ in range(2)])
+        with pytest.warns(UserWarning, match="duplicate parameters"):
+            opt = cls([w, others[0], w, others[1]], lr=0.02)
+        for step in range(3):
+            for p in (w, *others):
+                p.grad = torch.randn(8, 8, generator=g)
+            opt.step()
+        return [w, *others], opt
+    (pn, opt_n), (po, opt_o) = run(torch.optim.Muon), run(cotangent.Muon)
+    assert_same_update(pn, opt_n.state, po, opt_o.state, "repeated parameter")
+    assert [b["matrices"] for b in opt_o.batch_summary()] == [2]
 
 
 @pytest.mark.parametrize("how", ["add_param_group", "appended by hand", ".data reshaped"])
@@ -290,11 +319,21 @@ def test_pooled_replicas_across_batched_and_per_matrix_batches_stay_in_sync(monk
         assert agg.after_step()["sync_error"] == 0.0, f"step {step}"
 
 
-def test_copies_are_refused_clearly():
-    opt = cotangent.Muon(build().parameters())
-    for copier in (copy.deepcopy, lambda o: __import__("pickle").dumps(o)):
-        with pytest.raises(TypeError, match="state_dict"):
-            copier(opt)
+def test_copies_and_pickles_continue_as_natives_do():
+    """`copy.deepcopy` and a pickle round trip of model and optimizer together (as
+    `torch.save` of both) give an optimizer that continues with native's bits: the batches are
+    rebuilt from the copied state at its next step."""
+    import pickle
+
+    for copier in (copy.deepcopy, lambda x: pickle.loads(pickle.dumps(x))):
+        native, ours = build(), build()
+        opt_n = torch.optim.Muon(native.parameters(), lr=0.02)
+        opt_o = cotangent.Muon(ours.parameters(), lr=0.02)
+        lockstep(native, ours, opt_n, opt_o, steps=2)
+        native2, opt_n2 = copier((native, opt_n))
+        ours2, opt_o2 = copier((ours, opt_o))
+        assert lockstep(native2, ours2, opt_n2, opt_o2, steps=2) > 0
+        lockstep(native, ours, opt_n, opt_o, steps=1)  # the originals go on, untouched
 
 
 def _scripted_lockstep(kw, n, shape, dtype, steps, seed, scales=(1.0,)):
@@ -334,3 +373,127 @@ def test_diverging_custom_coefficients_keep_native_bits(monkeypatch, case):
                   ns_coefficients=(-0.451, -3.475, 0.067))
         _scripted_lockstep(kw, 14, (27, 14), torch.float32, steps=12, seed=5,
                            scales=(1.0, 1e-3, 10.0))
+
+
+def _kept_gradient(params, step, gen):
+    """A gradient tensor assigned once and written into in place every step (an asynchronous
+    actor-critic loop's shared gradient, zeroed with ``zero_grad(set_to_none=False)``)."""
+    if step == 0:
+        for p in params:
+            p.grad = torch.zeros_like(p)
+    for p in params:
+        p.grad.add_(torch.randn(p.shape, generator=gen))
+
+
+def _grads_of_one_flat_tensor(params, step, gen):
+    """Every gradient a contiguous view of one flat tensor (a flat gradient buffer)."""
+    flat = torch.randn(sum(p.numel() for p in params), generator=gen)
+    for p, g in zip(params, flat.split([p.numel() for p in params])):
+        p.grad = g.view(p.shape)
+
+
+def _grad_is_an_earlier_parameter(params, step, gen):
+    """The third matrix's gradient is the first parameter's memory: native reads it after
+    updating the first parameter."""
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    params[2].grad = params[0].detach()
+
+
+def _transposed_grad(params, step, gen):
+    """One gradient laid out transposed (native's momentum buffer then copies that layout)."""
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    params[1].grad = torch.randn(p.shape[::-1], generator=gen).T
+
+
+def _one_member_without_grad_at_step_1(params, step, gen):
+    for p in params:
+        p.grad = None if (step == 1 and p is params[0]) else torch.randn(p.shape, generator=gen)
+
+
+HELD = {
+    "kept gradient, zero_grad(set_to_none=False)": (_kept_gradient, False),
+    "gradients: views of one flat tensor": (_grads_of_one_flat_tensor, True),
+    "gradient: an earlier parameter's memory": (_grad_is_an_earlier_parameter, True),
+    "gradient laid out transposed": (_transposed_grad, True),
+    "a member without gradient at one step": (_one_member_without_grad_at_step_1, True),
+}
+
+
+@pytest.mark.parametrize("params_in_one_tensor", [False, True], ids=["own", "views-of-flat"])
+@pytest.mark.parametrize("nesterov", [True, False])
+@pytest.mark.parametrize("case", list(HELD))
+def test_tensors_the_user_holds_get_natives_bytes(case, nesterov, params_in_one_tensor):
+    """Gradients and parameters the user still holds or shares (the kinds the in-place
+    design exists for): native reads every gradient where it is, each step, and updates the
+    parameters' own memory; so must cotangent.Muon. Three (16, 24) matrices (one batch), either
+    separate parameters or views of one flat tensor (an optimizer over a flat weight whose
+    model parameters are views); after every step the parameters, gradients, buffers and the
+    flat tensor are compared byte for byte."""
+    fill, set_to_none = HELD[case]
+
+    def run(cls):
+        g = torch.Generator().manual_seed(11)
+        flat = torch.randn(3 * 16 * 24, generator=g) * 0.1
+        if params_in_one_tensor:  # nn.Parameter shares the view's memory: one storage
+            params = [nn.Parameter(v.view(16, 24)) for v in flat.split(16 * 24)]
+        else:
+            params = [nn.Parameter(v.view(16, 24).clone()) for v in flat.split(16 * 24)]
+        opt = cls(params, lr=0.02, nesterov=nesterov)
+        gen = torch.Generator().manual_seed(5)
+        history = []
+        for step in range(4):
+            fill(params, step, gen)
+            opt.step()
+            history.append(([p.detach().clone() for p in params],
+                            [None if p.grad is None else p.grad.clone() for p in params],
+                            [opt.state[p]["momentum_buffer"].clone() for p in params
+                             if p in opt.state]))
+            opt.zero_grad(set_to_none=set_to_none)
+        return history, params[0].untyped_storage()
+
+    (native, storage_n), (ours, storage_o) = run(torch.optim.Muon), run(cotangent.Muon)
+    assert params_in_one_tensor == (len(bytes(storage_o)) == 3 * 16 * 24 * 4)
+    for step, (a, b) in enumerate(zip(native, ours)):
+        for kind, xs, ys in zip(("parameter", "gradient", "buffer"), a, b):
+            assert len(xs) == len(ys), f"{case} step {step}: {kind}s"
+            for i, (x, y) in enumerate(zip(xs, ys)):
+                assert (x is None) == (y is None), f"{case} step {step}: {kind} {i}"
+                if x is not None:
+                    assert_same_bits(x, y, f"{case} step {step}: {kind} {i}")
+    assert bytes(storage_n) == bytes(storage_o), case
+
+
+@pytest.mark.parametrize("how", ["one tensor for two matrices", "a parameter as buffer",
+                                 "overlapping views"])
+def test_momentum_buffers_aliased_from_outside_keep_natives_aliasing(how):
+    """A momentum buffer assigned from outside is copied into the batch's slice only when
+    nothing else shares its bytes; native keeps the aliasing (two matrices stepping one buffer,
+    a buffer that is another parameter, buffers overlapping), and so must cotangent.Muon."""
+    def run(cls):
+        g = torch.Generator().manual_seed(4)
+        params = [nn.Parameter(torch.randn(8, 12, generator=g) * 0.1) for _ in range(3)]
+        extra = nn.Parameter(torch.randn(8, 12, generator=g) * 0.1)
+        opt = cls([{"params": params}, {"params": [extra]}], lr=0.02)
+        for p in params + [extra]:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+        if how == "one tensor for two matrices":
+            shared = torch.randn(8, 12, generator=g)
+            opt.state[params[0]]["momentum_buffer"] = shared
+            opt.state[params[2]]["momentum_buffer"] = shared
+        elif how == "a parameter as buffer":
+            opt.state[params[1]]["momentum_buffer"] = extra.detach()
+        else:
+            flat = torch.randn(8 * 12 + 12, generator=g)
+            opt.state[params[0]]["momentum_buffer"] = flat[:96].view(8, 12)
+            opt.state[params[1]]["momentum_buffer"] = flat[12:].view(8, 12)
+        for step in range(3):
+            for p in params + [extra]:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        return params + [extra], opt
+
+    (pn, opt_n), (po, opt_o) = run(torch.optim.Muon), run(cotangent.Muon)
+    assert_same_update(pn, opt_n.state, po, opt_o.state, how)

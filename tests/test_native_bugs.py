@@ -198,7 +198,7 @@ def test_batched_step_overwrites_like_native():
     for n, rows, cols in ((3, 16, 8), (2, 8, 16)):
         values = [torch.randn(n, rows, cols, generator=g).to(BF16) for _ in range(3)]
         native = [[v[i].clone() for i in range(n)] for v in values]
-        views = [cm._packed_copy(v) for v in values]
+        views = [list(values[0].clone()), list(values[1].clone()), values[2].clone()]
         lerped = [b.clone().lerp_(gr, 1 - 0.9) for b, gr in zip(native[2], native[1])]
         _compat.muon_single_tensor(*native, lr=0.02, **hyper)
         cm.batched_muon_step(*views, lr=0.02, **hyper)
@@ -225,10 +225,10 @@ def test_buggy_configuration_keeps_native_bits(kw, specials):
         warnings.simplefilter("ignore", NativeBugWarning)
         flat_n, opt_o = lockstep(kw, SPECS, BF16, 4, specials=specials)
     summary = opt_o.batch_summary()
-    # the 3 x (32, 32) batch was probed (batched: True here); the lone transposed matrix is a
-    # batch of its own on the per-matrix path
+    # the 3 x (32, 32) batch was probed (batched: True here); the tall and the transposed
+    # matrix are alone of their shapes: per matrix, in no batch
     assert [b["batched"] is not None for b in summary if b["matrices"] == 3] == [True]
-    assert len(summary) == 3
+    assert len(summary) == 1
     fixed = on_fixed_torch(kw, SPECS, BF16, 4, specials=specials)
     assert not all(same_bits(a, b) for a, b in zip(fixed, flat_n))
     fixed_1 = on_fixed_torch(kw, SPECS, BF16, 1, specials=specials)
@@ -248,7 +248,7 @@ def test_fixed_torch_is_followed_too(fixed_torch):
     g = torch.Generator().manual_seed(4)
     values = [torch.randn(2, 16, 8, generator=g).to(BF16) for _ in range(3)]
     native = [[v[i].clone() for i in range(2)] for v in values]
-    views = [cm._packed_copy(v) for v in values]
+    views = [list(values[0].clone()), list(values[1].clone()), values[2].clone()]
     lerped = [b.clone().lerp_(gr, 1 - 0.9) for b, gr in zip(native[2], native[1])]
     _compat.muon_single_tensor(*native, lr=0.02, **hyper)
     cm.batched_muon_step(*views, lr=0.02, **hyper)
@@ -347,22 +347,21 @@ def test_warns_when_a_group_is_edited_into_the_buggy_configuration():
 
 def test_muon_adamw_keeps_its_bfloat16_momentum_buffer():
     """nanochat's MuonAdamW (Nesterov always, out-of-place normalisation) has no such
-    overwrite, packed or not: after one step from zeros with a gradient of ones its momentum
-    buffer is the lerp, and nothing warns."""
-    for packed in (True, False):
-        w = nn.Parameter(torch.zeros(8, 16, dtype=BF16))
-        b = nn.Parameter(torch.zeros(16, dtype=BF16))
-        opt = cotangent.MuonAdamW([{"params": [b]}], [w], packed=packed, muon_momentum=0.9)
+    overwrite: after one step from zeros with a gradient of ones its momentum buffer is the
+    lerp, and nothing warns."""
+    w = nn.Parameter(torch.zeros(8, 16, dtype=BF16))
+    b = nn.Parameter(torch.zeros(16, dtype=BF16))
+    opt = cotangent.MuonAdamW([{"params": [b]}], [w], muon_momentum=0.9)
 
-        def run():
-            w.grad, b.grad = torch.ones_like(w), torch.ones_like(b)
-            opt.step()
+    def run():
+        w.grad, b.grad = torch.ones_like(w), torch.ones_like(b)
+        opt.step()
 
-        assert recorded(run) == []
-        momentum = torch.tensor(0.9).to(BF16)  # as muon_step casts it
-        expected = torch.zeros(1, 8, 16, dtype=BF16).lerp_(
-            torch.ones(1, 8, 16, dtype=BF16), 1 - momentum)
-        assert_same_bits(opt.state[w]["momentum_buffer"], expected, f"packed={packed}")
+    assert recorded(run) == []
+    momentum = torch.tensor(0.9).to(BF16)  # as muon_step casts it
+    expected = torch.zeros(1, 8, 16, dtype=BF16).lerp_(
+        torch.ones(1, 8, 16, dtype=BF16), 1 - momentum)
+    assert_same_bits(opt.state[w]["momentum_buffer"], expected, "momentum buffer")
 
 
 def test_known_table_entries_are_complete():

@@ -8,9 +8,8 @@ Public API:
     verify: prove native == Cotangent bit for bit on your own model, step by step.
     ReferenceUpdate: the readable native path (clip_grad_norm_ + torch.optim.AdamW) it is tested
         against.
-    Muon: drop-in for ``torch.optim.Muon`` over packed buffers, batched Newton-Schulz.
-    MuonAdamW: nanochat's Muon + AdamW optimizer; ``packed=False`` is the published stack/copy
-        path, ``packed=True`` the same step on views of flat buffers.
+    Muon: drop-in for ``torch.optim.Muon`` with batched Newton-Schulz, gradients read in place.
+    MuonAdamW: nanochat's Muon + AdamW optimizer (its published stack/copy step).
     memory: the saved-tensor storage audit (``cotangent.memory.audit``).
     occurrence: per-occurrence gradient aggregation for shared parameters.
     native_bugs, NativeBugWarning: the native PyTorch bugs Cotangent reproduces (to keep

@@ -1,4 +1,4 @@
-"""`cotangent.Muon`: a drop-in for `torch.optim.Muon` over packed buffers, bitwise equal to it.
+"""`cotangent.Muon`: a drop-in for `torch.optim.Muon` with batched Newton-Schulz, bitwise equal.
 
 torch 2.13's Muon (`torch/optim/_muon.py`) is a for-loop optimizer: per 2-D parameter it runs
 ``buf.lerp_(grad, 1 - momentum)``, ``update = grad.lerp(buf, momentum)`` (Nesterov; else the
@@ -9,21 +9,30 @@ matrix is tall: normalize by the Frobenius norm clamped at `eps`, then `ns_steps
 ``param.add_(update, alpha=-adjusted_lr)`` with ``adjusted_lr = lr * sqrt(max(1, rows/cols))``
 ("original") or ``0.2 * lr * sqrt(max(rows, cols))`` ("match_rms_adamw").
 
-Cotangent keeps the parameters, gradients and momentum buffers of each param group's
-equal-shape matrices in one flat buffer per (group, shape, dtype, device) - a *batch* - and runs
-the same arithmetic once per batch: the element-wise ops over the whole (n, rows, cols) view,
-the Newton-Schulz products as `bmm`/`baddbmm`, the norms per matrix. A calibration probe
-(`batched_step_is_exact`: one step of torch's own `_single_tensor_muon` on separate tensors
-against the batched step on a packed copy, with random values and with NaN, infinities, signed
-zeros and subnormals sprinkled in, bytes compared) decides per (device, dtype, batch shape,
-momentum, nesterov, coefficients, steps, eps, lr adjustment, threads, torch version) whether
-the batched form is used; otherwise, and for any batch with a missing gradient or a gradient
-laid out unlike its parameter, torch's own per-matrix function runs on the packed views (the
-native code itself, so native's bits by construction).
+Parameters and gradients stay where the user and autograd put them (each ``p.grad`` is read
+where it is, every step). What Cotangent lays out is its own state: the momentum buffers of
+each param group's equal-shape matrices (two or more of one (shape, dtype, device)) are the
+(rows, cols) slices of one contiguous (n, rows, cols) tensor - a *batch* - so that the
+Newton-Schulz products of the batch run as `bmm`/`baddbmm` over a stack of the updates: per
+matrix, the lerps are native's own ops (the Nesterov blend written into the stack with
+``out=``), the norms are per matrix, and the decay and update are native's two ops on the
+user's parameter, in native's parameter order. A calibration probe (`batched_step_is_exact`:
+the products alone over about 2^20 output elements, then whole steps of torch's own
+`_single_tensor_muon` on separate tensors against the batched step, with random values and
+with NaN, infinities, signed zeros and subnormals sprinkled in, bytes compared) decides per
+(device, dtype, batch shape, momentum, nesterov, coefficients, steps, eps, lr adjustment,
+threads, torch version) whether the batched form is used. Otherwise - and for a step where a
+member of the batch has no gradient, a gradient that is not a plain contiguous tensor of its
+parameter's shape and dtype, a momentum buffer that is not the batch's slice, or a gradient
+sharing memory with a parameter or buffer of its group - torch's own per-matrix function runs
+on the real tensors (native's code, so native's bits by construction).
 
-State is native's: ``optimizer.state[p]["momentum_buffer"]`` (a view of the packed buffer),
-created at a parameter's first gradient, so `state_dict()` / `load_state_dict()` interchange
-with `torch.optim.Muon` in both directions.
+State is native's: ``optimizer.state[p]["momentum_buffer"]``, created at a parameter's first
+gradient (a slice of its batch, or ``zeros_like(grad)`` as native for a matrix in no batch), so
+`state_dict()` / `load_state_dict()` interchange with `torch.optim.Muon` in both directions. A
+contiguous buffer assigned from outside (``load_state_dict``, ``opt.state[p][...] = t``) to a
+batched matrix is copied into its slice at the next `step()` (the optimizer's state is its own
+to lay out); one laid out otherwise is kept as given, and that batch runs per matrix.
 
 Native bug reproduced (`cotangent.native_bugs`, id "muon-bf16-buffer-overwrite"): torch 2.13's
 Muon with bfloat16 parameters and ``nesterov=False`` overwrites each momentum buffer with the
@@ -32,10 +41,12 @@ it in place); fixed upstream by pytorch/pytorch PR #194664 (the conversion copie
 here keep native's bits - the per-matrix one is native's code, the batched one converts as
 native does (aliasing where the probe `native_bugs.present` finds native aliasing, a copy where
 it finds the fix) - and `Muon.step` warns once per process (`NativeBugWarning`) the first time
-a batch with a gradient is in that configuration with momentum != 0.
+a bfloat16 matrix with a gradient is in that configuration with momentum != 0.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -43,15 +54,6 @@ from torch import Tensor
 from cotangent import _compat, calibration, native_bugs
 from cotangent.calibration import sprinkle_special_values
 from cotangent.norms import _bytes_equal
-from cotangent.packing import (
-    FlatLayout,
-    _round_up,
-    align_elements,
-    matrix_view,
-    plan_matrix_layouts,
-)
-from cotangent.store import FlatStore, describe, validate_params
-from cotangent.tracking import GradientTracker, gradients_to_carry
 
 _KEY = "momentum_buffer"
 
@@ -92,23 +94,57 @@ def newton_schulz_batched(update: Tensor, ns_coefficients: tuple[float, float, f
     return x.mT if tall else x
 
 
-def batched_muon_step(params: Tensor, grads: Tensor, bufs: Tensor, *, lr, weight_decay: float,
-                      momentum: float, nesterov: bool, ns_coefficients: tuple[float, float, float],
-                      ns_steps: int, eps: float, adjust_lr_fn: str | None) -> None:
-    """One Muon step of a batch of equal-shape matrices, in place on `params` and `bufs`.
+def batched_updates(grads: list[Tensor], bufs: Tensor, *, momentum: float, nesterov: bool,
+                    ns_coefficients: tuple[float, float, float], ns_steps: int,
+                    eps: float) -> Tensor:
+    """The momentum step and orthogonalized updates of a batch of equal-shape matrices.
 
     Args:
-        params, grads, bufs: (n, rows, cols) views (packed parameters, gradients, momentum
-            buffers), all of one dtype and device; `grads` is read only.
+        grads: n (rows, cols) gradients (read only).
+        bufs: (n, rows, cols) contiguous momentum buffers, updated in place: per matrix
+            ``bufs[i].lerp_(grads[i], 1 - momentum)``, native's op.
+    Returns:
+        (n, rows, cols) bfloat16 updates, ``newton_schulz_batched`` of the Nesterov blend
+        (``torch.lerp(grads[i], bufs[i], momentum)`` per matrix, written into one stack) or of
+        `bufs` itself (``nesterov=False``, as native: its `.bfloat16()` aliasing included).
+    """
+    views = bufs.unbind(0)
+    for buf, grad in zip(views, grads):
+        buf.lerp_(grad, 1 - momentum)
+    if nesterov:
+        update = torch.empty_like(bufs)
+        for out, grad, buf in zip(update.unbind(0), grads, views):
+            torch.lerp(grad, buf, momentum, out=out)
+    else:
+        update = bufs
+    return newton_schulz_batched(update, ns_coefficients, ns_steps, eps)
+
+
+def apply_update(param: Tensor, update: Tensor, lr, weight_decay: float,
+                 adjust_lr_fn: str | None) -> None:
+    """torch.optim.Muon's last two ops on one parameter: ``param.mul_(1 - lr * weight_decay)``,
+    ``param.add_(update, alpha=-adjusted_lr)``; `lr` a float (see `_compat.muon_to_scalar`)."""
+    adjusted_lr = _compat.muon_adjust_lr(lr, adjust_lr_fn, param.shape)
+    param.mul_(1 - lr * weight_decay)
+    param.add_(update, alpha=-adjusted_lr)
+
+
+def batched_muon_step(params: list[Tensor], grads: list[Tensor], bufs: Tensor, *, lr,
+                      weight_decay: float, momentum: float, nesterov: bool,
+                      ns_coefficients: tuple[float, float, float], ns_steps: int, eps: float,
+                      adjust_lr_fn: str | None) -> None:
+    """One Muon step of a batch: `batched_updates`, then `apply_update` per parameter in order.
+
+    Args:
+        params, grads: n (rows, cols) tensors of one dtype and device (`grads` read only).
+        bufs: (n, rows, cols) contiguous momentum buffers.
         lr: float or 0-d/1-element tensor; the other arguments as torch.optim.Muon's.
     """
     lr = _compat.muon_to_scalar(lr)
-    bufs.lerp_(grads, 1 - momentum)
-    update = grads.lerp(bufs, momentum) if nesterov else bufs
-    update = newton_schulz_batched(update, ns_coefficients, ns_steps, eps)
-    adjusted_lr = _compat.muon_adjust_lr(lr, adjust_lr_fn, params.shape[1:])
-    params.mul_(1 - lr * weight_decay)
-    params.add_(update, alpha=-adjusted_lr)
+    updates = batched_updates(grads, bufs, momentum=momentum, nesterov=nesterov,
+                              ns_coefficients=ns_coefficients, ns_steps=ns_steps, eps=eps)
+    for param, update in zip(params, updates.unbind(0)):
+        apply_update(param, update, lr, weight_decay, adjust_lr_fn)
 
 
 def _hyper(group: dict) -> dict:
@@ -118,7 +154,8 @@ def _hyper(group: dict) -> dict:
 
 def batched_step_is_exact(device: torch.device, dtype: torch.dtype, n: int, rows: int, cols: int,
                           group: dict) -> bool:
-    """Calibration probe: does `batched_muon_step` on packed (n, rows, cols) views give
+    """Calibration probe: does `batched_muon_step` (n separate parameters and gradients, one
+    contiguous (n, rows, cols) momentum buffer) give
     torch.optim.Muon's bits (its `_single_tensor_muon` on n separate tensors) for the group's
     hyperparameters? First the Newton-Schulz products alone (`_gemm_probe`: about 2^20 output
     elements of each product on random batches of this shape, through every iteration, since a
@@ -126,7 +163,7 @@ def batched_step_is_exact(device: torch.device, dtype: torch.dtype, n: int, rows
     then two whole steps (random values; then
     NaN/inf/signed zeros/subnormals sprinkled into gradients, parameters and buffers), each with
     the group's lr and a second lr; bytes of parameters, momentum buffers and gradients
-    compared. Cached (`cotangent.calibration`, key kind "muon-batched-v3")."""
+    compared. Cached (`cotangent.calibration`, key kind "muon-batched-v4")."""
     hyper = _hyper(group)
     key = _batched_key(device, dtype, n, rows, cols, hyper)
     verdict = calibration.lookup(key)
@@ -145,10 +182,10 @@ def _batched_key(device: torch.device, dtype: torch.dtype, n: int, rows: int, co
     aliasing = (dtype == torch.bfloat16
                 and native_bugs.present(native_bugs.MUON_BF16_BUFFER_OVERWRITE))
     return calibration.full_key(
-        "muon-batched-v3", device.type,
+        "muon-batched-v4", device.type,
         (dtype, n, rows, cols, *sorted(hyper.items()), "aliasing" if aliasing else "-"),
-        probe=(batched_step_is_exact, _probe, _gemm_probe, _update_probe, _packed_copy,
-               batched_muon_step, newton_schulz_batched,
+        probe=(batched_step_is_exact, _probe, _gemm_probe,
+               batched_muon_step, batched_updates, apply_update, newton_schulz_batched,
                (GEMM_PROBE_ELEMENTS, GEMM_PROBE_MIN_TRIALS, GEMM_PROBE_MAX_TRIALS)))
 
 
@@ -196,54 +233,9 @@ def _gemm_probe(device, n, rows, cols, ns_coefficients, ns_steps, gen) -> bool:
     return True
 
 
-def _packed_copy(values: Tensor) -> Tensor:
-    """`values` (n, rows, cols) copied into a fresh flat buffer laid out as a packed batch
-    (members `_round_up(rows * cols, 64 bytes)` elements apart); returns the (n, rows, cols)
-    view."""
-    n, rows, cols = values.shape
-    stride = _round_up(rows * cols, align_elements(values.dtype))
-    flat = torch.zeros(stride * n, dtype=values.dtype, device=values.device)
-    view = flat.as_strided((n, rows, cols), (stride, cols, 1))
-    view.copy_(values)
-    return view
-
-
-def _update_probe(device, dtype, n, rows, cols, gen) -> bool:
-    """The batched decay and update (``params.mul_``, ``params.add_(update, alpha)``) against
-    per-matrix ones, with the bfloat16 update laid out as the Newton-Schulz output is (the
-    transpose of a wide result for tall matrices) and holding NaNs of both signs and payloads,
-    infinities, signed zeros and subnormals: a diverging iteration produces such values, and
-    their encoding after a mixed-dtype add depends on the kernel path."""
-    wide = (n, cols, rows) if rows > cols else (n, rows, cols)
-    for shift in range(4):
-        raw = torch.randn(*wide, generator=gen).to(torch.bfloat16)
-        sprinkle_special_values(list(raw.view(n, -1)), shift=shift)
-        sprinkle_special_values(list(raw.view(n * wide[1], -1)), shift=shift + 5)
-        raw = raw.to(device)
-        update = raw.mT if rows > cols else raw
-        params = _packed_copy(torch.randn(n, rows, cols, generator=gen).to(device=device,
-                                                                           dtype=dtype))
-        for i in range(n):  # specials of their own, and infinities of both signs where the
-            # update holds one (inf - inf: a NaN whose encoding depends on the path)
-            sprinkle_special_values([params[i].reshape(-1)], shift=shift + 2 * i)
-        signs = torch.randint(0, 2, (n, rows, cols), generator=gen).to(device) * 2 - 1
-        params.copy_(torch.where(update.isinf(), signs * float("inf"), params))
-        single = [p.clone() for p in params]
-        params.mul_(1 - 0.02 * 0.1)
-        params.add_(update, alpha=-0.0315)
-        for i, p in enumerate(single):
-            p.mul_(1 - 0.02 * 0.1)
-            p.add_(update[i], alpha=-0.0315)
-            if not _bytes_equal(p, params[i]):
-                return False
-    return True
-
-
 def _probe(device, dtype, n, rows, cols, lr, hyper) -> bool:
     gen = torch.Generator().manual_seed(20261130 + n * 7919 + rows * 31 + cols)
     if not _gemm_probe(device, n, rows, cols, hyper["ns_coefficients"], hyper["ns_steps"], gen):
-        return False
-    if not _update_probe(device, dtype, n, rows, cols, gen):
         return False
     lr_values = [lr, 0.0123] if not isinstance(lr, Tensor) else [lr]
     for trial in range(2):
@@ -255,26 +247,51 @@ def _probe(device, dtype, n, rows, cols, lr, hyper) -> bool:
                     sprinkle_special_values(list(v.view(n, -1)), shift=3 * j)
             values = [v.to(device) for v in values]
             native = [[v[i].clone() for i in range(n)] for v in values]
-            views = [_packed_copy(v) for v in values]
+            params, grads = [v.clone() for v in values[0]], [v.clone() for v in values[1]]
+            bufs = values[2].clone()
             _compat.muon_single_tensor(native[0], native[1], native[2], lr=probe_lr, **hyper)
-            batched_muon_step(views[0], views[1], views[2], lr=probe_lr, **hyper)
+            batched_muon_step(params, grads, bufs, lr=probe_lr, **hyper)
+            ours = (params, grads, bufs)
             for i in range(n):
                 for j in range(3):
-                    if not _bytes_equal(native[j][i], views[j][i]):
+                    if not _bytes_equal(native[j][i], ours[j][i]):
                         return False
     return True
 
 
-class Muon(torch.optim.Muon):
-    """`torch.optim.Muon` with packed parameters, gradients and momentum buffers and batched
-    Newton-Schulz iterations; bitwise equal to `torch.optim.Muon` with the same arguments
-    (same constructor, defaults, validation and errors: it is a subclass).
+@dataclass
+class _Batch:
+    """Two or more matrices of one param group with one (shape, dtype, device): their momentum
+    buffers are the slices of `buffer`."""
+    group: int
+    params: list[Tensor]  # in the group's order
+    buffer: Tensor  # (n, rows, cols), contiguous
+    views: list[Tensor] = field(default_factory=list)  # buffer[i], what state holds
+    ptrs: list[int] = field(default_factory=list)
 
-    Parameters are moved into flat buffers at construction (each ``p.data`` becomes a view;
-    ``p.grad`` a view of the gradient buffer, None until a backward delivers one, as native).
-    Param groups added later, parameters replaced in ``param_groups`` or given new storage
-    (``p.data = t``) are repacked at the next `step`/`zero_grad`; state assigned from outside
-    (``load_state_dict``, ``opt.state[p]["momentum_buffer"] = t``) is validated and copied in.
+    def __post_init__(self) -> None:
+        self.views = list(self.buffer.unbind(0))
+        self.ptrs = [v.data_ptr() for v in self.views]
+
+
+def _plain_matrix(grad: Tensor, param: Tensor) -> bool:
+    """Whether `grad` can join a batch as native's op would read it: a plain dense contiguous
+    tensor of `param`'s shape, dtype and device (no subclass, negative-bit view or ZeroTensor)."""
+    return (type(grad) is Tensor and grad.layout == torch.strided and grad.shape == param.shape
+            and grad.dtype == param.dtype and grad.device == param.device
+            and grad.is_contiguous() and not grad.is_neg() and not _compat.is_zerotensor(grad))
+
+
+class Muon(torch.optim.Muon):
+    """`torch.optim.Muon` with batched Newton-Schulz iterations; bitwise equal to
+    `torch.optim.Muon` with the same arguments (same constructor, defaults, validation and
+    errors: it is a subclass).
+
+    Parameters and gradients stay where they are (``p.grad`` is read in place each step, and
+    `zero_grad` is native's); each param group's equal-shape matrices (two or more) keep their
+    momentum buffers as slices of one (n, rows, cols) tensor (module docstring). Param groups
+    added later and parameters replaced or reshaped are noticed at the next `step`; state
+    assigned from outside is validated there, before anything is modified.
 
     Native bug reproduced: with bfloat16 parameters and ``nesterov=False`` torch 2.13's Muon
     overwrites each momentum buffer with the normalised update (fixed upstream by
@@ -283,128 +300,122 @@ class Muon(torch.optim.Muon):
     has the bug (a probe of native behaviour) and momentum != 0.
 
     Raises (beyond torch.optim.Muon's own):
-        ValueError: a parameter that cannot be packed (appears twice, shares storage with
-            another, not a leaf, sparse, complex, not floating point, on the meta device).
-        RuntimeError: a state tensor of the wrong shape, dtype or device (nothing modified).
+        ValueError: a parameter that is not 2-D, in a group added later or reshaped (native's
+            constructor message; native would fail at `step()` after updating the earlier
+            groups), or a gradient that is not 2-D (native's message, before the group moves).
+        RuntimeError: a momentum buffer of the wrong shape, dtype or device (nothing modified).
     """
 
     def __init__(self, params, *args, **kwargs) -> None:
-        self._packed_ids: list[int] | None = None
+        self._ready = False
         super().__init__(params, *args, **kwargs)
-        self._pack()
+        self._structure: tuple | None = None
+        self._batches: list[_Batch] = []
+        self._ready = True
 
-    # ------------------------------------------------------------------ packing
+    def __setstate__(self, state: dict) -> None:  # pickle / copy.deepcopy: batches rebuilt
+        super().__setstate__(state)
+        self._structure, self._batches, self._ready = None, [], True
 
-    def _all_params(self) -> list[Tensor]:
-        return [p for group in self.param_groups for p in group["params"]]
+    # ------------------------------------------------------------------ batches
 
-    @torch.no_grad()
-    def _pack(self) -> None:
-        params = self._all_params()
-        for p in params:  # torch.optim.Muon's own check (its __init__ only; ours at every pack)
-            if not isinstance(p, Tensor) or p.ndim != 2:
-                raise ValueError(f"Muon only supports 2D parameters whereas we found a "
-                                 f"parameter with size: {getattr(p, 'shape', type(p).__name__)}")
-        validate_params(params)
-        old_tracker = getattr(self, "_tracker", None)
-        grads = gradients_to_carry(old_tracker, params)
-        carried = {id(p): self.state[p][_KEY].detach().clone() for p in params
-                   if p in self.state and _KEY in self.state[p]}
-        batches, slot_group = [], []
-        for gi, group in enumerate(self.param_groups):
-            keys: dict[tuple, list[int]] = {}
+    def _check_2d(self) -> None:
+        for group in self.param_groups:  # torch.optim.Muon's own check (its __init__ only)
             for p in group["params"]:
-                keys.setdefault((tuple(p.shape), p.dtype, p.device), []).append(len(slot_group))
-                slot_group.append(gi)
-            batches += keys.values()
-        layouts = plan_matrix_layouts(params, batches)  # raises before anything is changed
-        if old_tracker is not None:
-            old_tracker.remove_hooks()
-        # each layout is one batch (or one member of a batch split for a non-contiguous member)
-        self._layout_group = [slot_group[layout.segments[0].slot] for layout in layouts]
-        self._store = FlatStore.pack(params, layouts, grads, {})
-        self._tracker = GradientTracker(self._store)
-        self._buffers = [layout.new_buffer(0.0) for layout in layouts]
-        self._buffer_views = [self._store.alias(self._buffers, s) for s in range(len(params))]
-        self._buffer_ptrs = [v.data_ptr() for v in self._buffer_views]
-        for slot, p in enumerate(params):
-            if id(p) in carried:
-                self._buffer_views[slot].copy_(carried[id(p)])
-                self.state[p][_KEY] = self._buffer_views[slot]
-        self._packed_ids = [id(p) for p in params]
-        self._packed_shapes = [p.shape for p in params]
-        self._bf16_layouts = [li for li, layout in enumerate(layouts)
-                              if layout.dtype == torch.bfloat16]
+                if not isinstance(p, Tensor) or p.ndim != 2:
+                    raise ValueError(f"Muon only supports 2D parameters whereas we found a "
+                                     f"parameter with size: "
+                                     f"{getattr(p, 'shape', type(p).__name__)}")
 
     def _refresh(self) -> None:
-        """Repack after structural edits; adopt momentum buffers assigned from outside."""
-        params = self._all_params()
-        if ([id(p) for p in params] != self._packed_ids
-                or [p.data_ptr() for p in params] != self._store.param_ptrs
-                or [p.shape for p in params] != self._packed_shapes):
-            self._pack()
-            return
-        for slot, p in enumerate(params):
-            state = self.state.get(p)
-            if not state or _KEY not in state or self._is_ours(slot, state[_KEY]):
-                continue
-            value = state[_KEY]
-            if (not isinstance(value, Tensor) or value.shape != p.shape
-                    or value.dtype != p.dtype or value.device != p.device):
-                what = (f"{tuple(value.shape)} {value.dtype} {value.device}"
-                        if isinstance(value, Tensor) else type(value).__name__)
-                raise RuntimeError(f"{describe(slot, p)}: state['{_KEY}'] is {what}; it must "
-                                   f"match the parameter ({tuple(p.shape)} {p.dtype} "
-                                   f"{p.device})")
-        for slot, p in enumerate(params):
-            state = self.state.get(p)
-            if state and _KEY in state and not self._is_ours(slot, state[_KEY]):
-                value = state[_KEY]
-                if value is self._buffer_views[slot]:  # its storage moved (`.data = t`)
-                    self._buffer_views[slot] = self._store.alias(self._buffers, slot)
-                with torch.no_grad():
-                    self._buffer_views[slot].copy_(value)
-                state[_KEY] = self._buffer_views[slot]
+        """Rebuild the batches after structural edits; validate and adopt momentum buffers
+        assigned from outside. Raises before anything is modified."""
+        self._check_2d()
+        structure = tuple(tuple((id(p), p.shape, p.dtype, p.device) for p in group["params"])
+                          for group in self.param_groups)
+        if structure != self._structure:
+            self._batches = self._plan()
+            self._structure = structure
+        for group in self.param_groups:
+            for p in group["params"]:
+                value = self.state[p].get(_KEY) if p in self.state else None
+                if value is None:
+                    continue
+                if (not isinstance(value, Tensor) or value.shape != p.shape
+                        or value.dtype != p.dtype or value.device != p.device):
+                    what = (f"{tuple(value.shape)} {value.dtype} {value.device}"
+                            if isinstance(value, Tensor) else type(value).__name__)
+                    raise RuntimeError(f"parameter of shape {tuple(p.shape)}: "
+                                       f"state['{_KEY}'] is {what}; it must match the "
+                                       f"parameter ({tuple(p.shape)} {p.dtype} {p.device})")
+        adoptable = self._adoptable()
+        for batch in self._batches:
+            for i, p in enumerate(batch.params):
+                state = self.state.get(p)
+                value = state.get(_KEY) if state else None
+                if value is None or self._is_ours(batch, i, value):
+                    continue
+                if _plain_matrix(value, p) and id(value) in adoptable:  # copied into its slice
+                    with torch.no_grad():
+                        batch.views[i].copy_(value)
+                    state[_KEY] = batch.views[i]
 
-    def _is_ours(self, slot: int, value) -> bool:
-        """Whether `value` is slot `slot`'s momentum view, still over the flat buffer."""
-        return value is self._buffer_views[slot] and value.data_ptr() == self._buffer_ptrs[slot]
+    def _adoptable(self) -> set[int]:
+        """Ids of the momentum buffers that may be copied into a batch's slice: those whose
+        bytes overlap no other buffer's and whose storage holds no parameter (native would
+        keep such aliasing: two parameters stepping one buffer, or a buffer that is a
+        parameter)."""
+        spans, params = [], set()
+        for group in self.param_groups:
+            for p in group["params"]:
+                params.add(p.untyped_storage().data_ptr())
+                value = self.state[p].get(_KEY) if p in self.state else None
+                if isinstance(value, Tensor):
+                    start = value.data_ptr()
+                    spans.append((value.untyped_storage().data_ptr(), start,
+                                  start + value.numel() * value.element_size(), id(value)))
+        spans.sort()
+        clashing, reach = set(), None  # reach: (storage, furthest end so far, its buffer)
+        for storage, start, end, ident in spans:
+            if reach is not None and reach[0] == storage and start < reach[1]:
+                clashing.update((ident, reach[2]))
+            if reach is None or reach[0] != storage or end > reach[1]:
+                reach = (storage, end, ident)
+        return {ident for storage, _, _, ident in spans
+                if ident not in clashing and storage not in params}
+
+    def _plan(self) -> list[_Batch]:
+        batches = []
+        for gi, group in enumerate(self.param_groups):
+            ids = [id(p) for p in group["params"]]
+            keys: dict[tuple, list[Tensor]] = {}
+            for p in group["params"]:
+                if ids.count(id(p)) == 1 and p.device.type != "meta":  # a repeated parameter:
+                    # native steps it twice, per matrix
+                    keys.setdefault((tuple(p.shape), p.dtype, p.device), []).append(p)
+            for (shape, dtype, device), members in keys.items():
+                if len(members) > 1:
+                    buffer = torch.zeros(len(members), *shape, dtype=dtype, device=device)
+                    batches.append(_Batch(gi, members, buffer))
+        return batches
+
+    @staticmethod
+    def _is_ours(batch: _Batch, i: int, value) -> bool:
+        return value is batch.views[i] and value.data_ptr() == batch.ptrs[i]
 
     def add_param_group(self, param_group: dict) -> None:
-        """`torch.optim.Muon.add_param_group`, then a repack; a group that cannot be packed is
-        removed again (ValueError from the packing, nothing else changed), a parameter that is
-        not 2-D included: torch.optim.Muon checks that in its constructor only, and a later
-        group's 1-D parameter fails in its `step()` after the earlier groups were updated;
-        here it is refused when added (or, appended to a group by hand, at the next `step()` /
-        `zero_grad()`, before anything is modified), with native's constructor message."""
+        """`torch.optim.Muon.add_param_group`; a group holding a parameter that is not 2-D is
+        refused (ValueError with native's constructor message, nothing added): torch.optim.Muon
+        checks that in its constructor only, and a later group's 1-D parameter fails in its
+        `step()` after the earlier groups were updated. Appended to a group by hand, it is
+        refused at the next `step()`, before anything is modified."""
         super().add_param_group(param_group)
-        if self._packed_ids is not None:  # not during __init__
+        if self._ready:  # not during __init__
             try:
-                self._pack()
-            except Exception:
+                self._check_2d()
+            except ValueError:
                 self.param_groups.pop()
                 raise
-
-    def __getstate__(self):
-        raise TypeError("cotangent.Muon cannot be pickled or copied (its parameters live in "
-                        "flat buffers); save and load optimizer.state_dict() instead")
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        super().load_state_dict(state_dict)
-        self._refresh()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """`Optimizer.zero_grad` over packed gradients: ``set_to_none=True``: no gradient counts
-        as present until the next backward (``.grad`` reads None, as native, and the backward's
-        fresh gradients are copied into the buffer as they arrive; under torch.distributed, once
-        ``state`` exists, it is instead a view of the buffer filled with -0.0, which the
-        backward accumulates into with the same bits); ``set_to_none=False`` zeroes the existing
-        gradients in place."""
-        _compat.refuse_under_compile("cotangent.Muon.zero_grad()")
-        self._refresh()
-        # no state yet (a fresh optimizer): .grad reads None as native, in a process group too
-        # (torch.distributed.checkpoint tells a fresh optimizer by exactly that)
-        self._tracker.zero_grad(set_to_none, prefill=bool(self.state))
 
     # ------------------------------------------------------------------ step
 
@@ -414,7 +425,7 @@ class Muon(torch.optim.Muon):
 
         Warns:
             NativeBugWarning (`cotangent.native_bugs`), once per process, before anything is
-            modified: a bfloat16 batch with a gradient in a group with ``nesterov=False`` and
+            modified: a bfloat16 matrix with a gradient in a group with ``nesterov=False`` and
             momentum != 0, on a torch whose Muon overwrites the momentum buffer there (the
             bits are native's all the same; upstream fix: pytorch/pytorch PR #194664)."""
         loss = None
@@ -422,76 +433,116 @@ class Muon(torch.optim.Muon):
             with torch.enable_grad():
                 loss = closure()
         self._refresh()
-        store = self._store
-        grads = self._tracker.scan()
-        present = set(grads.present)
-        params = store.params
-        if self._bf16_layouts and not native_bugs.warned(native_bugs.MUON_BF16_BUFFER_OVERWRITE):
-            self._warn_buffer_overwrite(present)  # before anything is modified
-        for slot in grads.present:  # native creates the buffer at a parameter's first gradient
-            state = self.state[params[slot]]
-            if _KEY not in state:
-                self._buffer_views[slot].zero_()
-                state[_KEY] = self._buffer_views[slot]
-        for li, layout in enumerate(store.layouts):
-            group = self.param_groups[self._layout_group[li]]
-            slots = [seg.slot for seg in layout.segments]
-            with_grad = [s for s in slots if s in present]
-            if not with_grad:
-                continue
-            if (len(with_grad) == len(slots) and layout.segments[0].contiguous
-                    and not any(s in grads.foreign for s in slots)
-                    and self._batched(layout, group)):
-                batched_muon_step(matrix_view(layout, store.flat_params[li]),
-                                  matrix_view(layout, store.flat_grads[li]),
-                                  matrix_view(layout, self._buffers[li]),
-                                  lr=group["lr"], **_hyper(group))
-            else:
-                _compat.muon_single_tensor(
-                    [params[s] for s in with_grad], [grads.tensor(store, s) for s in with_grad],
-                    [self._buffer_views[s] for s in with_grad], lr=group["lr"], **_hyper(group))
-        self._tracker.release_absent(grads.present)
+        if not native_bugs.warned(native_bugs.MUON_BF16_BUFFER_OVERWRITE):
+            self._warn_buffer_overwrite()  # before anything is modified
+        for gi, group in enumerate(self.param_groups):
+            self._step_group(gi, group)
         return loss
 
-    def _warn_buffer_overwrite(self, present: set[int]) -> None:
-        """`NativeBugWarning` (once per process) when a bfloat16 batch with a gradient is in a
+    def _step_group(self, gi: int, group: dict) -> None:
+        """torch.optim.Muon's `_init_group` (its checks and buffer creation, parameter by
+        parameter), then its per-parameter loop in order, where a batch's updates are computed
+        together at its first member."""
+        with_grad = []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if torch.is_complex(p):
+                raise RuntimeError("Muon does not support complex parameters")
+            if p.grad.is_sparse:
+                raise RuntimeError("Muon does not support sparse gradients")
+            with_grad.append(p)
+        for p in with_grad:
+            if p.grad.ndim != 2:
+                raise ValueError("Param gradient must be a 2D matrix")
+        batch_of = {id(p): (b, i) for b in self._batches if b.group == gi
+                    for i, p in enumerate(b.params)}
+        for p in with_grad:
+            state = self.state[p]
+            if _KEY not in state:  # native: zeros_like(grad) at the first gradient
+                member = batch_of.get(id(p))
+                if member is not None and _plain_matrix(p.grad, p):
+                    batch, i = member
+                    state[_KEY] = batch.views[i].zero_()
+                else:
+                    state[_KEY] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
+        hyper = _hyper(group)
+        lr = _compat.muon_to_scalar(group["lr"])
+        updates: dict[int, Tensor] = {}
+        started: set[int] = set()
+        for p in with_grad:
+            member = batch_of.get(id(p))
+            if member is not None and id(member[0]) not in started:
+                started.add(id(member[0]))
+                if self._batched_now(member[0], group):
+                    batch = member[0]
+                    out = batched_updates([q.grad for q in batch.params], batch.buffer,
+                                          **{k: hyper[k] for k in _UPDATE_KEYS})
+                    updates.update(zip(map(id, batch.params), out.unbind(0)))
+            update = updates.get(id(p))
+            if update is None:
+                _compat.muon_single_tensor([p], [p.grad], [self.state[p][_KEY]],
+                                           lr=group["lr"], **hyper)
+            else:
+                apply_update(p, update, lr, hyper["weight_decay"], hyper["adjust_lr_fn"])
+
+    def _batched_now(self, batch: _Batch, group: dict) -> bool:
+        """Whether this step runs `batch` batched: every member has a plain gradient laid out as
+        its parameter, every buffer is the batch's slice, no gradient shares memory with a
+        parameter or momentum buffer of the group (native reads each gradient after updating
+        the parameters before it), and the probe proved the batched form for this shape."""
+        for i, p in enumerate(batch.params):
+            grad = p.grad
+            if grad is None or not _plain_matrix(grad, p):
+                return False
+            if not self._is_ours(batch, i, self.state[p].get(_KEY)):
+                return False
+        written = {t.untyped_storage().data_ptr() for t in group["params"]}
+        written.update(self.state[p][_KEY].untyped_storage().data_ptr()
+                       for p in group["params"] if _KEY in self.state.get(p, {}))
+        if any(p.grad.untyped_storage().data_ptr() in written for p in batch.params):
+            return False
+        rows, cols = batch.params[0].shape
+        return batched_step_is_exact(batch.buffer.device, batch.buffer.dtype,
+                                     len(batch.params), rows, cols, group)
+
+    def _warn_buffer_overwrite(self) -> None:
+        """`NativeBugWarning` (once per process) when a bfloat16 matrix with a gradient is in a
         group with ``nesterov=False`` and momentum != 0, and the probe finds the running torch
         overwrites the momentum buffer there (`cotangent.native_bugs`,
         "muon-bf16-buffer-overwrite"; fixed by pytorch/pytorch PR #194664). A momentum of 0
         reads the overwritten buffer nowhere (``lerp_(grad, 1)`` returns the gradient exactly),
         so it gets no warning."""
-        for li in self._bf16_layouts:
-            group = self.param_groups[self._layout_group[li]]
+        for gi, group in enumerate(self.param_groups):
             if group["nesterov"] or not group["momentum"]:
                 continue
-            slots = [seg.slot for seg in self._store.layouts[li].segments]
-            if not any(s in present for s in slots):
+            p = next((p for p in group["params"]
+                      if p.dtype == torch.bfloat16 and p.grad is not None), None)
+            if p is None:
                 continue
             if native_bugs.present(native_bugs.MUON_BF16_BUFFER_OVERWRITE):
-                rows, cols = self._store.layouts[li].segments[0].shape
+                rows, cols = p.shape
                 native_bugs.warn_once(
                     native_bugs.MUON_BF16_BUFFER_OVERWRITE,
-                    f"cotangent.Muon param group {self._layout_group[li]} has bfloat16 "
-                    f"({rows}, {cols}) parameters, nesterov=False and momentum "
-                    f"{group['momentum']}")
+                    f"cotangent.Muon param group {gi} has bfloat16 ({rows}, {cols}) parameters, "
+                    f"nesterov=False and momentum {group['momentum']}")
             return
-
-    def _batched(self, layout: FlatLayout, group: dict) -> bool:
-        bucket = layout.buckets[0]
-        rows, cols = bucket.segments[0].shape
-        return batched_step_is_exact(layout.device, layout.dtype, bucket.rows, rows, cols, group)
 
     def batch_summary(self) -> list[dict]:
         """Per batch: group index, shape, members, dtype, device and whether the batched form
-        is proven (None until the first step that needs the probe)."""
+        is proven (None until the first step that needs the probe). Matrices in no batch (the
+        only one of their shape in their group) are not listed: they always run per matrix."""
+        self._refresh()
         out = []
-        for li, layout in enumerate(self._store.layouts):
-            bucket = layout.buckets[0]
-            group = self.param_groups[self._layout_group[li]]
-            rows, cols = bucket.segments[0].shape
-            key = _batched_key(layout.device, layout.dtype, bucket.rows, rows, cols,
-                               _hyper(group))
-            out.append({"group": self._layout_group[li], "shape": [rows, cols],
-                        "matrices": bucket.rows, "dtype": str(layout.dtype),
-                        "device": str(layout.device), "batched": calibration.lookup(key)})
+        for batch in self._batches:
+            group = self.param_groups[batch.group]
+            rows, cols = batch.params[0].shape
+            key = _batched_key(batch.buffer.device, batch.buffer.dtype, len(batch.params),
+                               rows, cols, _hyper(group))
+            out.append({"group": batch.group, "shape": [rows, cols],
+                        "matrices": len(batch.params), "dtype": str(batch.buffer.dtype),
+                        "device": str(batch.buffer.device), "batched": calibration.lookup(key)})
         return out
+
+
+_UPDATE_KEYS = ("momentum", "nesterov", "ns_coefficients", "ns_steps", "eps")

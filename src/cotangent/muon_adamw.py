@@ -1,4 +1,4 @@
-"""`cotangent.MuonAdamW`: the Muon + AdamW optimizer of nanochat, with a packed path.
+"""`cotangent.MuonAdamW`: the Muon + AdamW optimizer of nanochat.
 
 The arithmetic reproduced is that of nanochat's `MuonAdamW` (github.com/karpathy/nanochat,
 `nanochat/optims.py`, itself adapted from modded-nanogpt), written here op for op:
@@ -20,15 +20,13 @@ The arithmetic reproduced is that of nanochat's `MuonAdamW` (github.com/karpathy
 - Hyperparameters reach the step functions as 0-D float32 CPU tensors (filled before each call)
   so that a compiled step does not recompile when a scheduler changes them.
 
-Two paths, bitwise equal (tests/test_muon_adamw.py, eager and compiled):
-    reference (``packed=False``): as published: ``torch.stack`` of the group's gradients and
-        parameters, the step on the stacks, ``torch._foreach_copy_`` back into the parameters.
-    packed (``packed=True``, default): each Muon group's parameters and gradients live in one
-        flat buffer (members 64-byte aligned), ``p.data`` / ``p.grad`` are views of it, and the
-        same step runs on the (n, rows, cols) views: no stack, no copy back. The only difference
-        in the step is that the Nesterov blend is computed out of place (``g.lerp(buf, m)``),
-        so ``p.grad`` keeps the gradient, as it does under the reference path (whose in-place
-        blend writes into its stacked copy).
+The step is the published one: each Muon group's gradients are read where autograd left them
+(``torch.stack([p.grad ...])``, which is also what the Nesterov blend writes into), its
+parameters stacked, stepped as one (n, rows, cols) stack and copied back with
+``torch._foreach_copy_``; parameters and gradients stay where they are. (An earlier packed path
+kept each group's parameters and gradients in one flat buffer to skip the stack and the copy
+back; measured on a 2-core CPU it saved 1.5-3% of the step, 0.4-0.8 ms in 170-1230 ms, and it
+copied every gradient in the backward instead, so it is gone.)
 
 With ``compile=True`` both step functions run under ``torch.compile(dynamic=False,
 fullgraph=True)``, one compiled variant per distinct (shape, dtype, reduced dim) Muon group and
@@ -45,9 +43,6 @@ import torch
 from torch import Tensor
 
 from cotangent import _compat
-from cotangent.packing import matrix_view, plan_matrix_layouts
-from cotangent.store import FlatStore, describe, validate_params
-from cotangent.tracking import GradientTracker, gradients_to_carry
 
 POLAR_EXPRESS_COEFFICIENTS = (
     (8.156554524902461, -22.48329292557795, 15.878769915207462),
@@ -76,23 +71,21 @@ def adamw_step(p: Tensor, grad: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor, ste
 
 def muon_step(grads: Tensor, params: Tensor, momentum_buffer: Tensor,
               second_momentum_buffer: Tensor, momentum_t: Tensor, lr_t: Tensor, wd_t: Tensor,
-              beta2_t: Tensor, ns_steps: int, red_dim: int, blend_in_place: bool) -> None:
+              beta2_t: Tensor, ns_steps: int, red_dim: int) -> None:
     """One Muon update of a stack of equal-shape matrices, in place on `params` and the buffers.
 
     Args:
-        grads, params, momentum_buffer: (n, rows, cols), one dtype.
+        grads, params, momentum_buffer: (n, rows, cols), one dtype; `grads` (a stacked copy)
+            receives the Nesterov blend, as in the published code.
         second_momentum_buffer: (n, rows, 1) when rows >= cols (red_dim -1), else (n, 1, cols)
             (red_dim -2).
         momentum_t, lr_t, wd_t, beta2_t: 0-D float32 CPU tensors (lr already scaled by
             sqrt(max(1, rows / cols))).
         ns_steps: Polar Express iterations (at most 5).
-        blend_in_place: True writes the Nesterov blend into `grads` (the published code, whose
-            `grads` is a stacked copy); False leaves `grads` untouched (same values computed).
     """
     momentum = momentum_t.to(grads.dtype)
     momentum_buffer.lerp_(grads, 1 - momentum)
-    g = grads.lerp_(momentum_buffer, momentum) if blend_in_place else grads.lerp(
-        momentum_buffer, momentum)
+    g = grads.lerp_(momentum_buffer, momentum)
     # Polar Express, in bfloat16, on the wide orientation
     x = g.bfloat16()
     tall = g.size(-2) > g.size(-1)
@@ -156,19 +149,17 @@ class MuonAdamW(torch.optim.Optimizer):
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW defaults.
         muon_lr, muon_momentum, muon_ns_steps (1..5), muon_beta2 (None: 0.0),
         muon_weight_decay: Muon settings (cautious weight decay).
-        packed: the packed path (default) or the published stack/copy path (False).
         compile: run the step functions under torch.compile (see the module docstring).
 
     Each param group carries ``kind`` ("adamw" or "muon"); Muon groups follow the AdamW groups.
     State: AdamW parameters hold ``step`` (int), ``exp_avg``, ``exp_avg_sq``; each Muon group's
     first parameter holds the group's ``momentum_buffer`` (n, rows, cols) and
-    ``second_momentum_buffer``, as in the reference, so state dicts interchange between paths.
+    ``second_momentum_buffer``, as in the published code, so its state dicts load here.
 
     Raises:
         ValueError: a Muon parameter that is not 2-D, an AdamW group without "params", a
-            parameter listed twice, `muon_ns_steps` outside 1..5, (packed) a parameter that
-            cannot be packed, or (compile) more compiled variants than Dynamo's recompile
-            limit.
+            parameter listed twice, `muon_ns_steps` outside 1..5, or (compile) more compiled
+            variants than Dynamo's recompile limit.
         RuntimeError (at `step`): a Muon parameter without a gradient (the published code
             stacks every member's gradient); raised before anything is updated.
     """
@@ -178,7 +169,7 @@ class MuonAdamW(torch.optim.Optimizer):
                  adamw_weight_decay: float = 0.01, muon_lr: float = 0.02,
                  muon_momentum: float = 0.95, muon_ns_steps: int = 5,
                  muon_beta2: float | None = 0.95, muon_weight_decay: float = 0.0, *,
-                 packed: bool = True, compile: bool = False) -> None:
+                 compile: bool = False) -> None:
         muon_params = list(muon_params)
         for i, p in enumerate(muon_params):
             if p.ndim != 2:
@@ -198,21 +189,17 @@ class MuonAdamW(torch.optim.Optimizer):
             groups.append(dict(params=members, lr=muon_lr, kind="muon", momentum=muon_momentum,
                                ns_steps=muon_ns_steps, beta2=muon_beta2,
                                weight_decay=muon_weight_decay))
-        self.packed = packed
         self.compile = compile
         self._group_defaults = {
             "adamw": dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
                           weight_decay=adamw_weight_decay),
             "muon": dict(lr=muon_lr, momentum=muon_momentum, ns_steps=muon_ns_steps,
                          beta2=muon_beta2, weight_decay=muon_weight_decay)}
-        self._packed_ids: list[int] | None = None
         super().__init__(groups, dict(lr=adamw_lr))
         f32 = dict(dtype=torch.float32, device="cpu")
         self._adamw_t = {k: torch.tensor(0.0, **f32)
                          for k in ("step", "lr", "beta1", "beta2", "eps", "wd")}
         self._muon_t = {k: torch.tensor(0.0, **f32) for k in ("momentum", "lr", "wd", "beta2")}
-        if packed:
-            self._pack()
         if compile and self.compiled_variants() > _compat.recompile_limit():
             raise ValueError(
                 f"compile=True needs {self.compiled_variants()} compiled variants (Muon group "
@@ -221,47 +208,9 @@ class MuonAdamW(torch.optim.Optimizer):
                 "first, or step inside cotangent.muon_adamw.recompile_room(optimizer)")
         self._initialized = True
 
-    # ------------------------------------------------------------------ packing
-
-    def _muon_params(self) -> list[Tensor]:
-        return [p for g in self.param_groups if g["kind"] == "muon" for p in g["params"]]
-
-    @torch.no_grad()
-    def _pack(self) -> None:
-        """Move each Muon group's parameters (and gradients) into one flat buffer."""
-        params = self._muon_params()
-        validate_params(params)
-        old = getattr(self, "_tracker", None)
-        grads = gradients_to_carry(old, params)
-        batches, start = [], 0
-        for g in self.param_groups:
-            if g["kind"] == "muon":
-                batches.append(list(range(start, start + len(g["params"]))))
-                start += len(g["params"])
-        layouts = plan_matrix_layouts(params, batches)  # raises before anything is changed
-        if old is not None:
-            old.remove_hooks()
-        self._store = FlatStore.pack(params, layouts, grads, {})
-        self._tracker = GradientTracker(self._store)
-        # group -> its layout; a group with a non-contiguous member is split into lone
-        # layouts and keeps the reference path (stack + copy back)
-        muon = [gi for gi, g in enumerate(self.param_groups) if g["kind"] == "muon"]
-        self._group_layout = {muon[bi]: li for li, layout in enumerate(layouts)
-                              for bi, batch in enumerate(batches)
-                              if layout.segments[0].contiguous
-                              and [seg.slot for seg in layout.segments] == batch}
-        self._packed_ids = [id(p) for p in params]
-
-    def _refresh(self) -> None:
-        params = self._muon_params()
-        if ([id(p) for p in params] != self._packed_ids
-                or [p.data_ptr() for p in params] != self._store.param_ptrs):
-            self._pack()
-
     def add_param_group(self, param_group: dict) -> None:
         """Add a group: ``kind`` "adamw" (default) or "muon" (2-D parameters of one shape),
-        its missing settings taken from the constructor's (`adamw_*` or `muon_*`); a packed
-        optimizer repacks its Muon groups.
+        its missing settings taken from the constructor's (`adamw_*` or `muon_*`).
 
         Raises:
             ValueError: an unknown kind, or a Muon group whose parameters are not 2-D
@@ -287,38 +236,19 @@ class MuonAdamW(torch.optim.Optimizer):
                 param_group.setdefault(key, value)
         super().add_param_group(param_group)
         if not getattr(self, "_initialized", False):
-            return  # during __init__: packed and checked at its end
-        try:
-            if self._packed_ids is not None:
-                self._pack()
-            if self.compile and self.compiled_variants() > _compat.recompile_limit():
-                raise ValueError(
-                    f"with this group compile=True needs {self.compiled_variants()} compiled "
-                    f"variants, more than Dynamo's recompile limit "
-                    f"({_compat.recompile_limit()}); raise "
-                    "torch._dynamo.config.recompile_limit first")
-        except Exception:
+            return  # during __init__: checked at its end
+        if self.compile and self.compiled_variants() > _compat.recompile_limit():
             self.param_groups.pop()
-            if self._packed_ids is not None:
-                self._pack()
-            raise
+            raise ValueError(
+                f"with this group compile=True needs {self.compiled_variants()} compiled "
+                f"variants, more than Dynamo's recompile limit "
+                f"({_compat.recompile_limit()}); raise "
+                "torch._dynamo.config.recompile_limit first")
 
     def __getstate__(self):
-        raise TypeError("cotangent.MuonAdamW cannot be pickled or copied (its parameters and "
-                        "hyperparameter tensors are not in the optimizer's pickled state); "
+        raise TypeError("cotangent.MuonAdamW cannot be pickled or copied (its hyperparameter "
+                        "tensors and settings are not in the optimizer's pickled state); "
                         "save and load optimizer.state_dict() instead")
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """As `Optimizer.zero_grad`; packed Muon gradients read None until a backward delivers
-        one, which is copied into their buffer (see `cotangent.Muon.zero_grad`)."""
-        if not self.packed:
-            return super().zero_grad(set_to_none)
-        _compat.refuse_under_compile("cotangent.MuonAdamW.zero_grad()")
-        self._refresh()
-        super().zero_grad(set_to_none)  # the AdamW parameters; Muon views are reset below
-        # no state yet (a fresh optimizer): .grad reads None as native, in a process group too
-        # (torch.distributed.checkpoint tells a fresh optimizer by exactly that)
-        self._tracker.zero_grad(set_to_none, prefill=bool(self.state))
 
     # ------------------------------------------------------------------ step
 
@@ -329,28 +259,20 @@ class MuonAdamW(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        if self.packed:
-            self._refresh()
-            scanned = self._tracker.scan()
-            present = set(scanned.present)
-            for slot in scanned.foreign:  # laid out unlike its parameter: copied into the view
-                self._tracker.take_in(slot, scanned.foreign[slot])
-        slot = 0
         for gi, group in enumerate(self.param_groups):  # validate before any update
             if group["kind"] != "muon":
                 continue
-            for p in group["params"]:
-                has = (slot in present) if self.packed else p.grad is not None
-                if not has:
-                    raise RuntimeError(f"{describe(slot, p)} (Muon group of shape "
-                                       f"{tuple(p.shape)}) has no gradient; MuonAdamW steps "
-                                       "every member of a Muon group (nothing was updated)")
-                slot += 1
+            for i, p in enumerate(group["params"]):
+                if p.grad is None:
+                    raise RuntimeError(f"parameter {i} of param group {gi} (Muon group of "
+                                       f"shape {tuple(p.shape)}) has no gradient; MuonAdamW "
+                                       "steps every member of a Muon group (nothing was "
+                                       "updated)")
         for gi, group in enumerate(self.param_groups):
             if group["kind"] == "adamw":
                 self._adamw_group(group)
             elif group["params"]:
-                self._muon_group(gi, group)
+                self._muon_group(group)
         return loss
 
     def _adamw_group(self, group: dict) -> None:
@@ -376,7 +298,7 @@ class MuonAdamW(torch.optim.Optimizer):
                 fn(p, p.grad, state["exp_avg"], state["exp_avg_sq"], t["step"], t["lr"],
                    t["beta1"], t["beta2"], t["eps"], t["wd"])
 
-    def _muon_group(self, gi: int, group: dict) -> None:
+    def _muon_group(self, group: dict) -> None:
         params = group["params"]
         rows, cols = params[0].shape
         state = self.state[params[0]]
@@ -393,28 +315,19 @@ class MuonAdamW(torch.optim.Optimizer):
         t["lr"].fill_(group["lr"] * max(1.0, rows / cols) ** 0.5)
         t["wd"].fill_(group["weight_decay"])
         fn = _compiled("muon") if self.compile else muon_step
-        li = self._group_layout.get(gi) if self.packed else None
         with _compat.compiled_strictly(self.compile):
-            if li is not None:
-                layout = self._store.layouts[li]
-                fn(matrix_view(layout, self._store.flat_grads[li]),
-                   matrix_view(layout, self._store.flat_params[li]), state["momentum_buffer"],
-                   state["second_momentum_buffer"], t["momentum"], t["lr"], t["wd"],
-                   t["beta2"], group["ns_steps"], red_dim, False)
-            else:
-                stacked_grads = torch.stack([p.grad for p in params])
-                stacked_params = torch.stack(params)
-                fn(stacked_grads, stacked_params, state["momentum_buffer"],
-                   state["second_momentum_buffer"], t["momentum"], t["lr"], t["wd"],
-                   t["beta2"], group["ns_steps"], red_dim, True)
-                _compat.foreach_copy_(params, list(stacked_params.unbind(0)))
+            stacked_grads = torch.stack([p.grad for p in params])
+            stacked_params = torch.stack(params)
+            fn(stacked_grads, stacked_params, state["momentum_buffer"],
+               state["second_momentum_buffer"], t["momentum"], t["lr"], t["wd"], t["beta2"],
+               group["ns_steps"], red_dim)
+            _compat.foreach_copy_(params, list(stacked_params.unbind(0)))
 
     def compiled_variants(self) -> int:
         """Number of distinct compiled step variants this optimizer needs (compile=True):
-        one per Muon group (shape, dtype, device, path) and per AdamW parameter shape/dtype."""
+        one per Muon group (shape, dtype, device, steps) and per AdamW parameter shape/dtype."""
         muon = {(tuple(g["params"][0].shape), g["params"][0].dtype, g["params"][0].device,
-                 g["ns_steps"], self.packed and gi in self._group_layout)
-                for gi, g in enumerate(self.param_groups) if g["kind"] == "muon" and g["params"]}
+                 g["ns_steps"]) for g in self.param_groups if g["kind"] == "muon" and g["params"]}
         adamw = {(tuple(p.shape), p.dtype, p.device) for g in self.param_groups
                  if g["kind"] == "adamw" for p in g["params"]}
         return len(muon) + len(adamw)

@@ -1,36 +1,21 @@
-"""`cotangent bench --muon`: the Muon optimizers' update phase, measured as in a training loop.
-
-Two kinds of rows, each with two arms that live in one process, start from the same initial
-weights, see the same batches and alternate step by step (the order flips every step). Every
-step of an arm is ``zero_grad()``, forward, backward, ``step()``, each timed on its own
-(`time.perf_counter`); medians over the steps after the warm-up ones. After the last step
-every parameter, gradient and optimizer-state tensor of one arm is compared with the other's,
-byte for byte (`cotangent.verify.compare_updates`, i.e. `first_difference`): ``bitwise``.
-
-MuonAdamW rows (`cotangent.MuonAdamW`, reference ``packed=False`` against ``packed=True``, both
-eager, or both with ``compile=True``) on a recurrent GPT of the harness (``recurrent-mini``:
-width 64, 8 blocks of qkv (3W, W), out (W, W), up (4W, W), down (W, 4W) in Muon, the 256 x W
-embedding and head in two AdamW groups), batches of random byte ids, cross-entropy loss:
-    update_ms        median over steps of step() + zero_grad() of the same step;
-    ratio            packed update_ms / reference update_ms;
-    stack_copy_ms    what the packed path removes: the reference path's ``torch.stack`` of each
-                     Muon group's gradients and parameters and its ``torch._foreach_copy_`` back,
-                     timed alone on the reference arm's own tensors after the run (all groups
-                     per step; the copy writes back the values it read);
-    zero_accum_ms    what the packed path adds: its zero_grad fills the flat gradient buffers with
-                     -0.0 and its backward accumulates into the existing ``.grad`` views instead
-                     of allocating new gradients; measured as median(zero_grad + backward) of the
-                     packed arm minus that of the reference arm (sign kept: negative = cheaper);
-                     zero_accum_paired_ms: the median of the per-step differences instead;
-    net_ms           median(zero_grad + backward + step) of the packed arm minus the reference
-                     arm's: what the packed path changes per training step, all told (the
-                     forward is not included; net_paired_ms as above).
+"""`cotangent bench --muon`: the Muon optimizer's update phase, measured as in a training loop.
 
 Muon rows (`cotangent.Muon` against `torch.optim.Muon`, same arguments; torch's is a for-loop
-optimizer) on sets of equal-shape matrices; each step's gradients come from a real backward of
-``sum_i mean((tanh(W_i @ X_i) - Y_i)^2)`` with fresh X_i, Y_i per step. ``batched`` says for how
-many of the packed batches the batched Newton-Schulz step was proven exact and used
+optimizer) on sets of equal-shape matrices. The two arms of a row live in one process, start
+from the same initial weights, see the same batches and alternate step by step (the order flips
+every step). Every step of an arm is ``zero_grad()``, forward, backward, ``step()``, each timed
+on its own (`time.perf_counter`); medians over the steps after the warm-up ones. Each step's
+gradients come from a real backward of ``sum_i mean((tanh(W_i @ X_i) - Y_i)^2)`` with fresh
+X_i, Y_i per step. After the last step every parameter, gradient and optimizer-state tensor of
+one arm is compared with the other's, byte for byte (`cotangent.verify.compare_updates`, i.e.
+`first_difference`): ``bitwise``. ``batched`` says for how many of the batches (two or more
+equal-shape matrices of a param group; a matrix alone of its shape in its group is in no batch
+and not listed) the batched Newton-Schulz step was proven exact and used
 (`cotangent.Muon.batch_summary`); the others run torch's own per-matrix step.
+
+(The MuonAdamW rows, `cotangent.MuonAdamW` reference ``packed=False`` against ``packed=True``,
+were removed: MuonAdamW has a single path now, the published stack/copy one. Its former packed
+path copied every gradient in the backward and saved 1.5-3% of the step.)
 """
 
 from __future__ import annotations
@@ -43,16 +28,13 @@ import time
 from typing import Callable, Mapping, Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import cotangent
 from cotangent.harness.contention import HostSampler
-from cotangent.harness.model import build_model
 from cotangent.harness.records import environment
 from cotangent.verify import compare_updates
 
-MUON_ADAMW_MODELS = ("recurrent-mini", "recurrent-small")
 # name -> [(matrices, rows, cols), ...]: the matrices of one Muon row
 MATRIX_SETS: dict[str, list[tuple[int, int, int]]] = {
     "8x384x384": [(8, 384, 384)],
@@ -61,10 +43,6 @@ MATRIX_SETS: dict[str, list[tuple[int, int, int]]] = {
     # four transformer blocks of width 128: qkv, out, MLP up, MLP down
     "transformer-mix": [(4, 384, 128), (4, 128, 128), (4, 512, 128), (4, 128, 512)],
 }
-# nanochat-like settings (embedding / head lr, AdamW betas and eps; cautious Muon decay)
-MUON_ADAMW_ARGS = dict(adamw_betas=(0.8, 0.95), adamw_eps=1e-10, adamw_weight_decay=0.0,
-                       muon_lr=0.02, muon_momentum=0.95, muon_weight_decay=0.1)
-EMBEDDING_LR, HEAD_LR = 0.2, 0.004
 MUON_ARGS = dict(lr=0.02, weight_decay=0.1, momentum=0.95, nesterov=True)
 INPUT_COLUMNS = 16  # columns of each X_i in the Muon rows' loss
 
@@ -110,92 +88,6 @@ def _run_arms(arms: dict, batches: list, loss_fn, warmup: int) -> dict[str, dict
                     times[name][ph].append(t[ph])
         order.reverse()
     return times
-
-
-# ------------------------------------------------------------------ MuonAdamW rows
-
-
-def muon_adamw_optimizer(model: nn.Module, packed: bool, compile: bool = False):
-    """`cotangent.MuonAdamW` for a recurrent model: embedding and head in AdamW groups, every
-    block matrix in Muon."""
-    return cotangent.MuonAdamW(
-        [{"params": [model.tok_emb.weight], "lr": EMBEDDING_LR},
-         {"params": [model.head.weight], "lr": HEAD_LR}],
-        model.matrix_parameters(), packed=packed, compile=compile, **MUON_ADAMW_ARGS)
-
-
-def _lm_loss(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
-    logits = model(idx[:, :-1])  # (B, T, 256)
-    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), idx[:, 1:].reshape(-1))
-
-
-def stack_copy_seconds(opt, repeats: int, warmup: int) -> list[float]:
-    """Per repeat, seconds of the reference path's stack + copy back over every Muon group of
-    `opt` (its gradients must be present): ``torch.stack`` of the gradients and of the
-    parameters, ``torch._foreach_copy_`` of the stacked parameters back (same values)."""
-    groups = [g["params"] for g in opt.param_groups if g["kind"] == "muon" and g["params"]]
-    out = []
-    with torch.no_grad():
-        for i in range(warmup + repeats):
-            t0 = time.perf_counter()
-            for params in groups:
-                torch.stack([p.grad for p in params])
-                stacked = torch.stack(params)
-                torch._foreach_copy_(params, list(stacked.unbind(0)))
-            if i >= warmup:
-                out.append(time.perf_counter() - t0)
-    return out
-
-
-def muon_adamw_row(model_name: str, *, repeats: int, warmup: int, compile: bool = False,
-                   batch_size: int = 8, seq_len: int | None = None, seed: int = 0) -> dict:
-    """One MuonAdamW row: reference against packed on `model_name` (a recurrent model)."""
-    if compile:
-        torch._dynamo.reset()  # each row's compiled variants count from zero
-    base = build_model(model_name, seed)
-    seq_len = seq_len or base.cfg.context
-    models = {"reference": base, "packed": copy.deepcopy(base)}
-    arms = {name: (m, muon_adamw_optimizer(m, name == "packed", compile))
-            for name, m in models.items()}
-    gen = torch.Generator().manual_seed(seed + 1)
-    batches = [torch.randint(0, 256, (batch_size, seq_len + 1), generator=gen)
-               for _ in range(warmup + repeats)]
-    times = _run_arms(arms, batches, _lm_loss, warmup)
-    names = [n for n, _ in base.named_parameters()]
-    params = {name: list(m.parameters()) for name, m in models.items()}
-    checked, difference = compare_arms(names, params["reference"], arms["reference"][1],
-                                       params["packed"], arms["packed"][1])
-    stack_copy = stack_copy_seconds(arms["reference"][1], repeats, warmup)
-    ms, sums = {}, {}
-    for name, t in times.items():
-        for ph, values in t.items():
-            ms[f"{name}_{ph}_ms"] = _median_ms(values)
-        sums[name] = {
-            "update": [a + b for a, b in zip(t["step"], t["zero_grad"])],
-            "zero_grad_backward": [a + b for a, b in zip(t["zero_grad"], t["backward"])],
-            "zero_grad_backward_step": [a + b + c for a, b, c in zip(t["zero_grad"],
-                                                                     t["backward"], t["step"])]}
-        for key, values in sums[name].items():
-            ms[f"{name}_{key}_ms"] = _median_ms(values)
-
-    def paired(key: str) -> float:
-        return _median_ms([a - b for a, b in zip(sums["packed"][key], sums["reference"][key])])
-    opt = arms["packed"][1]
-    muon_groups = [[len(g["params"]), *g["params"][0].shape] for g in opt.param_groups
-                   if g["kind"] == "muon"]
-    return dict(
-        kind="muon-adamw", model=model_name, compile=compile, arms=["reference", "packed"],
-        params=sum(p.numel() for p in base.parameters()), tensors=len(names),
-        muon_groups=muon_groups, batch=[batch_size, seq_len], **ms,
-        ratio=ms["packed_update_ms"] / ms["reference_update_ms"],
-        stack_copy_ms=_median_ms(stack_copy),
-        zero_accum_ms=ms["packed_zero_grad_backward_ms"] - ms["reference_zero_grad_backward_ms"],
-        zero_accum_paired_ms=paired("zero_grad_backward"),
-        net_ms=(ms["packed_zero_grad_backward_step_ms"]
-                - ms["reference_zero_grad_backward_step_ms"]),
-        net_paired_ms=paired("zero_grad_backward_step"),
-        bitwise=difference is None, difference=difference, tensors_compared=checked,
-        repeats=repeats, warmup=warmup)
 
 
 # ------------------------------------------------------------------ Muon rows
@@ -253,20 +145,16 @@ def muon_row(set_name: str, spec: Sequence[tuple[int, int, int]], *, repeats: in
 # ------------------------------------------------------------------ the bench
 
 
-def run_muon_bench(models: Sequence[str] = MUON_ADAMW_MODELS,
-                   matrix_sets: Sequence[str] | Mapping[str, Sequence] = tuple(MATRIX_SETS), *,
+def run_muon_bench(matrix_sets: Sequence[str] | Mapping[str, Sequence] = tuple(MATRIX_SETS), *,
                    repeats: int = 50, warmup: int = 3, muon_repeats: int | None = None,
-                   compile: bool = False, batch_size: int = 8, seq_len: int | None = None,
                    log: Callable[[str], object] = print) -> dict:
-    """Run the MuonAdamW rows (one per model; with `compile`, a compiled row after each eager
-    one) and the Muon rows (one per matrix set: a name of `MATRIX_SETS`, or a mapping name ->
-    [(matrices, rows, cols), ...]). `muon_repeats` (default `repeats`) for the Muon rows.
+    """Run the Muon rows, one per matrix set (a name of `MATRIX_SETS`, or a mapping name ->
+    [(matrices, rows, cols), ...]). `muon_repeats` (default `repeats`): timed steps per row.
 
     Returns {environment, device, loadavg_start, loadavg_end, host_cpus, others_cpus (CPUs
     other processes kept busy on average during the run, from /proc/stat, as
-    `cotangent.harness.contention`; None where unreadable), wall_s, muon_adamw_rows,
-    muon_rows, table}. Raises ValueError for an unknown matrix-set name, repeats < 1 or
-    warmup < 0."""
+    `cotangent.harness.contention`; None where unreadable), wall_s, muon_rows, table}.
+    Raises ValueError for an unknown matrix-set name, repeats < 1 or warmup < 0."""
     if repeats < 1 or warmup < 0 or (muon_repeats is not None and muon_repeats < 1):
         raise ValueError("repeats must be >= 1 and warmup >= 0")
     if not isinstance(matrix_sets, Mapping):
@@ -278,16 +166,6 @@ def run_muon_bench(models: Sequence[str] = MUON_ADAMW_MODELS,
     load_start = os.getloadavg()
     sampler = HostSampler()
     host0, cpu0, wall0 = sampler.sample(), time.process_time(), time.perf_counter()
-    adamw_rows = []
-    for model in models:
-        for compiled in (False, True) if compile else (False,):
-            row = muon_adamw_row(model, repeats=repeats, warmup=warmup, compile=compiled,
-                                 batch_size=batch_size, seq_len=seq_len)
-            log(f"  MuonAdamW {model:<16} {'compiled' if compiled else 'eager':<8} update "
-                f"reference {row['reference_update_ms']:7.2f} ms packed "
-                f"{row['packed_update_ms']:7.2f} ms  ratio {row['ratio']:.3f}  bitwise "
-                f"{row['bitwise']}")
-            adamw_rows.append(row)
     muon_rows = []
     for name, spec in matrix_sets.items():
         row = muon_row(name, spec, repeats=muon_repeats or repeats, warmup=warmup)
@@ -300,61 +178,36 @@ def run_muon_bench(models: Sequence[str] = MUON_ADAMW_MODELS,
         (host1[0] - host0[0]) - (cpu1 - cpu0)) / (wall1 - wall0)
     result = dict(environment=environment(), device="cpu", loadavg_start=list(load_start),
                   loadavg_end=list(os.getloadavg()), host_cpus=sampler.cpus,
-                  others_cpus=others, wall_s=wall1 - wall0, muon_adamw_rows=adamw_rows,
-                  muon_rows=muon_rows)
+                  others_cpus=others, wall_s=wall1 - wall0, muon_rows=muon_rows)
     result["table"] = format_muon_table(result)
     return result
 
 
-def muon_bench_header(models: Sequence[str], matrix_sets, repeats: int = 50, warmup: int = 3,
-                      compile: bool = False) -> str:
+def muon_bench_header(matrix_sets, repeats: int = 50, warmup: int = 3) -> str:
     """The line printed before the rows (as `cotangent bench` prints one)."""
-    modes = "eager + compiled" if compile else "eager"
-    return (f"Muon benchmark on cpu: MuonAdamW on {len(models)} model(s) ({modes}), Muon on "
-            f"{len(matrix_sets)} matrix set(s), {repeats} repeats (+{warmup} warm-up), arms "
-            "interleaved")
+    return (f"Muon benchmark on cpu: cotangent.Muon vs torch.optim.Muon on {len(matrix_sets)} "
+            f"matrix set(s), {repeats} repeats (+{warmup} warm-up), arms interleaved")
 
 
 def muon_bench_ok(result: dict) -> bool:
     """True when every row is bitwise (the exit status of `cotangent bench --muon`)."""
-    return all(r["bitwise"] for r in result["muon_adamw_rows"] + result["muon_rows"])
+    return all(r["bitwise"] for r in result["muon_rows"])
 
 
 def format_muon_table(result: dict) -> str:
-    """Machine facts, then the two tables (MuonAdamW rows, Muon rows), ms per step, medians."""
+    """Machine facts, then the table of the Muon rows, step ms, medians."""
     env = result["environment"]
     others = result["others_cpus"]
     lines = [f"machine: {env['cpu_model']} ({env['cpu_capability']}), {env['threads']} torch "
              f"threads, torch {env['torch']}, float32 parameters; other processes kept "
              f"{'(not measured)' if others is None else f'{others:.2f}'} of "
              f"{result['host_cpus']} CPUs busy during the run ({result['wall_s']:.0f} s)"]
-    rows = result["muon_adamw_rows"]
-    if rows:
-        batches = sorted({f"{r['batch'][0]}x{r['batch'][1]}" for r in rows})
-        lines += [
-            "", "MuonAdamW, reference (stack + _foreach_copy_) vs packed; ms per step, medians; "
-            f"update = step + zero_grad; batches of {', '.join(batches)} byte ids; net = packed - "
-            "reference of zero_grad + backward + step",
-            f"{'model':<16}{'params':>10}  {'mode':<9}{'bwd ref':>8}{'bwd pk':>8}"
-            f"{'step ref':>9}{'step pk':>8}"
-            f"{'zg ref':>7}{'zg pk':>7}{'upd ref':>8}{'upd pk':>8}{'ratio':>7}"
-            f"{'stack+copy':>11}{'zero/accum':>11}{'net':>8}  bitwise"]
-        for r in rows:
-            lines.append(
-                f"{r['model']:<16}{r['params']:>10,}  "
-                f"{'compiled' if r['compile'] else 'eager':<9}"
-                f"{r['reference_backward_ms']:>8.2f}{r['packed_backward_ms']:>8.2f}"
-                f"{r['reference_step_ms']:>9.2f}{r['packed_step_ms']:>8.2f}"
-                f"{r['reference_zero_grad_ms']:>7.2f}{r['packed_zero_grad_ms']:>7.2f}"
-                f"{r['reference_update_ms']:>8.2f}{r['packed_update_ms']:>8.2f}"
-                f"{r['ratio']:>7.3f}{r['stack_copy_ms']:>11.3f}{r['zero_accum_ms']:>+11.3f}"
-                f"{r['net_ms']:>+8.2f}  "
-                f"{'yes' if r['bitwise'] else 'NO'}")
     rows = result["muon_rows"]
     if rows:
         lines += [
             "", "cotangent.Muon vs torch.optim.Muon (for-loop); step ms, medians; batched = "
-            "batches stepped by the batched Newton-Schulz (of all packed batches)",
+            "batches stepped by the batched Newton-Schulz (of all batches: two or more "
+            "equal-shape matrices of a group)",
             f"{'matrices':<17}{'params':>11}{'tensors':>8}{'torch':>10}{'cotangent':>10}"
             f"{'ratio':>7}  {'batched':<8} bitwise"]
         for r in rows:
@@ -363,10 +216,9 @@ def format_muon_table(result: dict) -> str:
                 f"{r['torch_step_ms']:>10.2f}{r['cotangent_step_ms']:>10.2f}{r['ratio']:>7.3f}"
                 f"  {str(r['batched']) + '/' + str(r['batches']):<8} "
                 f"{'yes' if r['bitwise'] else 'NO'}")
-    for r in result["muon_adamw_rows"] + result["muon_rows"]:
+    for r in rows:
         if r["difference"]:
-            name = r.get("model") or r.get("matrices")
-            lines.append(f"first difference ({name}): {r['difference']}")
+            lines.append(f"first difference ({r['matrices']}): {r['difference']}")
     return "\n".join(lines)
 
 

@@ -253,6 +253,7 @@ def launch_ranks(nproc: int, argv: list[str]) -> int:
 
 def _bench_parser(sub) -> None:
     from cotangent.harness.bench import BATCH_SIZE, IMPLS, METHODS, SEQ_LEN, SHAPES
+    from cotangent.harness.bench_muon import MATRIX_SETS as MUON_MATRIX_SETS
 
     p = sub.add_parser(
         "bench", help="update-phase benchmark: native vs Cotangent, with a bandwidth floor",
@@ -284,13 +285,9 @@ def _bench_parser(sub) -> None:
                         "many-small,transformer-small,causal-conv,gated-gqa; --impls default "
                         "fused)")
     p.add_argument("--muon", action="store_true",
-                   help="instead: MuonAdamW (published stack/copy path vs packed) on the "
-                        "recurrent models, and cotangent.Muon vs torch.optim.Muon on batches of "
-                        "equal-shape matrices (--shapes picks from recurrent-mini, "
-                        "recurrent-small, 8x384x384, 4x64x256, 6x96x96, transformer-mix; "
-                        "default all)")
-    p.add_argument("--compile", action="store_true",
-                   help="with --muon: add a torch.compile'd MuonAdamW row after each eager one")
+                   help="instead: cotangent.Muon vs torch.optim.Muon on sets of equal-shape "
+                        "matrices (--shapes picks matrix sets from "
+                        f"{', '.join(MUON_MATRIX_SETS)}; default all)")
     p.add_argument("--json", action="store_true", help="print one JSON object as the last line")
 
 
@@ -305,8 +302,6 @@ def cmd_bench(args) -> int:
         raise ValueError("--batch-size and --seq-len apply to --method real-backward only")
     if args.muon:
         return _bench_muon(args)
-    if args.compile:
-        raise ValueError("--compile applies to --muon only")
     if args.distributed is not None:
         return _bench_distributed(args)
     shapes, impls = _bench_choices(args, bench.SHAPES, tuple(bench.IMPLS))
@@ -375,7 +370,8 @@ def _bench_distributed(args) -> int:
 
 
 def _bench_muon(args) -> int:
-    """`cotangent bench --muon`: the MuonAdamW and Muon rows (harness/bench_muon.py)."""
+    """`cotangent bench --muon`: the Muon rows, cotangent.Muon vs torch.optim.Muon, one per
+    matrix set named in --shapes (default all; harness/bench_muon.py)."""
     from cotangent.harness import bench_muon
 
     if args.distributed is not None or args.impls or args.device != "cpu":
@@ -384,18 +380,13 @@ def _bench_muon(args) -> int:
     if args.repeats < 1 or args.warmup < 0:
         raise ValueError("--repeats must be >= 1 and --warmup >= 0")
     names = [s for s in (args.shapes or "").split(",") if s]
-    known = (*bench_muon.MUON_ADAMW_MODELS, *bench_muon.MATRIX_SETS)
-    unknown = [n for n in names if n not in known]
+    unknown = [n for n in names if n not in bench_muon.MATRIX_SETS]
     if unknown:
         raise ValueError(f"unknown shape(s) {', '.join(unknown)} in --shapes; valid with "
-                         f"--muon: {', '.join(known)}")
-    models = [n for n in names if n in bench_muon.MUON_ADAMW_MODELS] if names else list(
-        bench_muon.MUON_ADAMW_MODELS)
-    sets = [n for n in names if n in bench_muon.MATRIX_SETS] if names else list(
-        bench_muon.MATRIX_SETS)
-    print(bench_muon.muon_bench_header(models, sets, args.repeats, args.warmup, args.compile))
-    result = bench_muon.run_muon_bench(models, sets, repeats=args.repeats, warmup=args.warmup,
-                                       compile=args.compile)
+                         f"--muon: {', '.join(bench_muon.MATRIX_SETS)}")
+    sets = names or list(bench_muon.MATRIX_SETS)
+    print(bench_muon.muon_bench_header(sets, args.repeats, args.warmup))
+    result = bench_muon.run_muon_bench(sets, repeats=args.repeats, warmup=args.warmup)
     print(result["table"])
     if args.json:
         print(bench_muon.muon_result_json(result))

@@ -14,7 +14,7 @@ The seed study's 2x2 factorial {batched norms} x {packing} (native is neither):
 
 Study arms (occurrence aggregation of a shared recurrent core; a study, not a bitwise family:
 their final hashes are recorded, never required to agree), each on a `recurrent-*` model and
-trained with `cotangent.MuonAdamW` (packed; Muon for the block matrices, AdamW for the token
+trained with `cotangent.MuonAdamW` (Muon for the block matrices, AdamW for the token
 embedding and the head, settings `muon_*`; no gradient clipping; the warmup + cosine schedule
 `lr_factor` on every group):
     U                   untied core: every occurrence of a core block has its own weights.
@@ -430,7 +430,7 @@ class Arm:
         sharing, mode = STUDY_ARMS[name]
         self.model = build_model(cfg.model, cfg.seed, sharing=sharing).to(device)
         muon_params = self.model.matrix_parameters()
-        if mode is not None:  # built before the optimizer packs the replicas
+        if mode is not None:  # its pooled leaves join the optimizer
             self.aggregator = OccurrenceAggregator(self.model.occurrence_groups(), mode)
             muon_params += self.aggregator.pooled_leaves()
         self.optimizer = cotangent.MuonAdamW(
@@ -439,7 +439,7 @@ class Arm:
             muon_params, adamw_betas=cfg.muon_adamw_betas, adamw_eps=cfg.muon_adamw_eps,
             adamw_weight_decay=cfg.muon_adamw_weight_decay, muon_lr=cfg.muon_lr,
             muon_momentum=cfg.muon_momentum, muon_ns_steps=cfg.muon_ns_steps,
-            muon_beta2=cfg.muon_beta2, muon_weight_decay=cfg.muon_weight_decay, packed=True,
+            muon_beta2=cfg.muon_beta2, muon_weight_decay=cfg.muon_weight_decay,
             compile=cfg.muon_compile)
         self.lr_group = next(i for i, g in enumerate(self.optimizer.param_groups)
                              if g["kind"] == "muon")
@@ -455,7 +455,7 @@ class Arm:
         groups = self.optimizer.param_groups
         muon = [p for g in groups if g["kind"] == "muon" for p in g["params"]]
         return {"sharing": sharing, "occurrence_mode": mode,
-                "optimizer": "cotangent.MuonAdamW(packed=True, compile="
+                "optimizer": "cotangent.MuonAdamW(compile="
                              f"{bool(self.optimizer.compile)})",
                 "muon_groups": [list(g["params"][0].shape) for g in groups
                                 if g["kind"] == "muon"],
