@@ -7,6 +7,7 @@ shape and every byte), over parameters, gradients and every state entry, after e
 from __future__ import annotations
 
 import copy
+import warnings
 
 import pytest
 import torch
@@ -466,7 +467,7 @@ def test_tensors_the_user_holds_get_natives_bytes(case, nesterov, params_in_one_
 
 
 @pytest.mark.parametrize("how", ["one tensor for two matrices", "a parameter as buffer",
-                                 "overlapping views"])
+                                 "overlapping views", "a batched slice for a lone matrix"])
 def test_momentum_buffers_aliased_from_outside_keep_natives_aliasing(how):
     """A momentum buffer assigned from outside is copied into the batch's slice only when
     nothing else shares its bytes; native keeps the aliasing (two matrices stepping one buffer,
@@ -475,8 +476,12 @@ def test_momentum_buffers_aliased_from_outside_keep_natives_aliasing(how):
         g = torch.Generator().manual_seed(4)
         params = [nn.Parameter(torch.randn(8, 12, generator=g) * 0.1) for _ in range(3)]
         extra = nn.Parameter(torch.randn(8, 12, generator=g) * 0.1)
-        opt = cls([{"params": params}, {"params": [extra]}], lr=0.02)
-        for p in params + [extra]:
+        lone = nn.Parameter(torch.randn(8, 12, generator=g) * 0.1)  # listed twice: no batch
+        first = [params[0], lone] if how == "a batched slice for a lone matrix" else [params[0]]
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch's duplicate-parameter warning
+            opt = cls([{"params": first + params[1:] + [lone]}, {"params": [extra]}], lr=0.02)
+        for p in params + [extra, lone]:
             p.grad = torch.randn(p.shape, generator=g)
         opt.step()
         if how == "one tensor for two matrices":
@@ -485,15 +490,17 @@ def test_momentum_buffers_aliased_from_outside_keep_natives_aliasing(how):
             opt.state[params[2]]["momentum_buffer"] = shared
         elif how == "a parameter as buffer":
             opt.state[params[1]]["momentum_buffer"] = extra.detach()
+        elif how == "a batched slice for a lone matrix":  # stepped between the batch's members
+            opt.state[lone]["momentum_buffer"] = opt.state[params[1]]["momentum_buffer"]
         else:
             flat = torch.randn(8 * 12 + 12, generator=g)
             opt.state[params[0]]["momentum_buffer"] = flat[:96].view(8, 12)
             opt.state[params[1]]["momentum_buffer"] = flat[12:].view(8, 12)
         for step in range(3):
-            for p in params + [extra]:
+            for p in params + [extra, lone]:
                 p.grad = torch.randn(p.shape, generator=g)
             opt.step()
-        return params + [extra], opt
+        return params + [extra, lone], opt
 
     (pn, opt_n), (po, opt_o) = run(torch.optim.Muon), run(cotangent.Muon)
     assert_same_update(pn, opt_n.state, po, opt_o.state, how)

@@ -488,15 +488,21 @@ class Muon(torch.optim.Muon):
 
     def _batched_now(self, batch: _Batch, group: dict) -> bool:
         """Whether this step runs `batch` batched: every member has a plain gradient laid out as
-        its parameter, every buffer is the batch's slice, no gradient shares memory with a
-        parameter or momentum buffer of the group (native reads each gradient after updating
-        the parameters before it), and the probe proved the batched form for this shape."""
+        its parameter, every buffer is the batch's slice and no other matrix of the group holds
+        one, no gradient shares memory with a parameter or momentum buffer of the group (native
+        reads each gradient after updating the parameters before it), and the probe proved the
+        batched form for this shape."""
         for i, p in enumerate(batch.params):
             grad = p.grad
             if grad is None or not _plain_matrix(grad, p):
                 return False
             if not self._is_ours(batch, i, self.state[p].get(_KEY)):
                 return False
+        members, mine = set(map(id, batch.params)), batch.buffer.untyped_storage().data_ptr()
+        if any(id(q) not in members and _KEY in self.state.get(q, {})
+               and self.state[q][_KEY].untyped_storage().data_ptr() == mine
+               for q in group["params"]):  # another matrix of the group steps one of its slices
+            return False
         written = {t.untyped_storage().data_ptr() for t in group["params"]}
         written.update(self.state[p][_KEY].untyped_storage().data_ptr()
                        for p in group["params"] if _KEY in self.state.get(p, {}))
