@@ -123,7 +123,7 @@ def test_param_groups_state_dict_and_edits():
     opt_o2 = cotangent.Muon(groups(ours2), lr=0.02)
     opt_o2.load_state_dict(sd_n)
     lockstep(native2, ours2, opt_n2, opt_o2, steps=2)
-    # a momentum buffer assigned from outside is copied in; a wrong shape is refused untouched
+    # a momentum buffer assigned from outside: its batch runs per matrix; a wrong shape is refused
     with torch.no_grad():
         value = torch.randn(48, 48)
     opt_n2.state[native2.a.weight]["momentum_buffer"] = value.clone()
@@ -202,13 +202,13 @@ def test_a_repeated_parameter_is_stepped_as_native_steps_it():
     per `step()`; so does cotangent.Muon (that parameter joins no batch)."""
     def run(cls):
         g = torch.Generator().manual_seed(2)
-        w, others = (nn.Parameter(torch.randn(8, 8, generator=g)),
-                     [nn.Parameter(torch.randn(8, 8, generator=g)) for _ in range(2)])
+        w, others = (nn.Parameter(torch.randn(16, 16, generator=g)),
+                     [nn.Parameter(torch.randn(16, 16, generator=g)) for _ in range(2)])
         with pytest.warns(UserWarning, match="duplicate parameters"):
             opt = cls([w, others[0], w, others[1]], lr=0.02)
         for step in range(3):
             for p in (w, *others):
-                p.grad = torch.randn(8, 8, generator=g)
+                p.grad = torch.randn(16, 16, generator=g)
             opt.step()
         return [w, *others], opt
     (pn, opt_n), (po, opt_o) = run(torch.optim.Muon), run(cotangent.Muon)
@@ -474,9 +474,9 @@ def test_momentum_buffers_aliased_from_outside_keep_natives_aliasing(how):
     a buffer that is another parameter, buffers overlapping), and so must cotangent.Muon."""
     def run(cls):
         g = torch.Generator().manual_seed(4)
-        params = [nn.Parameter(torch.randn(8, 12, generator=g) * 0.1) for _ in range(3)]
-        extra = nn.Parameter(torch.randn(8, 12, generator=g) * 0.1)
-        lone = nn.Parameter(torch.randn(8, 12, generator=g) * 0.1)  # listed twice: no batch
+        params = [nn.Parameter(torch.randn(16, 24, generator=g) * 0.1) for _ in range(3)]
+        extra = nn.Parameter(torch.randn(16, 24, generator=g) * 0.1)
+        lone = nn.Parameter(torch.randn(16, 24, generator=g) * 0.1)  # listed twice: no batch
         first = [params[0], lone] if how == "a batched slice for a lone matrix" else [params[0]]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # torch's duplicate-parameter warning
@@ -485,7 +485,7 @@ def test_momentum_buffers_aliased_from_outside_keep_natives_aliasing(how):
             p.grad = torch.randn(p.shape, generator=g)
         opt.step()
         if how == "one tensor for two matrices":
-            shared = torch.randn(8, 12, generator=g)
+            shared = torch.randn(16, 24, generator=g)
             opt.state[params[0]]["momentum_buffer"] = shared
             opt.state[params[2]]["momentum_buffer"] = shared
         elif how == "a parameter as buffer":
@@ -493,9 +493,9 @@ def test_momentum_buffers_aliased_from_outside_keep_natives_aliasing(how):
         elif how == "a batched slice for a lone matrix":  # stepped between the batch's members
             opt.state[lone]["momentum_buffer"] = opt.state[params[1]]["momentum_buffer"]
         else:
-            flat = torch.randn(8 * 12 + 12, generator=g)
-            opt.state[params[0]]["momentum_buffer"] = flat[:96].view(8, 12)
-            opt.state[params[1]]["momentum_buffer"] = flat[12:].view(8, 12)
+            flat = torch.randn(16 * 24 + 24, generator=g)
+            opt.state[params[0]]["momentum_buffer"] = flat[:384].view(16, 24)
+            opt.state[params[1]]["momentum_buffer"] = flat[24:].view(16, 24)
         for step in range(3):
             for p in params + [extra, lone]:
                 p.grad = torch.randn(p.shape, generator=g)
@@ -504,3 +504,119 @@ def test_momentum_buffers_aliased_from_outside_keep_natives_aliasing(how):
 
     (pn, opt_n), (po, opt_o) = run(torch.optim.Muon), run(cotangent.Muon)
     assert_same_update(pn, opt_n.state, po, opt_o.state, how)
+
+
+def test_a_state_dict_still_held_is_never_written_by_a_later_load():
+    """Adversarial input: ``backup = opt.state_dict()`` (references, no copy), then loading
+    another checkpoint, a step, and loading `backup` back. Native's load replaces its buffers,
+    so `backup`'s tensors keep the values they had; cotangent.Muon used to copy the loaded
+    values into its slices - `backup`'s own tensors. Now a load gives the batch a new tensor."""
+    def run(cls):
+        g = torch.Generator().manual_seed(6)
+        params = [nn.Parameter(torch.randn(16, 16, generator=g)) for _ in range(2)]
+        opt = cls(params, lr=0.1)
+        grads = [[torch.randn(16, 16, generator=g) for _ in params] for _ in range(5)]
+
+        def step(k):
+            for p, grad in zip(params, grads[k]):
+                p.grad = grad.clone()
+            opt.step()
+        step(0)
+        ckpt = copy.deepcopy(opt.state_dict())
+        step(1)
+        backup = opt.state_dict()
+        kept = copy.deepcopy(backup)
+        opt.load_state_dict(ckpt)
+        step(2)
+        for i in range(2):
+            assert_same_bits(backup["state"][i]["momentum_buffer"],
+                             kept["state"][i]["momentum_buffer"], f"{cls.__name__} backup {i}")
+        opt.load_state_dict(backup)
+        step(3)
+        step(4)
+        return params, opt
+
+    (pn, opt_n), (po, opt_o) = run(torch.optim.Muon), run(cotangent.Muon)
+    assert_same_update(pn, opt_n.state, po, opt_o.state, "after restoring the backup")
+
+
+def _swap_buffers(opt, ps):
+    s = opt.state
+    s[ps[0]]["momentum_buffer"], s[ps[1]]["momentum_buffer"] = (s[ps[1]]["momentum_buffer"],
+                                                                s[ps[0]]["momentum_buffer"])
+
+
+def _pop_and_put_back(opt, ps):
+    old = opt.state.pop(ps[0])
+    return lambda: opt.state.__setitem__(ps[0], old)  # after the next step
+
+
+def _buffer_is_another_grad(opt, ps):
+    opt.state[ps[0]]["momentum_buffer"] = ps[1].grad
+
+
+def _grad_of_another_matrix_is_a_slice(opt, ps):
+    ps[3].grad = opt.state[ps[2]]["momentum_buffer"].view(ps[3].shape)
+
+
+def _parameter_is_a_slice(opt, ps):
+    ps[0].data = opt.state[ps[1]]["momentum_buffer"]
+
+
+EDITS = {"swap two batched buffers": _swap_buffers, "pop a state, put it back": _pop_and_put_back,
+         "buffer = another matrix's gradient": _buffer_is_another_grad,
+         "another matrix's gradient = a slice": _grad_of_another_matrix_is_a_slice,
+         "parameter = a slice": _parameter_is_a_slice}
+
+
+@pytest.mark.parametrize("edit", list(EDITS))
+def test_state_edits_from_a_break_it_review_keep_natives_bytes(edit):
+    """Inputs from a break-it review of the in-place design (each gave other bytes than native
+    before its fix): buffers swapped between batched matrices (copied over each other), a state
+    popped and put back (its slice zeroed and reused meanwhile), a buffer that is another
+    matrix's gradient, a gradient of a matrix outside the batch that is a slice of it, a
+    parameter that is a slice. Group [A, B, C, X]: three (16, 16) matrices and one (8, 32)."""
+    def run(cls):
+        g = torch.Generator().manual_seed(9)
+        ps = [nn.Parameter(torch.randn(16, 16, generator=g) * 0.1) for _ in range(3)]
+        ps.insert(3, nn.Parameter(torch.randn(8, 32, generator=g) * 0.1))
+        opt = cls(ps, lr=0.02)
+        for step in range(4):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=g)
+            after = EDITS[edit](opt, ps) if step == 1 else None
+            opt.step()
+            if after is not None:
+                after()
+        return ps, opt
+
+    (pn, opt_n), (po, opt_o) = run(torch.optim.Muon), run(cotangent.Muon)
+    assert_same_update(pn, opt_n.state, po, opt_o.state, edit)
+
+
+@pytest.mark.parametrize("first", ["inference", "normal"])
+def test_a_step_under_inference_mode_behaves_as_natives(first):
+    """A first `step()` under `torch.inference_mode()` makes native's buffers inference tensors
+    (a later normal step raises); a grad-less step there must not make Cotangent's batch tensor
+    one (a later normal step trains, as native)."""
+    outcomes = []
+    for cls in (torch.optim.Muon, cotangent.Muon):
+        g = torch.Generator().manual_seed(2)
+        ps = [nn.Parameter(torch.randn(16, 16, generator=g)) for _ in range(2)]
+        opt = cls(ps, lr=0.02)
+        with torch.inference_mode():
+            if first == "inference":
+                for p in ps:
+                    p.grad = torch.randn(16, 16, generator=g)
+            opt.step()
+        for p in ps:
+            p.grad = torch.randn(16, 16, generator=g)
+        try:
+            opt.step()
+            outcomes.append(("trained", [p.detach().clone() for p in ps]))
+        except RuntimeError as exc:
+            outcomes.append((str(exc), None))
+    (kind_n, pn), (kind_o, po) = outcomes
+    assert kind_n == kind_o
+    if pn is not None:
+        assert all(same_bits(a, b) for a, b in zip(pn, po))

@@ -29,10 +29,12 @@ on the real tensors (native's code, so native's bits by construction).
 
 State is native's: ``optimizer.state[p]["momentum_buffer"]``, created at a parameter's first
 gradient (a slice of its batch, or ``zeros_like(grad)`` as native for a matrix in no batch), so
-`state_dict()` / `load_state_dict()` interchange with `torch.optim.Muon` in both directions. A
-contiguous buffer assigned from outside (``load_state_dict``, ``opt.state[p][...] = t``) to a
-batched matrix is copied into its slice at the next `step()` (the optimizer's state is its own
-to lay out); one laid out otherwise is kept as given, and that batch runs per matrix.
+`state_dict()` / `load_state_dict()` interchange with `torch.optim.Muon` in both directions.
+When every buffer of a batch was replaced from outside (``load_state_dict``), the new values are
+copied into a new batch tensor at the next `step()` (the optimizer's state is its own to lay
+out; the old tensor is never written again, so an earlier `state_dict()` keeps its values);
+a batch with only some buffers replaced, or one laid out unlike a slice or sharing memory,
+runs per matrix on the buffers as given.
 
 Native bug reproduced (`cotangent.native_bugs`, id "muon-bf16-buffer-overwrite"): torch 2.13's
 Muon with bfloat16 parameters and ``nesterov=False`` overwrites each momentum buffer with the
@@ -268,6 +270,7 @@ class _Batch:
     buffer: Tensor  # (n, rows, cols), contiguous
     views: list[Tensor] = field(default_factory=list)  # buffer[i], what state holds
     ptrs: list[int] = field(default_factory=list)
+    issued: set[int] = field(default_factory=set)  # slices handed to state at creation
 
     def __post_init__(self) -> None:
         self.views = list(self.buffer.unbind(0))
@@ -276,10 +279,12 @@ class _Batch:
 
 def _plain_matrix(grad: Tensor, param: Tensor) -> bool:
     """Whether `grad` can join a batch as native's op would read it: a plain dense contiguous
-    tensor of `param`'s shape, dtype and device (no subclass, negative-bit view or ZeroTensor)."""
+    tensor of `param`'s shape, dtype and device (no subclass, negative-bit view, ZeroTensor or
+    inference tensor: native's in-place ops on one outside inference mode raise)."""
     return (type(grad) is Tensor and grad.layout == torch.strided and grad.shape == param.shape
             and grad.dtype == param.dtype and grad.device == param.device
-            and grad.is_contiguous() and not grad.is_neg() and not _compat.is_zerotensor(grad))
+            and grad.is_contiguous() and not grad.is_neg() and not _compat.is_zerotensor(grad)
+            and not grad.is_inference())
 
 
 class Muon(torch.optim.Muon):
@@ -339,7 +344,7 @@ class Muon(torch.optim.Muon):
         for group in self.param_groups:
             for p in group["params"]:
                 value = self.state[p].get(_KEY) if p in self.state else None
-                if value is None:
+                if value is None or p.grad is None:  # native reads it only with a gradient
                     continue
                 if (not isinstance(value, Tensor) or value.shape != p.shape
                         or value.dtype != p.dtype or value.device != p.device):
@@ -349,26 +354,37 @@ class Muon(torch.optim.Muon):
                                        f"state['{_KEY}'] is {what}; it must match the "
                                        f"parameter ({tuple(p.shape)} {p.dtype} {p.device})")
         adoptable = self._adoptable()
-        for batch in self._batches:
-            for i, p in enumerate(batch.params):
-                state = self.state.get(p)
-                value = state.get(_KEY) if state else None
-                if value is None or self._is_ours(batch, i, value):
-                    continue
-                if _plain_matrix(value, p) and id(value) in adoptable:  # copied into its slice
-                    with torch.no_grad():
-                        batch.views[i].copy_(value)
-                    state[_KEY] = batch.views[i]
+        for bi, batch in enumerate(self._batches):
+            values = [self.state[p].get(_KEY) if p in self.state else None
+                      for p in batch.params]
+            held = [(i, v) for i, v in enumerate(values) if v is not None]
+            if all(self._is_ours(batch, i, v) for i, v in held):
+                continue
+            if any(self._is_ours(batch, i, v) or not _plain_matrix(v, batch.params[i])
+                   or id(v) not in adoptable for i, v in held):
+                continue  # some buffers replaced, or one unlike a slice: per matrix, as given
+            # every buffer replaced (load_state_dict): copied into a new batch tensor; the old
+            # one is left as it is to whoever still holds its slices (an earlier state_dict())
+            with torch.inference_mode(False):
+                fresh = _Batch(batch.group, batch.params, torch.zeros_like(batch.buffer))
+            with torch.no_grad():
+                for i, value in held:
+                    fresh.views[i].copy_(value)
+                    self.state[batch.params[i]][_KEY] = fresh.views[i]
+                    fresh.issued.add(i)
+            self._batches[bi] = fresh
 
     def _adoptable(self) -> set[int]:
-        """Ids of the momentum buffers that may be copied into a batch's slice: those whose
-        bytes overlap no other buffer's and whose storage holds no parameter (native would
-        keep such aliasing: two parameters stepping one buffer, or a buffer that is a
-        parameter)."""
+        """Ids of the momentum buffers that may be copied into a batch tensor: those whose
+        bytes overlap no other buffer's and whose storage holds no parameter or gradient
+        (native would keep such aliasing: two parameters stepping one buffer, a buffer that is
+        a parameter or a gradient)."""
         spans, params = [], set()
         for group in self.param_groups:
             for p in group["params"]:
                 params.add(p.untyped_storage().data_ptr())
+                if p.grad is not None:
+                    params.add(p.grad.untyped_storage().data_ptr())
                 value = self.state[p].get(_KEY) if p in self.state else None
                 if isinstance(value, Tensor):
                     start = value.data_ptr()
@@ -394,8 +410,9 @@ class Muon(torch.optim.Muon):
                     # native steps it twice, per matrix
                     keys.setdefault((tuple(p.shape), p.dtype, p.device), []).append(p)
             for (shape, dtype, device), members in keys.items():
-                if len(members) > 1:
-                    buffer = torch.zeros(len(members), *shape, dtype=dtype, device=device)
+                if len(members) > 1 and min(shape) >= _MIN_BATCHED_SIDE:
+                    with torch.inference_mode(False):  # a plain tensor, whatever the caller's mode
+                        buffer = torch.zeros(len(members), *shape, dtype=dtype, device=device)
                     batches.append(_Batch(gi, members, buffer))
         return batches
 
@@ -461,9 +478,12 @@ class Muon(torch.optim.Muon):
             state = self.state[p]
             if _KEY not in state:  # native: zeros_like(grad) at the first gradient
                 member = batch_of.get(id(p))
-                if member is not None and _plain_matrix(p.grad, p):
-                    batch, i = member
-                    state[_KEY] = batch.views[i].zero_()
+                if (member is not None and _plain_matrix(p.grad, p)
+                        and member[1] not in member[0].issued
+                        and not torch.is_inference_mode_enabled()):
+                    batch, i = member  # a slice is handed out once: a state deleted and
+                    batch.issued.add(i)  # recreated gets native's own tensor, as the old
+                    state[_KEY] = batch.views[i].zero_()  # slice may still be held
                 else:
                     state[_KEY] = torch.zeros_like(p.grad, memory_format=torch.preserve_format)
         hyper = _hyper(group)
@@ -499,10 +519,12 @@ class Muon(torch.optim.Muon):
             if not self._is_ours(batch, i, self.state[p].get(_KEY)):
                 return False
         members, mine = set(map(id, batch.params)), batch.buffer.untyped_storage().data_ptr()
-        if any(id(q) not in members and _KEY in self.state.get(q, {})
-               and self.state[q][_KEY].untyped_storage().data_ptr() == mine
-               for q in group["params"]):  # another matrix of the group steps one of its slices
-            return False
+        for q in group["params"]:  # another matrix of the group steps, reads or is a slice
+            if ((id(q) not in members and _KEY in self.state.get(q, {})
+                 and self.state[q][_KEY].untyped_storage().data_ptr() == mine)
+                    or q.untyped_storage().data_ptr() == mine
+                    or (q.grad is not None and q.grad.untyped_storage().data_ptr() == mine)):
+                return False
         written = {t.untyped_storage().data_ptr() for t in group["params"]}
         written.update(self.state[p][_KEY].untyped_storage().data_ptr()
                        for p in group["params"] if _KEY in self.state.get(p, {}))
@@ -552,3 +574,8 @@ class Muon(torch.optim.Muon):
 
 
 _UPDATE_KEYS = ("momentum", "nesterov", "ns_coefficients", "ns_steps", "eps")
+# Matrices with a side under this are never batched: there `bmm` takes a small-matrix kernel
+# that rounds some products unlike `mm` (a break-it review, AVX2 CPU, torch 2.13: 1 in about
+# 40,000 gram elements for (1, 200), 3 in 160,000 for (2, 99)), too rarely for the probe's
+# element budget to see; the batching gains little there anyway.
+_MIN_BATCHED_SIDE = 16
