@@ -20,7 +20,8 @@ from cotangent.harness.bench_muon import (
 )
 
 # "mix": one matrix of (8, 24) alone in its shape, so in no batch
-TINY_SETS = {"3x16x32": [(3, 16, 32)], "mix": [(2, 24, 8), (2, 8, 8), (1, 8, 24)]}
+# every side >= 16: cotangent.Muon batches no smaller matrix (bmm's small-matrix kernel)
+TINY_SETS = {"3x16x32": [(3, 16, 32)], "mix": [(2, 24, 16), (2, 16, 16), (1, 16, 24)]}
 TINY = dict(repeats=2, warmup=1, log=lambda line: None)
 
 
@@ -51,8 +52,8 @@ def test_rows_are_bitwise_timed_and_formatted():
         assert r["tensors_compared"] == 3 * r["tensors"]
     three, mix = result["muon_rows"]
     assert three["spec"] == [[3, 16, 32]] and three["params"] == 3 * 16 * 32
-    assert mix["params"] == 2 * 24 * 8 + 2 * 8 * 8 + 8 * 24
-    assert sorted(b["shape"] for b in mix["batch_summary"]) == [[8, 8], [24, 8]]
+    assert mix["params"] == 2 * 24 * 16 + 2 * 16 * 16 + 16 * 24
+    assert sorted(b["shape"] for b in mix["batch_summary"]) == [[16, 16], [24, 16]]
 
     assert muon_bench_ok(result)
     table = result["table"]
