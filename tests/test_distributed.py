@@ -262,15 +262,23 @@ def _zero_config(rank: int, world: int, cfg: dict) -> list[str]:
     problems += _differences(f"{label} cotangent vs native", m1, o1, runs["native"],
                              m3, o3, runs["cotangent"], state_of_2_only=True)
 
-    # shard_norms="share": the gathered per-tensor norms are the whole buffer's, in its order
+    # shard_norms="share": the total norm from the gathered per-tensor norms is the one from
+    # every norm computed here
     if cfg["norms"] == "share":
-        from cotangent.norms import run_norm_program
+        from cotangent import sharding
 
-        clipper = o3._clipper
-        for li, program in enumerate(clipper.programs):
-            whole = run_norm_program(program, 2.0, None)
-            if (d := first_difference(whole, clipper.shard_norms[li].run(2.0))) is not None:
-                problems.append(f"{label}: gathered per-tensor norms of buffer {li}: {d}")
+        torch.manual_seed(rank)  # gradients that differ per rank would show in the result
+        grads = [torch.randn(q.shape) for q in m3.parameters()]
+        for g in grads:
+            torch.distributed.broadcast(g, 0)
+        shares = [o3.share_of(q) for q in m3.parameters()]
+        got = sharding.share_total_norm(grads, shares, o3._shares.zero, 2.0,
+                                        lambda part: o3._tensor_norms(part))
+        want = torch.nn.utils.get_total_norm(grads, 2.0)
+        if (d := first_difference(want, got)) is not None:
+            problems.append(f"{label}: total norm from gathered per-tensor norms: {d}")
+        if len(set(shares)) != world:
+            problems.append(f"{label}: shares {shares} leave a rank without parameters")
 
     # the share: state for the owned parameters only, buffers covering exactly their windows
     owned = [q for q in m3.parameters() if o3.state.get(q)]
@@ -285,13 +293,13 @@ def _zero_config(rank: int, world: int, cfg: dict) -> list[str]:
 
     # consolidation: the unsharded native format, on every rank (to=None) and on rank 0; a
     # stale entry assigned on a rank that does not own the parameter is not gathered
-    strays = [q for slot, q in enumerate(m3.parameters()) if not o3._store.owns(slot)]
+    strays = [q for q in m3.parameters() if o3.share_of(q) != rank]
     for q in strays:
         o3.state[q] = {"step": torch.tensor(99.0), "exp_avg": torch.ones_like(q),
                        "exp_avg_sq": torch.ones_like(q)}
     o3.consolidate_state_dict(to=None)
-    for q in strays:
-        del o3.state[q]
+    if any(q in o3.state for q in strays):
+        problems.append(f"{label}: a stray entry stayed in state through consolidation")
     problems += [f"{label} consolidated (all): {p}"
                  for p in _state_dict_differences(o1.state_dict(), o3.state_dict())]
     o3.consolidate_state_dict(to=0)
@@ -307,7 +315,7 @@ def _zero_config(rank: int, world: int, cfg: dict) -> list[str]:
                 problems.append(f"{label}: unclear error {exc}")
 
     # resume: the native state dict into a fresh sharded optimizer, two more steps each
-    saved = o1.state_dict()
+    saved = copy.deepcopy(o1.state_dict())  # (a loaded tensor of equal dtype is shared)
     resumed = side("cotangent", copy.deepcopy(m1))
     resumed[2].load_state_dict(saved)
     n1 = _train(native[1], o1, list(m1.parameters()), inputs[4:], rank, cfg["unused"])
@@ -377,7 +385,7 @@ def _zero_error_checks(rank: int, world: int) -> list[str]:
     for p in params[1:]:
         p.grad = torch.full_like(p, 0.5)
     opt.step()
-    foreign = [p for slot, p in enumerate(params[1:]) if not opt._store.owns(slot)]
+    foreign = [p for p in params[1:] if opt.share_of(p) != rank]
     for p in foreign:
         opt.state[p] = {"step": torch.tensor(7.0), "exp_avg": torch.ones_like(p),
                         "exp_avg_sq": torch.ones_like(p)}
@@ -389,8 +397,103 @@ def _zero_error_checks(rank: int, world: int) -> list[str]:
     return problems
 
 
+def _zero_in_place_checks(rank: int, world: int) -> list[str]:
+    """ZeRO-1 reads everything where it is (issue 26): parameters keep their storage, after a
+    backward ``p.grad`` is autograd's tensor and the clip multiplies it in place, after
+    `zero_grad()` every ``.grad`` is None; a gradient tensor the user assigned once and refills
+    in place is read afresh every step; a bad state entry on one rank's share raises on every
+    rank (nothing modified) instead of leaving the other rank in the broadcast; parameters that
+    share memory are refused before anything is modified."""
+    import cotangent
+    from cotangent.verify import first_difference
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    problems = []
+    torch.manual_seed(0)
+    base = Net(False)
+    gen = torch.Generator().manual_seed(rank)
+    inputs = [torch.randn(4, 8, generator=gen) for _ in range(3)]
+    models = [copy.deepcopy(base) for _ in range(2)]
+    native = torch.optim.AdamW(models[0].parameters(), lr=1e-2, fused=True)
+    ours = cotangent.AdamW(models[1].parameters(), lr=1e-2, fused=True, max_norm=0.05,
+                           shard="zero1")
+    ddps = [DDP(m) for m in models]
+    ptrs = [q.data_ptr() for q in models[1].parameters()]
+    for x in inputs:
+        for ddp, opt in zip(ddps, (native, ours)):
+            opt.zero_grad()
+            if any(q.grad is not None for q in ddp.module.parameters()):
+                problems.append("a .grad survived zero_grad()")
+            ddp(x, False).square().mean().backward()
+        grads = [q.grad for q in models[1].parameters()]
+        torch.nn.utils.clip_grad_norm_(models[0].parameters(), 0.05)
+        native.step()
+        ours.step()
+        if any(a is not q.grad for a, q in zip(grads, models[1].parameters())):
+            problems.append("step() replaced a .grad (autograd's tensor must stay)")
+    if [q.data_ptr() for q in models[1].parameters()] != ptrs:
+        problems.append("a parameter moved")
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        for what, x, y in ((name, a, b), (f"grad of {name}", a.grad, b.grad)):
+            if (d := first_difference(x.detach(), y.detach())) is not None:
+                problems.append(f"in place, {what}: {d}")
+
+    # a gradient assigned once and refilled in place (zero_grad(set_to_none=False) + copy_)
+    ps = [torch.nn.Parameter(torch.linspace(-1, 1, n)) for n in (64, 96, 32)]
+    qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+    o_native = torch.optim.AdamW(ps, lr=0.1, foreach=False)
+    o_ours = cotangent.AdamW(qs, lr=0.1, foreach=False, max_norm=0.5, shard="zero1")
+    held = [torch.zeros_like(q) for q in qs]
+    for q, g in zip(qs, held):
+        q.grad = g
+    for i in range(3):
+        o_native.zero_grad(set_to_none=False)
+        o_ours.zero_grad(set_to_none=False)
+        for p, g in zip(ps, held):
+            fill = torch.sin(torch.arange(p.numel(), dtype=torch.float32) * (i + 1))
+            p.grad = fill.clone() if p.grad is None else p.grad.copy_(fill)
+            g.copy_(fill)
+        torch.nn.utils.clip_grad_norm_(ps, 0.5)
+        o_native.step()
+        o_ours.step()
+    problems += [f"refilled gradient, parameter {i}: {d}" for i, (a, b) in enumerate(zip(ps, qs))
+                 if (d := first_difference(a.detach(), b.detach())) is not None]
+
+    # one rank's own state is bad: both ranks raise, nothing is modified
+    mine = next(q for q in qs if o_ours.share_of(q) == rank)
+    if rank == 0:
+        o_ours.state[mine]["exp_avg"] = torch.zeros(3)
+    before = [q.detach().clone() for q in qs]
+    try:
+        o_ours.step()
+        problems.append("a bad state entry on rank 0's share: no error")
+    except RuntimeError as exc:
+        if rank == 0 and "exp_avg" not in str(exc) or rank != 0 and "rank(s) [0]" not in str(exc):
+            problems.append(f"bad state on rank 0: unclear error on rank {rank}: {exc}")
+    if any(first_difference(a, b.detach()) is not None for a, b in zip(before, qs)):
+        problems.append("a parameter changed although the step raised")
+
+    # parameters sharing memory: refused at construction and at add_param_group
+    flat = torch.zeros(100)
+    views = [torch.nn.Parameter(flat[:60]), torch.nn.Parameter(flat[50:])]
+    try:
+        cotangent.AdamW(views, shard="zero1")
+        problems.append("parameters sharing memory: no error")
+    except ValueError as exc:
+        if "share no memory" not in str(exc):
+            problems.append(f"parameters sharing memory: unclear error {exc}")
+    opt = cotangent.AdamW([views[0]], shard="zero1")
+    try:
+        opt.add_param_group({"params": [views[1]]})
+        problems.append("add_param_group with shared memory: no error")
+    except ValueError:
+        if len(opt.param_groups) != 1:
+            problems.append("the refused param group was kept")
+    return problems
+
+
 def _zero_checks(rank: int, world: int) -> list[str]:
-    problems = _zero_error_checks(rank, world)
+    problems = _zero_error_checks(rank, world) + _zero_in_place_checks(rank, world)
     for cfg in ZERO_CONFIGS:
         problems += _zero_config(rank, world, cfg)
     return problems

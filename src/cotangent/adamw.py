@@ -153,8 +153,22 @@ class AdamW(torch.optim.AdamW):
         batched_norms: allow one calibrated 2-D norm over CPU gradients that happen to be
             equal, evenly spaced rows of one storage (`cotangent.clip`); ``False``: native
             per-tensor norms only.
-        shard, shard_norms, process_group: ``shard="zero1"`` builds a `cotangent.PackedAdamW`
-            (parameter-aligned ZeRO-1 still runs on the packed buffers; see there).
+        shard: ``None`` (default), or ``"zero1"``: parameter-aligned ZeRO-1 under
+            `torch.distributed` (typically with DistributedDataParallel, whose all-reduce makes
+            every rank's gradients equal; `cotangent.sharding`). Each rank holds and updates
+            the AdamW state of one share of whole parameters (contiguous runs of the parameter
+            list balanced by size; `share_of(p)` says whose); every rank checks and clips every
+            gradient, updates its share where it is, then every parameter is broadcast from its
+            owner. Parameters, gradients, norms and each share's state come out as the
+            unsharded native loop's. ``state`` holds this rank's share only;
+            `consolidate_state_dict()` then `state_dict()` give the whole state in native
+            format. Every rank must make the same calls (step, zero_grad, param-group edits)
+            in the same order: they are collectives.
+        shard_norms: with ``shard="zero1"``, ``"all"`` (default): each rank computes every
+            per-tensor norm; ``"share"``: the norms of its share only, all-gathered (as bytes)
+            into native order. Both give `clip_grad_norm_`'s bits.
+        process_group: with ``shard="zero1"``, the group to shard over (default: the default
+            group).
 
     Attributes:
         last_total_norm: the total gradient norm of the last clip (0-dim tensor, as
@@ -171,7 +185,10 @@ class AdamW(torch.optim.AdamW):
             `add_param_group`, `step()` and `zero_grad()` after an edit that makes it so);
             ``max_norm`` without `clip_order` (or with ``"param_groups"``) inside
             `torch.distributed.optim.ZeroRedundancyOptimizer` (each rank's optimizer holds one
-            shard: its clip would norm that shard alone); a bad `clip_order`.
+            shard: its clip would norm that shard alone); a bad `clip_order`; an unknown
+            `shard` or `shard_norms`; ``shard="zero1"`` without an initialised process group,
+            or with parameters on two devices or sharing memory (also from `add_param_group`
+            and `step()` after an edit that makes it so).
         NotImplementedError: ``capturable=True`` or ``differentiable=True`` (also when set on a
             group later).
         RuntimeError from `step()` and `clip_grad_norm_()`, before anything is modified: a
@@ -190,13 +207,6 @@ class AdamW(torch.optim.AdamW):
         >>> opt.zero_grad()
     """
 
-    def __new__(cls, *args, shard: str | None = None, **kwargs):
-        if cls is AdamW and shard is not None:
-            from cotangent.optim import PackedAdamW
-
-            return super().__new__(PackedAdamW)  # (then PackedAdamW.__init__ runs)
-        return super().__new__(cls)
-
     def __init__(self, params, lr: float | Tensor = 1e-3,
                  betas: tuple[float | Tensor, float | Tensor] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 1e-2, amsgrad: bool = False, *, maximize: bool = False,
@@ -206,7 +216,8 @@ class AdamW(torch.optim.AdamW):
                  error_if_nonfinite: bool = False, clip_order=None,
                  batched_norms: bool = True, shard: str | None = None,
                  shard_norms: str = "all", process_group=None) -> None:
-        sharding.setup(shard, shard_norms, process_group)  # (shard=None here: checks the rest)
+        zero = sharding.setup(shard, shard_norms, process_group)
+        self._shares = None if zero is None else sharding.Shares(zero)
         try:
             max_norm = None if max_norm is None else float(max_norm)
             norm_type = float(norm_type)
@@ -229,6 +240,8 @@ class AdamW(torch.optim.AdamW):
         check_clip_order_known(self.param_groups, self.max_norm, self._clip_order_params)
         if max_norm is not None:
             self._clip_order()  # a callable's result is checked now too (and at every clip)
+        if self._shares is not None:
+            self._shares.refresh(self.param_groups, self.state)
         self._reset_records()
 
     def _reset_records(self) -> None:
@@ -325,16 +338,42 @@ class AdamW(torch.optim.AdamW):
         if cut is not None:
             self._record_clip(cut.total, cut.grads)
         self._paths = (single, native, tuple(sorted(notes)), in_pass)
+        if (shares := self._shares) is not None:  # every parameter from its owner
+            sharding.broadcast_shares(shares.params, shares.shares, shares.zero)
+            shares.updates += 1
         return loss
 
     # ------------------------------------------------------------------ step pieces
 
     def _gather(self) -> tuple[list[_Call], list[tuple[_Call, int]]]:
         """This step's calls, one per (param group, device, dtype) of the parameters with a
-        gradient, and the (call, index) of parameters whose state native would create now.
+        gradient (ZeRO-1: of this rank's share), and the (call, index) of parameters whose state
+        native would create now.
 
-        Raises (before anything is modified): see the class docstring.
+        Raises (before anything is modified): see the class docstring; ZeRO-1: on every rank
+        when one rank's checks fail (`sharding.agree`).
         """
+        shares = self._shares
+        if shares is None:
+            return self._gather_calls(None)
+        shares.refresh(self.param_groups, self.state)  # (raises alike on every rank)
+        calls: list[_Call] = []
+        fresh: list[tuple[_Call, int]] = []
+        error = None
+        try:
+            calls, fresh = self._gather_calls(shares)
+            for call in calls:  # checked now: no rank may fail later, alone
+                if not call.checked:
+                    for p in call.params:
+                        self._check_param(p, bool(call.group["amsgrad"]))
+                    call.checked = True
+        except Exception as exc:
+            error = exc
+        sharding.agree(error, shares.zero, shares.params[0].device if shares.params else
+                       torch.device("cpu"))
+        return calls, fresh
+
+    def _gather_calls(self, shares: sharding.Shares | None):
         calls: list[_Call] = []
         fresh: list[tuple[_Call, int]] = []
         state = self.state
@@ -352,6 +391,10 @@ class AdamW(torch.optim.AdamW):
                     "lr as a Tensor is not supported for capturable=False and foreach=True")
             kind = merge.implementation(group, [p for _, p in params])
             amsgrad = bool(group["amsgrad"])
+            if shares is not None:  # (the implementation is the whole group's choice)
+                params = self._own_share(params, shares, amsgrad)
+                if not params:
+                    continue
             call = self._gather_alike(group, kind, params, amsgrad, fresh)
             if call is not None:
                 calls.append(call)
@@ -421,6 +464,22 @@ class AdamW(torch.optim.AdamW):
             for p in ps:
                 self._check_param(p, amsgrad)
         return call
+
+    def _own_share(self, params: list[tuple[int, Tensor]], shares: sharding.Shares,
+                   amsgrad: bool) -> list[tuple[int, Tensor]]:
+        """ZeRO-1: the (index, parameter) pairs of this rank's share; every other gradient is
+        checked as native reads it (equal on every rank, so every rank raises alike)."""
+        own = []
+        for index, p in params:
+            if shares.owns(p):
+                own.append((index, p))
+            elif p.grad.is_sparse:
+                raise RuntimeError(f"{self._describe(p)} received a sparse gradient: Adam does "
+                                   "not support sparse gradients, please consider SparseAdam "
+                                   "instead")
+            else:
+                self._check_param(p, amsgrad)  # (no state here: the gradient alone)
+        return own
 
     def _check_param(self, p: Tensor, amsgrad: bool) -> None:
         """Native AdamW's inputs for `p` as native reads them, or a clear error: a gradient of
@@ -520,7 +579,14 @@ class AdamW(torch.optim.AdamW):
         multiply (no GradScaler state, a CPU coefficient that is not NaN). `prepared`: a call's
         checked lists whose gradients are `grads` (`_prepare_early`); `team_now`: this step's
         `singlepass.team`."""
-        if self.norm_type == 2.0 and (prepared is not None or _plain_cpu_float32(grads)) and (
+        shares = self._shares
+        if shares is not None and shares.zero.norms == "share":
+            share_of = {id(p.grad): s for p, s in zip(shares.params, shares.shares)
+                        if p.grad is not None}
+            total = sharding.share_total_norm(
+                grads, [share_of.get(id(g), -1) for g in grads], shares.zero, self.norm_type,
+                lambda part: self._tensor_norms(part, team_now))
+        elif self.norm_type == 2.0 and (prepared is not None or _plain_cpu_float32(grads)) and (
                 singlepass.norms_proven(team_now)):
             # every per-tensor norm in one C call, with ATen's bits (proven by its probe)
             norms = (singlepass.tensor_norms(grads) if prepared is None else
@@ -553,6 +619,14 @@ class AdamW(torch.optim.AdamW):
             if value != value:
                 value = None  # a NaN coefficient: the multiply runs natively (see singlepass)
         return _Clip(grads, ids, total, coef, value, identity)
+
+    def _tensor_norms(self, grads: list[Tensor], team_now=None) -> list[Tensor]:
+        """Native's per-tensor norms of `grads` (one device and dtype), from one C call where
+        its probe proved ATen's bits."""
+        if (self.norm_type == 2.0 and _plain_cpu_float32(grads)
+                and singlepass.norms_proven(team_now)):
+            return list(singlepass.tensor_norms(grads))
+        return native_tensor_norms(grads, self.norm_type, None)
 
     def _clip_apart(self) -> Tensor:
         """`clip_grad_norm_` now, natively multiplied (unless these gradients are clipped
@@ -817,6 +891,8 @@ class AdamW(torch.optim.AdamW):
         check_clip_order_known(self.param_groups, self.max_norm, self._clip_order_params)
         if not set_to_none:
             self._last_clip = None  # the gradients are zeros now, not the clipped ones
+        if self._shares is not None:
+            self._shares.refresh(self.param_groups, self.state)
         super().zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -835,6 +911,8 @@ class AdamW(torch.optim.AdamW):
             if hasattr(self, "max_norm"):
                 check_clip_order_known(self.param_groups, self.max_norm,
                                        self._clip_order_params)
+            if getattr(self, "_shares", None) is not None and hasattr(self, "max_norm"):
+                self._shares.refresh(self.param_groups, self.state)  # state moves to owners
         except Exception:
             self.param_groups.pop()
             raise
@@ -848,9 +926,42 @@ class AdamW(torch.optim.AdamW):
         check_state_dict(state_dict, self.param_groups)
         super().load_state_dict(state_dict)
         self._last_clip = None
+        if self._shares is not None:  # every rank loaded every entry: each keeps its own
+            self._shares.consolidated = None
+            self._shares.drop_foreign(self.state)
+
+    def state_dict(self) -> dict:
+        """As `torch.optim.Optimizer.state_dict` (native AdamW format).
+
+        ZeRO-1: the whole, unsharded state, as gathered by the last `consolidate_state_dict()`
+        onto this rank; it loads into `torch.optim.AdamW` and into this optimizer (sharded or
+        not) alike.
+
+        Raises:
+            RuntimeError: ZeRO-1 without a `consolidate_state_dict()` onto this rank since the
+                last update.
+        """
+        if (live := _live(self)) is not self:
+            return live.state_dict()
+        if self._shares is None:
+            return super().state_dict()
+        whole, mine = self._shares.whole_state(), self.state
+        try:
+            self.state = whole
+            return super().state_dict()
+        finally:
+            self.state = mine
 
     def __getstate__(self) -> dict:
-        """For pickle and deepcopy: native's state plus the clipping settings."""
+        """For pickle and deepcopy: native's state plus the clipping settings.
+
+        Raises:
+            TypeError: ZeRO-1 (one rank's share and a process group cannot travel).
+        """
+        if self._shares is not None:
+            raise TypeError("a cotangent.AdamW with shard='zero1' cannot be pickled or copied "
+                            "(it holds one rank's share and a process group); save "
+                            "consolidate_state_dict() + state_dict() instead")
         state = super().__getstate__()
         state.update(max_norm=self.max_norm, norm_type=self.norm_type,
                      error_if_nonfinite=self.error_if_nonfinite, batched_norms=self.batched_norms,
@@ -860,20 +971,50 @@ class AdamW(torch.optim.AdamW):
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
         self._live_ref = weakref.ref(self)
+        # (`load_state_dict` calls this on a live optimizer: a ZeRO-1 plan stays; unpickling
+        # and deepcopy never see one, `__getstate__` refuses them)
+        self.__dict__.setdefault("_shares", None)
         self._reset_records()
 
     @property
     def consolidate_state_dict(self):
-        """Only for ``shard="zero1"`` (`cotangent.PackedAdamW`): this optimizer's `state_dict()`
-        is whole already, so reading the attribute raises `NotShardedError`, and checkpointing
-        code that asks ``hasattr(opt, "consolidate_state_dict")`` (pytorch-lightning,
-        lightning-fabric) saves `state_dict()` as for any unsharded optimizer.
+        """``consolidate_state_dict(to=0)``, ZeRO-1 only: gather every rank's share of the state
+        onto rank `to` of the process group (None: onto every rank), so that `state_dict()` there
+        returns the whole state in `torch.optim.AdamW`'s unsharded format. A collective: call it
+        on every rank (as `torch.distributed.optim.ZeroRedundancyOptimizer.consolidate_state_dict`).
+
+        An optimizer built with ``shard=None`` has no such method (its `state_dict()` is whole
+        already): reading the attribute raises `NotShardedError`, so that checkpointing code that
+        asks ``hasattr(opt, "consolidate_state_dict")`` (pytorch-lightning, lightning-fabric)
+        saves `state_dict()` as for any unsharded optimizer.
 
         Raises:
-            NotShardedError (an AttributeError and a RuntimeError): always here.
+            NotShardedError (an AttributeError and a RuntimeError): ``shard=None``.
+            ValueError (from the call): `to` is neither a rank of the group nor None.
         """
-        raise NotShardedError("consolidate_state_dict() is for shard='zero1'; this optimizer "
-                              "is not sharded")
+        live = _live(self)
+        if live._shares is None:
+            raise NotShardedError("consolidate_state_dict() is for shard='zero1'; this "
+                                  "optimizer is not sharded")
+        return live._consolidate_state_dict
+
+    def _consolidate_state_dict(self, to: int | None = 0) -> None:
+        self._shares.refresh(self.param_groups, self.state)
+        self._shares.consolidate(self.state, to)
+
+    def share_of(self, p: Tensor) -> int:
+        """ZeRO-1: the rank (in the process group) that holds `p`'s state and updates it.
+
+        Raises:
+            NotShardedError: ``shard=None``.
+            KeyError: `p` is not one of the optimizer's parameters.
+        """
+        live = _live(self)
+        if live._shares is None:
+            raise NotShardedError("share_of() is for shard='zero1'; this optimizer is not "
+                                  "sharded")
+        live._shares.refresh(live.param_groups, live.state)
+        return live._shares.share_of[id(p)]
 
     # ------------------------------------------------------------------ introspection
 

@@ -1,11 +1,12 @@
-"""Parameter-aligned ZeRO-1: each rank keeps and updates the AdamW state of a share of whole
-parameters, then every share's parameters are broadcast from their owner.
+"""Parameter-aligned ZeRO-1 for `cotangent.AdamW(..., shard="zero1")`: each rank keeps and
+updates the AdamW state of a share of whole parameters, then every parameter is broadcast from
+its owner. Parameters, gradients and state stay where they are (nothing is packed or copied).
 
-Shares are contiguous runs of the length-ordered flat buffers, balanced by size
-(`cotangent.packing.plan_layouts` with ``shares = world size``), so one broadcast per (layout,
-rank) moves a whole share. The total gradient norm is either computed from every gradient on
-every rank (gradients are already all-reduced by DDP), or from the share's gradients only, the
-per-tensor norms then all-gathered, as raw bytes, back into native order: both give
+Shares are contiguous runs of the optimizer's parameter list (param groups concatenated),
+balanced by element count (`shares_of`), so every rank computes the same plan from the
+parameters' sizes alone. The total gradient norm is either computed from every gradient on
+every rank (DDP has made them equal), or each rank norms its share's gradients and the
+per-tensor norms travel as raw bytes into native order (`share_total_norm`): both give
 `clip_grad_norm_`'s bits. Everything here is a collective: every rank must make the same calls
 in the same order (as with `torch.distributed.optim.ZeroRedundancyOptimizer`).
 
@@ -21,6 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from cotangent import _compat
 from cotangent.norms import NormProgram, norm_program, run_norm_program
 from cotangent.packing import FlatLayout, share_window
 from cotangent.store import compact_state
@@ -85,6 +87,130 @@ def check_one_device(params: list[Tensor]) -> None:
     if len(devices) > 1:
         raise ValueError(f"shard='zero1' needs every parameter on one device, got "
                          f"{sorted(map(str, devices))}")
+
+
+def shares_of(sizes: list[int], world: int) -> list[int]:
+    """The share (rank) of each parameter, from the parameters' element counts in optimizer
+    order: contiguous runs balanced by size, a parameter going to share
+    ``floor(world * (elements before it + half its elements) / total)`` (so no share exceeds its
+    fair part by more than about half the largest parameter on each side).
+
+    Args:
+        sizes: element count of each parameter (``p.numel()``), in optimizer order.
+        world: number of shares (the process group's size), >= 1.
+    Returns:
+        One share index in ``0 .. world - 1`` per parameter, non-decreasing.
+    """
+    total = sum(sizes)
+    out, before = [], 0
+    for n in sizes:
+        out.append(min(world - 1, world * (2 * before + n) // (2 * total)) if total else 0)
+        before += n
+    return out
+
+
+def agree(error: BaseException | None, zero: Zero1, device: torch.device) -> None:
+    """Whether every rank got through its checks: a collective run before anything is modified,
+    so that a rank whose own share fails a check (a bad ``state`` entry of a parameter it owns)
+    does not leave the others waiting in the broadcast.
+
+    Raises:
+        `error` on the rank that raised it; on every other rank, a RuntimeError naming the ranks
+        that raised.
+    """
+    flags = torch.zeros(zero.world, dtype=torch.int32, device=device)
+    if error is not None:
+        flags[zero.rank] = 1
+    dist.all_reduce(flags, group=zero.group)
+    if error is not None:
+        raise error
+    failed = flags.nonzero().flatten().tolist()
+    if failed:
+        raise RuntimeError(f"rank(s) {failed} of the ZeRO-1 group raised before the update "
+                           "(nothing was modified); see the error there")
+
+
+def share_total_norm(grads: list[Tensor], shares: list[int], zero: Zero1, norm_type: float,
+                     norms_of) -> Tensor:
+    """`clip_grad_norm_`'s total norm of `grads`, each rank norming its share's gradients only
+    (``shard_norms="share"``): a collective.
+
+    Native's total norm is ``vector_norm(stack([n.to(first device) for n in norms]))`` with the
+    per-tensor norms in its (device, dtype) group order (`torch.nn.utils.clip_grad`). Each rank
+    computes the norms of the gradients it owns (``norms_of(list of one (device, dtype)) -> list
+    of 0-dim norms``, native's bits), sends their bytes (no arithmetic on the way, so what a
+    rank receives does not depend on the other ranks' calibration verdicts), and every rank
+    stacks them in native order. Gradients of share ``-1`` (in the clip order, not in the
+    optimizer) are normed on every rank.
+
+    Args:
+        grads: the clipped gradients, in clip order (equal on every rank).
+        shares: the owner of each gradient's parameter (-1: none).
+    Returns:
+        The total norm: a 0-dim tensor on the first gradient's device.
+    Raises:
+        What the native norm call raises on the rank whose share it fails on; on every other
+        rank, a RuntimeError naming that rank (every rank takes part in the gather first, so
+        none is left waiting in it).
+    """
+    if not grads:
+        return torch.tensor(0.0)
+    groups = _compat.group_by_device_and_dtype(grads)
+    order = [i for _, _, idx in groups for i in idx]
+    first = grads[0].device
+    size = [g.element_size() for g in grads]  # a norm has its gradient's dtype
+    owned = [[i for i in order if shares[i] == r] for r in range(zero.world)]
+    norms: dict[int, Tensor] = {}
+    error = None
+    try:
+        for _, _, idx in groups:
+            here = [i for i in idx if shares[i] in (zero.rank, -1)]
+            for i, n in zip(here, norms_of([grads[i] for i in here])):
+                norms[i] = n
+    except Exception as exc:  # re-raised below, after the other ranks have been told
+        error = exc
+    width = max(sum(size[i] for i in part) for part in owned)
+    mine = torch.zeros(width + 1, dtype=torch.uint8, device=first)  # bytes, then a flag
+    if error is None:
+        if owned[zero.rank]:
+            mine[:sum(size[i] for i in owned[zero.rank])] = torch.cat(
+                [norms[i].reshape(1).view(torch.uint8) for i in owned[zero.rank]])
+    else:
+        mine[-1] = 1
+    raw = [torch.empty_like(mine) for _ in range(zero.world)]
+    dist.all_gather(raw, mine, group=zero.group)
+    if error is not None:
+        raise error
+    failed = [r for r, part in enumerate(raw) if part[-1].item()]
+    if failed:
+        raise RuntimeError(
+            f"rank(s) {failed} raised while computing the gradient norms of their ZeRO-1 "
+            "share (shard_norms='share'); see the error there")
+    for r, part in enumerate(raw):
+        if r == zero.rank:
+            continue
+        at = 0
+        for i in owned[r]:
+            norms[i] = part[at:at + size[i]].view(grads[i].dtype).reshape(())
+            at += size[i]
+    return torch.linalg.vector_norm(torch.stack([norms[i].to(first) for i in order]), norm_type)
+
+
+@torch.no_grad()
+def broadcast_shares(params: list[Tensor], shares: list[int], zero: Zero1) -> None:
+    """After the update: every parameter from its owner, as
+    `torch.distributed.optim.ZeroRedundancyOptimizer` sends them without bucket views (one
+    asynchronous broadcast per parameter, then a wait on all). A parameter that is not
+    contiguous travels as a contiguous copy, written back on arrival."""
+    pending = []
+    for p, share in zip(params, shares):
+        t = p if p.is_contiguous() else p.contiguous()
+        pending.append((dist.broadcast(t, zero.source(share), group=zero.group, async_op=True),
+                        p, t))
+    for work, p, t in pending:
+        work.wait()
+        if t is not p:
+            p.copy_(t)
 
 
 @torch.no_grad()
@@ -203,3 +329,116 @@ def _merged(parts: list[dict[int, dict]]) -> dict[int, dict]:
     for part in parts:
         merged.update(part)
     return merged
+
+
+def check_disjoint(params: list[Tensor]) -> None:
+    """ZeRO-1 needs parameters that share no memory: native updates shared memory once per
+    parameter, in order, while two owners would each update it from the old values.
+
+    Raises:
+        ValueError: two parameters whose bytes overlap.
+    """
+    spans = sorted((p.data_ptr(), p.data_ptr() + _extent(p), i) for i, p in enumerate(params)
+                   if p.numel())
+    for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"shard='zero1' needs parameters that share no memory; parameters "
+                             f"{min(i, j)} and {max(i, j)} overlap (native updates that memory "
+                             "once per parameter, two owners would not)")
+
+
+def _extent(t: Tensor) -> int:
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+class Shares:
+    """The share plan of one `cotangent.AdamW(..., shard="zero1")`, kept in step with its param
+    groups: who owns each parameter (`shares_of`), which state entries this rank keeps, and the
+    consolidated state dict.
+
+    Attributes:
+        zero: where this rank stands (`Zero1`).
+        params: the optimizer's parameters (param groups concatenated, each once).
+        shares: the owner of each of them.
+        updates: completed updates (a consolidated state dict is of one of them).
+        consolidated: ``(updates, {slot: state entry})`` gathered onto this rank, or None.
+    """
+
+    def __init__(self, zero: Zero1) -> None:
+        self.zero = zero
+        self.key: tuple | None = None
+        self.params: list[Tensor] = []
+        self.shares: list[int] = []
+        self.share_of: dict[int, int] = {}
+        self.updates = 0
+        self.consolidated: tuple[int, dict] | None = None
+
+    def refresh(self, groups: list[dict], state, exchange: bool = True) -> None:
+        """Re-plan after the param groups changed (every rank sees the same change), moving the
+        state entries whose parameter changed owner to the new owner when `exchange` (a
+        collective, run only when some entry moves), then drop entries this rank does not own.
+
+        Raises (before anything is modified):
+            ValueError: parameters on two devices or sharing memory (`check_one_device`,
+                `check_disjoint`).
+        """
+        seen: set[int] = set()
+        params = [p for g in groups for p in g["params"]
+                  if id(p) not in seen and not seen.add(id(p))]
+        key = tuple((id(p), p.numel()) for p in params)
+        if key != self.key:
+            check_one_device(params)
+            check_disjoint(params)
+            shares = shares_of([p.numel() for p in params], self.zero.world)
+            old, rank = self.share_of, self.zero.rank
+            moved = [s for s, p in enumerate(params)
+                     if id(p) in old and old[id(p)] != shares[s]] if exchange else []
+            if moved:  # every rank computes the same list: all of them take part
+                mine = {s: state[params[s]] for s in moved
+                        if old[id(params[s])] == rank and state.get(params[s])}
+                for s, entry in all_gather_states(mine, self.zero).items():
+                    if shares[s] == rank:
+                        state[params[s]] = entry
+            self.key, self.params, self.shares = key, params, shares
+            self.share_of = {id(p): s for p, s in zip(params, shares)}
+            self.consolidated = None
+        self.drop_foreign(state)
+
+    def drop_foreign(self, state) -> None:
+        """Remove the entries of parameters another rank owns (an entry assigned here would
+        never be read by an update, and must not stand for the owner's)."""
+        rank, share_of = self.zero.rank, self.share_of
+        for p in [p for p in state if share_of.get(id(p), rank) != rank]:
+            del state[p]
+
+    def owns(self, p: Tensor) -> bool:
+        return self.share_of.get(id(p), self.zero.rank) == self.zero.rank
+
+    def consolidate(self, state, to: int | None) -> None:
+        """Gather every rank's entries onto rank `to` of the group (None: every rank)."""
+        zero = self.zero
+        if to is not None and not (isinstance(to, int) and 0 <= to < zero.world):
+            raise ValueError(f"to must be a rank in 0..{zero.world - 1} or None, got {to!r}")
+        local = {s: state[p] for s, (p, share) in enumerate(zip(self.params, self.shares))
+                 if share == zero.rank and state.get(p)}
+        self.consolidated = None
+        if to is None:
+            self.consolidated = (self.updates, all_gather_states(local, zero))
+            return
+        merged = gather_states(local, zero, to)
+        if merged is not None:
+            self.consolidated = (self.updates, merged)
+
+    def whole_state(self) -> dict:
+        """The consolidated state keyed by parameter.
+
+        Raises:
+            RuntimeError: no `consolidate` onto this rank since the last update.
+        """
+        if self.consolidated is None or self.consolidated[0] != self.updates:
+            raise RuntimeError(
+                "a ZeRO-1 cotangent.AdamW holds one share of the state per rank: call "
+                "opt.consolidate_state_dict(to=RANK) on every rank after the last step, then "
+                "opt.state_dict() on RANK")
+        whole = self.consolidated[1]
+        return {p: whole[s] for s, p in enumerate(self.params) if s in whole}

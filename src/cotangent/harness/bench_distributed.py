@@ -16,7 +16,7 @@ Each repeat first runs a real DDP forward and backward (untimed): the module's o
 slowest rank, so each repeat's time is the maximum over ranks. Medians over the repeats after
 the warm-up ones.
 `comm_ms` is the exposed communication of `cotangent-zero1`: the median time of its parameter
-broadcast alone (`cotangent.sharding.broadcast_params`, timed separately after the run).
+broadcast alone (`cotangent.sharding.broadcast_shares`, timed separately after the run).
 Every row then checks that the four arms hold the same parameters, gradients and total norms
 byte for byte, and reports the optimizer-state bytes each rank holds.
 """
@@ -111,12 +111,12 @@ def _rank_row(shape: str, impl: str, *, repeats: int, warmup: int, max_norm: flo
         for a, b in zip(reference, arms[name][1]):
             bitwise = bitwise and _same_bytes(a, b) and _same_bytes(a.grad, b.grad)
     ours = arms["cotangent-zero1"][2]
-    store = ours._store
+    shares = ours._shares
     comm = []
     for _ in range(warmup + repeats):
         dist.barrier()
         t0 = time.perf_counter()
-        sharding.broadcast_params(store.flat_params, store.layouts, {}, ours._zero)
+        sharding.broadcast_shares(shares.params, shares.shares, shares.zero)
         comm.append(time.perf_counter() - t0)
     return dict(
         times={name: t[warmup:] for name, t in times.items()}, comm=comm[warmup:],
