@@ -32,7 +32,6 @@ from cotangent.norms import (
     run_norm_program,
     total_norm,
 )
-from cotangent.sharding import ShardNorms, Zero1
 from cotangent.store import FlatStore
 from cotangent.tracking import Gradients
 
@@ -47,12 +46,10 @@ class PackedClipper:
             the native call (the "packing-only" cell of the factorial experiment).
     """
 
-    def __init__(self, store: FlatStore, norm_type: float, batched_norms: bool,
-                 zero: Zero1 | None = None) -> None:
+    def __init__(self, store: FlatStore, norm_type: float, batched_norms: bool) -> None:
         self.store = store
         self.norm_type = norm_type
         self.batched_norms = batched_norms
-        self.zero = zero
         self.calibrate()
 
     def calibrate(self) -> None:
@@ -66,11 +63,6 @@ class PackedClipper:
                     bucket.batched = False
         self.programs = [norm_program(layout, flat)
                          for layout, flat in zip(self.store.layouts, self.store.flat_grads)]
-        # ZeRO-1 with shard_norms="share": each rank norms its share, the norms are all-gathered
-        self.shard_norms = [
-            ShardNorms(layout, flat, program, self.zero) for layout, flat, program in zip(
-                self.store.layouts, self.store.flat_grads, self.programs)
-        ] if self.zero is not None and self.zero.norms == "share" else None
 
     def groups(self, present: tuple[int, ...], clip_order: list[int]) -> list:
         """Native (device, dtype) groups of the present gradients in clip order: per group, its
@@ -105,9 +97,7 @@ class PackedClipper:
         parts = []
         for li, index, _, _ in groups:
             if li not in norms:
-                norms[li] = (run_norm_program(self.programs[li], self.norm_type, None)
-                             if self.shard_norms is None else
-                             self.shard_norms[li].run(self.norm_type))
+                norms[li] = run_norm_program(self.programs[li], self.norm_type, None)
             parts.append(norms[li] if index is None else norms[li].index_select(0, index))
         if len(parts) == 1:  # one (device, dtype): the stacked norms are this vector
             return total_norm(parts[0], self.norm_type)

@@ -1,6 +1,6 @@
 """`cotangent.PackedAdamW`: gradient clipping plus AdamW over packed parameters, bitwise equal to
-native: the seed study's design, kept as the factorial's ``packing-only`` arm and for
-``shard="zero1"`` (`cotangent.AdamW` itself reads every tensor where it is: `cotangent.adamw`).
+native: the seed study's design, kept as the factorial's ``packing-only`` and ``packed`` arms
+(`cotangent.AdamW` itself reads every tensor where it is, ZeRO-1 included: `cotangent.adamw`).
 
 Read `step()` first: it clips where user code calls `clip_grad_norm_`, then `_update` runs the
 native functional AdamW calls. The pieces it composes:
@@ -23,7 +23,7 @@ from itertools import chain
 import torch
 from torch import Tensor
 
-from cotangent import _compat, merge, sharding, singlepass
+from cotangent import _compat, merge, singlepass
 from cotangent.adamw import AdamW, NotShardedError
 from cotangent.clipping import (
     ClipOrder,
@@ -72,15 +72,15 @@ class _StepInputs:
 
     grads: Gradients
     plan: StepPlan  # every present gradient: what is clipped
-    update: StepPlan  # what this process updates: `plan`, or its ZeRO-1 share
+    update: StepPlan  # what is updated (= `plan`)
     calls_valid: bool  # the update plan's cached AdamW calls may run as they are
 
 
 class PackedAdamW(AdamW):
     r"""AdamW with built-in gradient clipping over packed flat buffers: `cotangent.AdamW`'s
     seed-study design (parameters moved into flat buffers, gradients copied into one as autograd
-    delivers them). `cotangent.AdamW(..., shard="zero1")` builds one; the harness's
-    ``packing-only`` arm uses it with ``batched_norms=False``. Same bits as `cotangent.AdamW`,
+    delivers them). The harness's ``packed`` arm uses it, and its ``packing-only`` arm with
+    ``batched_norms=False``; it does not shard (ZeRO-1 is ``cotangent.AdamW(shard="zero1")``). Same bits as `cotangent.AdamW`,
     except where the packing takes over tensors the user still holds (issue 26; the reason
     `cotangent.AdamW` reads everything in place): a gradient tensor assigned once and refilled
     in place across steps is read from its copy in the buffer from the second step on, and a
@@ -152,23 +152,6 @@ class PackedAdamW(AdamW):
         batched_norms: use calibrated batched norms (default). ``False`` computes every
             per-tensor norm with the native call, keeping everything else packed: the
             "packing-only" cell of a factorial experiment.
-        shard: ``None`` (default), or ``"zero1"``: parameter-aligned ZeRO-1 under
-            `torch.distributed` (typically with DistributedDataParallel, whose all-reduce makes
-            every rank's gradients equal). Each rank holds and updates the AdamW state of one
-            share of whole parameters: a contiguous range of the length-ordered flat buffer,
-            balanced by size (`cotangent.packing.plan_layouts`); every rank clips every
-            gradient, updates its share, then each share is broadcast from its owner. Parameters,
-            gradients, norms and the state of each share come out as the unsharded native
-            loop's. ``state`` holds this rank's share only; `consolidate_state_dict()` then
-            `state_dict()` give the whole state in native format; `state_bytes()` the bytes held.
-            Every rank must make the same calls (step, zero_grad, param-group edits) in the same
-            order: they are collectives.
-        shard_norms: with ``shard="zero1"``, ``"all"`` (default): each rank computes every
-            per-tensor norm; ``"share"``: the norms of its share only, all-gathered (as bytes)
-            into native order. Both give `clip_grad_norm_`'s bits.
-        process_group: with ``shard="zero1"``, the group to shard over (default: the default
-            group).
-
     Attributes:
         last_total_norm: the total gradient norm the last clip computed (0-dim tensor on the
             first gradient's device, dtype of the promoted gradient dtypes), as `clip_grad_norm_`
@@ -181,9 +164,7 @@ class PackedAdamW(AdamW):
         ValueError / RuntimeError at construction: everything `torch.optim.AdamW` raises for bad
             arguments; a parameter that appears twice, shares storage with another, is sparse,
             complex, integer, on the meta device, a DTensor or other wrapper subclass, an
-            uninitialised lazy parameter, or not dense; non-numeric `max_norm`; an unknown
-            `shard` or `shard_norms`; ``shard="zero1"`` without an initialised process group
-            or with parameters on more than one device; ``max_norm`` with two or more param
+            uninitialised lazy parameter, or not dense; non-numeric `max_norm`; ``max_norm`` with two or more param
             groups holding parameters and no `clip_order` (also from `add_param_group`,
             `step()` and `zero_grad()` after an edit that makes it so); ``max_norm`` without
             `clip_order` (or with ``"param_groups"``) inside
@@ -218,15 +199,11 @@ class PackedAdamW(AdamW):
                  differentiable: bool = False, fused: bool | None = None,
                  max_norm: float | None = None, norm_type: float = 2.0,
                  error_if_nonfinite: bool = False, clip_order=None,
-                 batched_norms: bool = True, shard: str | None = None,
-                 shard_norms: str = "all", process_group=None) -> None:
+                 batched_norms: bool = True) -> None:
         self._live_ref = weakref.ref(self)  # read through wrappers that forward reads: _live
         self._store: FlatStore | None = None  # None until the first pack
         self._tracker: GradientTracker | None = None
-        self._zero = sharding.setup(shard, shard_norms, process_group)
-        self._updates = 0  # completed updates (a consolidated state dict is of one of them)
-        self._consolidated: tuple[int, dict] | None = None
-        self._state_seen: tuple | None = None  # (id, edits) of `state` when last cleaned
+        self._shares = None  # (never sharded: ZeRO-1 is `cotangent.AdamW(shard="zero1")`)
         try:
             max_norm = None if max_norm is None else float(max_norm)
             norm_type = float(norm_type)
@@ -340,13 +317,6 @@ class PackedAdamW(AdamW):
                                        found_inf=found_inf)
         calls.finish()
         self._paths = (single, native, tuple(sorted(notes)), clip_in_pass)
-        if self._zero is not None:  # every share's parameters from their owner
-            store = self._store
-            sharding.broadcast_params(
-                store.flat_params, store.layouts,
-                {s: (store.params[s], store.where[s][1].share) for s in store.detached},
-                self._zero)
-        self._updates += 1
         self._tracker.release_absent(inputs.grads.present)
         self._clipped, self._scale_applied = None, False
         return loss
@@ -358,10 +328,10 @@ class PackedAdamW(AdamW):
         (`Clipper.clip`'s `defer`): CPU float32 layouts whose present gradients the clip
         multiplies once each, when the coefficient is neither 1.0 (no multiply at all) nor NaN
         (with two NaNs ATen's multiply keeps one by loop position; see
-        `cotangent.singlepass.single_pass_adamw_`), without ZeRO sharding, GradScaler state or
+        `cotangent.singlepass.single_pass_adamw_`), without GradScaler state or
         the single pass switched off. `_settle_clip` multiplies whatever no pass will."""
         self._pending_clip = None
-        if (self._zero is not None or getattr(self, "grad_scale", None) is not None
+        if (getattr(self, "grad_scale", None) is not None
                 or getattr(self, "found_inf", None) is not None or coef.device.type != "cpu"
                 or not singlepass.switched_on()):
             return set()
@@ -535,12 +505,10 @@ class PackedAdamW(AdamW):
         if grads.views_replaced:
             self._planner.invalidate()
         plan = self._planner.plan(grads.present)
-        update = plan if self._zero is None else self._planner.plan(
-            tuple(s for s in grads.present if self._store.owns(s)))
-        valid = self._planner.calls_valid(update, self.state, self.param_groups)
+        valid = self._planner.calls_valid(plan, self.state, self.param_groups)
         if not valid:
-            check_state(self._store, self.state, self.param_groups, update.group_slots)
-        return _StepInputs(grads, plan, update, valid)
+            check_state(self._store, self.state, self.param_groups, plan.group_slots)
+        return _StepInputs(grads, plan, plan, valid)
 
     def _refresh_structure(self) -> None:
         """Repack when parameters were added to, removed from or replaced in the param groups;
@@ -554,22 +522,6 @@ class PackedAdamW(AdamW):
             self._repack()
         elif self._calibrated_for != self._calibration_settings():
             self._calibrate()
-        if self._zero is not None:
-            self._drop_foreign_state()
-
-    def _drop_foreign_state(self) -> None:
-        """ZeRO-1: `state` holds this rank's share only. Entries assigned for parameters another
-        rank owns (the owner's own assignment is what its update reads) are dropped, so that
-        nothing reads a copy that no update advances."""
-        state = self.state
-        seen = (id(state), getattr(state, "edits", None))
-        if seen == self._state_seen and isinstance(state, WatchedState):
-            return
-        store = self._store
-        for slot, p in enumerate(store.params):
-            if not store.owns(slot) and p in state:
-                del state[p]
-        self._state_seen = (id(state), getattr(state, "edits", None))
 
     def _calibration_settings(self) -> tuple:
         return (torch.get_num_threads(), self.max_norm is not None, self.norm_type,
@@ -578,8 +530,8 @@ class PackedAdamW(AdamW):
     def _calibrate(self) -> None:
         """Probe (or look up) the norm and multiply verdicts; drop every cached plan."""
         self._calibrated_for = self._calibration_settings()
-        self._clipper = (PackedClipper(self._store, self.norm_type, self.batched_norms,
-                                       self._zero) if self.max_norm is not None else None)
+        self._clipper = (PackedClipper(self._store, self.norm_type, self.batched_norms)
+                         if self.max_norm is not None else None)
         self._planner.invalidate(plans=True)
 
     def _adamw_calls(self, inputs: _StepInputs):
@@ -588,8 +540,6 @@ class PackedAdamW(AdamW):
         grads, plan = inputs.grads, inputs.update
         override = {}
         for slot, g in grads.foreign.items():
-            if not self._store.owns(slot):
-                continue  # another rank's share: it updates that parameter
             group = self.param_groups[self._planner.group_of[slot]]
             if (merge.implementation(group, [g]) == "fused"
                     and not same_strides(g, self._store.params[slot])):
@@ -607,29 +557,20 @@ class PackedAdamW(AdamW):
     # ------------------------------------------------------------------ packing
 
     @torch.no_grad()
-    def _repack(self, exchange: bool = True) -> None:
+    def _repack(self) -> None:
         """(Re)build the flat buffers from the current param groups, gradients and state.
-        Everything is validated before anything is modified. Under ZeRO-1 this rank keeps the
-        state of its share only; with `exchange`, state whose parameter changed owner moves to
-        its new owner (a collective: every rank repacks alike)."""
+        Everything is validated before anything is modified."""
         check_clip_order_known(self.param_groups, self.max_norm, self._clip_order_params)
         params = [p for g in self.param_groups for p in g["params"]]
-        zero = self._zero
-        layouts = validate_params(params, 1 if zero is None else zero.world)
-        if zero is not None:
-            sharding.check_one_device(params)
+        layouts = validate_params(params)
         self._clip_seq = ClipOrder(self._clip_order_params, params)
         old = self._tracker
         grads = gradients_to_carry(old, params)
         states = {slot: self.state[p] for slot, p in enumerate(params) if self.state.get(p)}
-        if zero is not None:
-            states = self._share_states(params, layouts, states, old.store if old and exchange
-                                        else None)
         detached = {id(old.store.params[s]) for s in old.store.detached} if old else set()
         if old is not None:
             old.remove_hooks()
-        store = FlatStore.pack(params, layouts, grads, states, detached,
-                               None if zero is None else zero.rank)
+        store = FlatStore.pack(params, layouts, grads, states, detached)
         tracker = GradientTracker(store, *((old.backwards, old.resets) if old else (0, 0)))
         for slot in grads:
             tracker.has_grad[slot] = True
@@ -637,28 +578,7 @@ class PackedAdamW(AdamW):
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
         self._planner = Planner(store, self._group_sizes)
         self._calibrate()
-        self._clipped, self._prepared, self._consolidated = None, None, None
-
-    def _share_states(self, params: list[Tensor], layouts, states: dict[int, dict],
-                      old: FlatStore | None) -> dict[int, dict]:
-        """ZeRO-1: the states this rank keeps (its share's), after moving those whose parameter
-        changed owner since `old` was packed; entries of other shares leave `self.state`."""
-        zero = self._zero
-        owner = {seg.slot: seg.share for layout in layouts for seg in layout.segments}
-        if old is not None:
-            was = {id(q): old.where[s][1].share for s, q in enumerate(old.params)}
-            moved = [s for s, p in enumerate(params)
-                     if was.get(id(p), owner[s]) != owner[s]]
-            if moved:  # every rank computes the same list: all of them take part
-                mine = {s: states[s] for s in moved if s in states and was[id(params[s])]
-                        == zero.rank}
-                for s, entry in sharding.all_gather_states(mine, zero).items():
-                    if owner[s] == zero.rank:
-                        self.state[params[s]] = states[s] = entry
-        for s in list(states):
-            if owner[s] != zero.rank:
-                del states[s], self.state[params[s]]
-        return states
+        self._clipped, self._prepared = None, None
 
     def add_param_group(self, param_group: dict) -> None:
         """As `torch.optim.Optimizer.add_param_group`; afterwards all buffers are re-packed."""
@@ -683,94 +603,21 @@ class PackedAdamW(AdamW):
         before = (self.state, self.param_groups)
         try:
             torch.optim.AdamW.load_state_dict(self, state_dict)
-            self._repack(exchange=False)  # (ZeRO-1: every rank loaded every entry)
+            self._repack()
         except Exception:
             self.state, self.param_groups = before
             raise
 
-    @property
-    def consolidate_state_dict(self):
-        """``consolidate_state_dict(to=0)``, ZeRO-1 only: gather every rank's share of the state
-        onto rank `to` of the process group (None: onto every rank), so that `state_dict()` there
-        returns the whole state in `torch.optim.AdamW`'s unsharded format. A collective: call it
-        on every rank (as `torch.distributed.optim.ZeroRedundancyOptimizer.consolidate_state_dict`).
-
-        An optimizer built with ``shard=None`` has no such method (its `state_dict()` is whole
-        already): reading the attribute raises `NotShardedError`, so that checkpointing code that
-        asks ``hasattr(opt, "consolidate_state_dict")`` (pytorch-lightning, lightning-fabric)
-        saves `state_dict()` as for any unsharded optimizer.
-
-        Raises:
-            NotShardedError (an AttributeError and a RuntimeError): ``shard=None``.
-            ValueError: `to` is not a rank of the group or None.
-        """
-        live = _live(self)
-        if live._zero is None:
-            raise NotShardedError("consolidate_state_dict() is for shard='zero1'; this optimizer "
-                                  "is not sharded")
-        return live._consolidate_state_dict
-
-    def _consolidate_state_dict(self, to: int | None = 0) -> None:
-        zero = self._require_zero("consolidate_state_dict()")
-        if to is not None and not (isinstance(to, int) and 0 <= to < zero.world):
-            raise ValueError(f"to must be a rank in 0..{zero.world - 1} or None, got {to!r}")
-        # this rank's share only: an entry assigned on a rank that does not own the parameter
-        # is never read by an update, and must not stand for the owner's
-        local = {s: self.state[p] for s, p in enumerate(self._store.params)
-                 if self._store.owns(s) and self.state.get(p)}
-        self._consolidated = None
-        if to is None:
-            self._consolidated = (self._updates, sharding.all_gather_states(local, zero))
-            return
-        merged = sharding.gather_states(local, zero, to)
-        if merged is not None:
-            self._consolidated = (self._updates, merged)
-
-    def state_dict(self) -> dict:
-        """As `torch.optim.Optimizer.state_dict` (native AdamW format).
-
-        ZeRO-1: the whole, unsharded state, as gathered by the last `consolidate_state_dict()`
-        onto this rank; it loads into `torch.optim.AdamW` and into this optimizer (sharded or
-        not) alike.
-
-        Raises:
-            RuntimeError: ZeRO-1 without a `consolidate_state_dict()` onto this rank since the
-                last update.
-        """
-        if self._zero is None:
-            return torch.optim.AdamW.state_dict(self)
-        if self._consolidated is None or self._consolidated[0] != self._updates:
-            raise RuntimeError(
-                "a ZeRO-1 cotangent.AdamW holds one share of the state per rank: call "
-                "opt.consolidate_state_dict(to=RANK) on every rank after the last step, then "
-                "opt.state_dict() on RANK")
-        whole, live = self._consolidated[1], self.state
-        try:
-            self.state = WatchedState(dict, {p: whole[s] for s, p in enumerate(self._store.params)
-                                             if s in whole})
-            return torch.optim.AdamW.state_dict(self)
-        finally:
-            self.state = live
-
     def state_bytes(self) -> int:
         """Bytes of optimizer state this process holds (flat `exp_avg`, `exp_avg_sq`,
-        `max_exp_avg_sq` and step buffers; ZeRO-1: this rank's share only)."""
+        `max_exp_avg_sq` and step buffers)."""
         buffers = [b for per in self._store.flat_state for b in per.values()]
         buffers += self._store.step_buffers.values()
         return sum(b.numel() * b.element_size() for b in buffers)
 
-    def _require_zero(self, what: str) -> sharding.Zero1:
-        if self._zero is None:
-            raise RuntimeError(f"{what} is for shard='zero1'; this optimizer is not sharded")
-        return self._zero
-
     def __getstate__(self) -> dict:
         """For pickle and deepcopy: the state as compact tensors (a view would carry its whole
         flat buffer into a pickle), plus the clipping settings."""
-        if self._zero is not None:
-            raise TypeError("a cotangent.AdamW with shard='zero1' cannot be pickled or copied "
-                            "(it holds one rank's share and a process group); save "
-                            "consolidate_state_dict() + state_dict() instead")
         state = torch.optim.AdamW.__getstate__(self)
         state["state"] = compact_state(self.state)
         state.update(max_norm=self.max_norm, norm_type=self.norm_type,
@@ -788,8 +635,7 @@ class PackedAdamW(AdamW):
         if live:
             return
         self._live_ref = weakref.ref(self)
-        self._store, self._tracker, self._zero = None, None, None
-        self._updates, self._consolidated, self._state_seen = 0, None, None
+        self._store, self._tracker, self._shares = None, None, None
         self._last_total_norm, self._norm_backwards = None, -1
         self._clipped, self._prepared, self._scale_applied = None, None, False
         self._pending_clip = None

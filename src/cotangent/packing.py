@@ -34,7 +34,6 @@ class Segment:
     stride: tuple[int, ...]
     numel: int
     contiguous: bool  # row-major contiguous (only those are batched with their bucket)
-    share: int = 0  # the rank that owns this parameter under ZeRO-1 sharding (else 0)
 
 
 @dataclass(slots=True)
@@ -121,19 +120,12 @@ def is_dense_non_overlapping(t: Tensor) -> bool:
     return True
 
 
-def plan_layouts(params: list[Tensor], shares: int = 1) -> list[FlatLayout]:
+def plan_layouts(params: list[Tensor]) -> list[FlatLayout]:
     """Plan one `FlatLayout` per (device, dtype), in order of first appearance.
 
     Within a layout, contiguous tensors are sorted by length (stable, so equal lengths keep the
     parameter order) and grouped in buckets; a non-contiguous dense tensor (e.g. channels_last)
     gets a bucket of its own. `slot` in each segment indexes `params`.
-
-    With `shares` > 1 (ZeRO-1 sharding over that many ranks) the length-ordered segments of each
-    layout are cut into `shares` contiguous runs of whole parameters, balanced by size: a segment
-    goes to share ``floor(shares * (elements before it + half its elements) / total)``, so every
-    share is one contiguous range of the buffer, and no bucket crosses a share boundary. The plan
-    depends only on the parameters' shapes, strides, dtypes and devices, so every rank computes
-    the same one.
 
     Raises:
         ValueError: a parameter that is not dense and non-overlapping (it cannot be re-homed into
@@ -153,19 +145,16 @@ def plan_layouts(params: list[Tensor], shares: int = 1) -> list[FlatLayout]:
         align = align_elements(dtype)
         ordered = sorted(slots, key=lambda s: params[s].numel())
         sizes = [_round_up(params[s].numel(), align) for s in ordered]
-        total = sum(sizes)
         buckets: list[Bucket] = []
         offset = 0
         for slot, row_stride in zip(ordered, sizes):
             p = params[slot]
             n = p.numel()
             contiguous = p.is_contiguous()
-            share = min(shares - 1, shares * (2 * offset + row_stride) // (2 * total)) if (
-                total and shares > 1) else 0
-            seg = Segment(slot, offset, tuple(p.shape), tuple(p.stride()), n, contiguous, share)
+            seg = Segment(slot, offset, tuple(p.shape), tuple(p.stride()), n, contiguous)
             last = buckets[-1] if buckets else None
             if (last is not None and contiguous and last.segments[0].contiguous
-                    and last.numel == n and last.segments[0].share == share):
+                    and last.numel == n):
                 last.segments.append(seg)  # the next row of the bucket ends at `offset`
             else:
                 buckets.append(Bucket(n, row_stride, offset, [seg]))
@@ -174,12 +163,3 @@ def plan_layouts(params: list[Tensor], shares: int = 1) -> list[FlatLayout]:
         layouts.append(FlatLayout(device, dtype, offset, buckets, segments))
     return layouts
 
-
-def share_window(layout: FlatLayout, share: int) -> tuple[int, int]:
-    """The element range ``[start, end)`` of `layout`'s buffer that holds the segments of
-    `share` (their padding included); ``(0, 0)`` when the share has none in this layout."""
-    mine = [s for s in layout.segments if s.share == share]
-    if not mine:
-        return (0, 0)
-    align = align_elements(layout.dtype)
-    return (mine[0].offset, mine[-1].offset + _round_up(mine[-1].numel, align))

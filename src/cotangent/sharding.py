@@ -23,8 +23,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cotangent import _compat
-from cotangent.norms import NormProgram, norm_program, run_norm_program
-from cotangent.packing import FlatLayout, share_window
 from cotangent.store import compact_state
 
 SHARD_MODES = (None, "zero1")
@@ -196,116 +194,43 @@ def share_total_norm(grads: list[Tensor], shares: list[int], zero: Zero1, norm_t
     return torch.linalg.vector_norm(torch.stack([norms[i].to(first) for i in order]), norm_type)
 
 
+BUCKET_BYTES = 1 << 25  # the most a broadcast bucket holds (32 MiB): bounds the copy's memory
+
+
 @torch.no_grad()
 def broadcast_shares(params: list[Tensor], shares: list[int], zero: Zero1) -> None:
-    """After the update: every parameter from its owner, as
-    `torch.distributed.optim.ZeroRedundancyOptimizer` sends them without bucket views (one
-    asynchronous broadcast per parameter, then a wait on all). A parameter that is not
-    contiguous travels as a contiguous copy, written back on arrival."""
-    pending = []
+    """After the update: every parameter from its owner. Consecutive parameters of one owner
+    and dtype travel together in one flat bucket of at most `BUCKET_BYTES` (the owner
+    concatenates them, the others copy them out on arrival: one broadcast per bucket rather than
+    per parameter, which on gloo is what makes per-parameter `ZeroRedundancyOptimizer` slow);
+    all broadcasts are issued asynchronously, then waited for in order. The parameters stay
+    where they are: only their values are written."""
+    buckets: list[tuple[int, list[Tensor]]] = []
+    size = 0
     for p, share in zip(params, shares):
-        t = p if p.is_contiguous() else p.contiguous()
-        pending.append((dist.broadcast(t, zero.source(share), group=zero.group, async_op=True),
-                        p, t))
-    for work, p, t in pending:
-        work.wait()
-        if t is not p:
-            p.copy_(t)
-
-
-@torch.no_grad()
-def broadcast_params(flat_params: list[Tensor], layouts: list[FlatLayout],
-                     detached: dict[int, tuple[Tensor, int]], zero: Zero1) -> None:
-    """After the update: each share's range of every flat parameter buffer, from its owner,
-    then each parameter that lives outside its buffer (`detached`: slot -> (tensor, share)),
-    in slot order."""
-    for flat, layout in zip(flat_params, layouts):
-        for share in range(zero.world):
-            start, end = share_window(layout, share)
-            if end > start:
-                dist.broadcast(flat.narrow(0, start, end - start), zero.source(share),
-                               group=zero.group)
-    for slot in sorted(detached):
-        p, share = detached[slot]
-        if p.is_contiguous():
-            dist.broadcast(p, zero.source(share), group=zero.group)
+        last = buckets[-1] if buckets else None
+        nbytes = p.numel() * p.element_size()
+        if (last is None or last[0] != share or last[1][0].dtype != p.dtype
+                or size + nbytes > BUCKET_BYTES):
+            buckets.append((share, [p]))
+            size = nbytes
         else:
-            tmp = p.contiguous()
-            dist.broadcast(tmp, zero.source(share), group=zero.group)
-            p.copy_(tmp)
-
-
-class ShardNorms:
-    """Per-tensor gradient norms of one layout computed share by share and all-gathered.
-
-    Each rank runs the norm program of its share's buckets (`cotangent.norms.norm_program`
-    over the buckets of that share: the same calibrated calls as the whole buffer's program
-    makes for them) and sends its norms in buffer order, as bytes (no arithmetic on the way),
-    so that what a rank receives does not depend on the other ranks' calibration verdicts; the
-    concatenation is then put into the order of this rank's whole-buffer program `full`."""
-
-    def __init__(self, layout: FlatLayout, flat_grads: Tensor, full: NormProgram,
-                 zero: Zero1) -> None:
-        self.zero = zero
-        self.counts = [sum(s.share == share for s in layout.segments)
-                       for share in range(zero.world)]
-        buckets = [b for b in layout.buckets if b.segments[0].share == zero.rank]
-        part = FlatLayout(layout.device, layout.dtype, layout.size, buckets,
-                          [s for b in buckets for s in b.segments])
-        self.program = norm_program(part, flat_grads)
-        # the program's output order -> buffer order within the share
-        self.own_order = _inverse(self.program.order, layout.device)
-        # buffer order -> the whole-buffer program's output order
-        self.index = (None if list(full.order) == list(range(len(full.order)))
-                      else torch.tensor(full.order, device=layout.device))
-        self.dtype, self.device = layout.dtype, layout.device
-
-    def run(self, norm_type: float) -> Tensor:
-        """The per-tensor norms of the whole buffer in the full program's order (collective).
-
-        Raises:
-            What the native norm call raises on the rank whose share it fails on; on every
-            other rank, a RuntimeError naming that rank (every rank takes part in the gather
-            first, so none is left waiting in it).
-        """
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        n = self.counts[self.zero.rank]
-        mine = torch.zeros(max(self.counts) * itemsize + 1, dtype=torch.uint8,
-                           device=self.device)  # the norms' bytes, then a failure flag
-        error = None
-        try:
-            if n:
-                norms = run_norm_program(self.program, norm_type, None)
-                if self.own_order is not None:
-                    norms = norms.index_select(0, self.own_order)
-                mine[:n * itemsize] = norms.view(torch.uint8)
-        except Exception as exc:  # re-raised below, after the other ranks have been told
-            error = exc
-            mine[-1] = 1
-        raw = [torch.empty_like(mine) for _ in range(self.zero.world)]
-        dist.all_gather(raw, mine, group=self.zero.group)
-        if error is not None:
-            raise error
-        failed = [r for r, part in enumerate(raw) if part[-1].item()]
-        if failed:
-            raise RuntimeError(
-                f"rank(s) {failed} raised while computing the gradient norms of their ZeRO-1 "
-                "share (shard_norms='share'); see the error there")
-        norms = torch.cat([part[:c * itemsize].view(self.dtype)
-                           for part, c in zip(raw, self.counts)])
-        return norms if self.index is None else norms.index_select(0, self.index)
-
-
-def _inverse(order, device) -> Tensor | None:
-    """The permutation that puts values listed in `order` (positions) back in position order;
-    None when `order` is already that."""
-    order = list(order)
-    if order == list(range(len(order))):
-        return None
-    inverse = [0] * len(order)
-    for i, pos in enumerate(order):
-        inverse[pos] = i
-    return torch.tensor(inverse, device=device)
+            last[1].append(p)
+            size += nbytes
+    pending = []
+    for share, ps in buckets:
+        if share == zero.rank:
+            flat = torch.cat([p.reshape(-1) for p in ps]) if len(ps) > 1 else ps[0].reshape(-1)
+        else:
+            flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype,
+                               device=ps[0].device)
+        work = dist.broadcast(flat, zero.source(share), group=zero.group, async_op=True)
+        pending.append((work, share, ps, flat))
+    for work, share, ps, flat in pending:
+        work.wait()
+        if share != zero.rank:
+            for p, part in zip(ps, flat.split([p.numel() for p in ps])):
+                p.copy_(part.view(p.shape))
 
 
 def all_gather_states(local: dict[int, dict], zero: Zero1) -> dict[int, dict]:

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from cotangent import _compat
-from cotangent.packing import FlatLayout, Segment, alias, own_storage, plan_layouts, share_window
+from cotangent.packing import FlatLayout, Segment, alias, own_storage, plan_layouts
 
 MOMENTS = ("exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
@@ -71,9 +71,9 @@ def describe(slot: int, p: Tensor) -> str:
     return f"parameter {slot} (shape {tuple(p.shape)}, {str(p.dtype).removeprefix('torch.')})"
 
 
-def validate_params(params: list[Tensor], shares: int = 1) -> list[FlatLayout]:
-    """Check that every parameter can be packed; returns the planned layouts (cut into `shares`
-    ZeRO-1 shares, see `cotangent.packing.plan_layouts`).
+def validate_params(params: list[Tensor]) -> list[FlatLayout]:
+    """Check that every parameter can be packed; returns the planned layouts
+    (`cotangent.packing.plan_layouts`).
 
     Raises:
         ValueError: a parameter that appears twice, shares storage with another, is sparse,
@@ -117,7 +117,7 @@ def validate_params(params: list[Tensor], shares: int = 1) -> list[FlatLayout]:
             raise ValueError(
                 f"parameters {min(a, b)} and {max(a, b)} share storage; packing would untie "
                 "them (tie modules by sharing one Parameter object instead)")
-    return plan_layouts(params, shares)
+    return plan_layouts(params)
 
 
 def same_strides(t: Tensor, p: Tensor) -> bool:
@@ -273,19 +273,14 @@ class FlatStore:
         grad_views: each slot's view of its layout's gradient buffer (same shape and strides as
             the parameter).
         flat_params, flat_grads: the 1-D buffers, one per layout.
-        share: under ZeRO-1 sharding, the share (rank) whose state this store holds; None
-            when it holds the state of every parameter.
         windows: per layout, the element range ``[start, end)`` its state buffers cover (the
-            whole layout, or the segments of `share`); state buffers hold only that range.
+            whole layout).
     """
 
-    def __init__(self, params: list[Tensor], layouts: list[FlatLayout],
-                 share: int | None = None) -> None:
+    def __init__(self, params: list[Tensor], layouts: list[FlatLayout]) -> None:
         self.params = params
         self.layouts = layouts
-        self.share = share
-        self.windows = [(0, layout.size) if share is None else share_window(layout, share)
-                        for layout in layouts]
+        self.windows = [(0, layout.size) for layout in layouts]
         self.flat_params: list[Tensor] = [layout.new_buffer(0.0) for layout in layouts]
         self.flat_grads: list[Tensor] = [layout.new_buffer(-0.0) for layout in layouts]
         self.flat_state: list[dict[str, Tensor]] = [{} for _ in layouts]
@@ -307,17 +302,15 @@ class FlatStore:
     @classmethod
     @torch.no_grad()
     def pack(cls, params: list[Tensor], layouts: list[FlatLayout], grads: dict[int, Tensor],
-             states: dict[int, dict], keep_in_place: set[int] = frozenset(),
-             share: int | None = None) -> FlatStore:
+             states: dict[int, dict], keep_in_place: set[int] = frozenset()) -> FlatStore:
         """Move `params` into new flat buffers (re-pointing `p.data`) and set their gradients from
         `grads` (slot -> tensor; a gradient laid out like its parameter is copied into the buffer,
         another stays where it is; slots without one read None); the valid entries of the state
         dicts `states` (slot -> dict) are copied in and replaced by views. The caller validates
         the parameters (`validate_params`) and the gradients' shapes and dtypes. Parameters in
         shared memory (`stays_in_place`) and those whose `id` is in `keep_in_place` (following a
-        `p.data = t` of the previous store) stay where they are. With `share`, only the state of
-        that share's slots is held (the caller passes no other)."""
-        store = cls(params, layouts, share)
+        `p.data = t` of the previous store) stay where they are."""
+        store = cls(params, layouts)
         for slot, p in enumerate(params):
             if stays_in_place(p) or id(p) in keep_in_place:
                 store.detached.add(slot)
@@ -357,19 +350,12 @@ class FlatStore:
     def moment_view(self, slot: int, key: str) -> Tensor:
         """Slot `slot`'s view of the `key` moment buffer (allocated on first use, zero-filled)."""
         li, seg = self.where[slot]
-        if not self.owns(slot):
-            raise RuntimeError(f"{describe(slot, self.params[slot])} belongs to ZeRO-1 share "
-                               f"{seg.share}; this rank holds the state of share {self.share}")
         buffers = self.flat_state[li]
         start, end = self.windows[li]
         if key not in buffers:
             layout = self.layouts[li]
             buffers[key] = torch.zeros(end - start, dtype=layout.dtype, device=layout.device)
         return alias(buffers[key], seg.offset - start, seg.shape, seg.stride)
-
-    def owns(self, slot: int) -> bool:
-        """Whether this store holds (and updates) the state of `slot`."""
-        return self.share is None or self.where[slot][1].share == self.share
 
     def state_range(self, li: int, key: str, start: int, length: int) -> Tensor:
         """Elements ``[start, start + length)`` of layout `li` in its `key` state buffer."""

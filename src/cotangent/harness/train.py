@@ -411,10 +411,13 @@ class Arm:
         else:
             # cotangent-zero1: each rank keeps the AdamW state of its share (ZeRO-1);
             # packing-only / packed: the packed design without / with batched norms
-            cls = cotangent.PackedAdamW if name in ("packing-only", "packed") else cotangent.AdamW
-            self.optimizer = cls(
-                params, max_norm=cfg.max_norm, batched_norms=name != "packing-only",
-                shard="zero1" if name == "cotangent-zero1" else None, **kw)
+            if name in ("packing-only", "packed"):
+                self.optimizer = cotangent.PackedAdamW(
+                    params, max_norm=cfg.max_norm, batched_norms=name == "packed", **kw)
+            else:
+                self.optimizer = cotangent.AdamW(
+                    params, max_norm=cfg.max_norm,
+                    shard="zero1" if name == "cotangent-zero1" else None, **kw)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, cfg.steps))
         if data_parallel is not None:  # gradients averaged over the ranks in backward
