@@ -293,11 +293,13 @@ class AdamW(torch.optim.AdamW):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        calls, fresh = self._gather()  # checks everything; modifies nothing
+        calls, fresh, agreement = self._gather()  # checks everything; modifies nothing
         order = self._clip_grads() if clip else None
         if order is not None and self._clipped_already(order):
             order = None  # clip_grad_norm_() clipped these gradients
         if order is not None and grad_scale is not None:
+            sharding.finish_agree(agreement)
+            agreement = None
             # fused AdamW under GradScaler gets scaled gradients and the scale; native code clips
             # after `scaler.unscale_`: unscale first (GradScaler's arithmetic), update unscaled
             _compat.unscale_grads_(order, grad_scale)
@@ -307,17 +309,32 @@ class AdamW(torch.optim.AdamW):
         cut = self._clip_norm(order, fold=grad_scale is None and found_inf is None,
                               prepared=early, team_now=lambda: self._team(decisions)) if (
             order is not None) else None
+        sharding.finish_agree(agreement)  # (ZeRO-1: every rank's checks passed)
         self._create_state(fresh)
         extra: list[_Call] = []
         for call in calls:
             self._plan_kernel(call, cut, decisions, allowed=grad_scale is None
                               and found_inf is None, extra=extra)
         calls += extra
-        if any(c.kernel is not None for c in calls) and not self._memory_disjoint(calls, cut):
+        disjoint = (any(c.kernel is not None for c in calls) or self._shares is not None) and (
+            self._memory_disjoint(calls, cut))
+        if any(c.kernel is not None for c in calls) and not disjoint:
             calls = self._in_native_order(calls)
+        later: list[Tensor] = []  # ZeRO-1: gradients of other shares, multiplied meanwhile
         if cut is not None:
             folded = {id(g) for c in calls if c.clip_in_pass for g in c.grads}
             rest = [g for g in cut.grads if id(g) not in folded]
+            if self._shares is not None and not cut.identity and disjoint:
+                # no update reads them and nothing shares their memory: their multiply runs
+                # while the parameters travel
+                read = {id(g) for c in calls for g in c.grads}
+                later = [g for g in rest if id(g) not in read]
+                if later and singlepass.spans_disjoint(
+                        [t.data_ptr() for t in chain(self._shares.params, later)],
+                        [_extent(t) for t in chain(self._shares.params, later)]):
+                    rest = [g for g in rest if id(g) in read]
+                else:
+                    later = []  # (a gradient on a parameter's memory: native's order)
             if cut.identity:
                 torch.autograd.graph.increment_version(rest)  # native's multiply bumps them
             else:
@@ -339,23 +356,27 @@ class AdamW(torch.optim.AdamW):
             self._record_clip(cut.total, cut.grads)
         self._paths = (single, native, tuple(sorted(notes)), in_pass)
         if (shares := self._shares) is not None:  # every parameter from its owner
-            sharding.broadcast_shares(shares.params, shares.shares, shares.zero)
+            pending = sharding.start_broadcast(shares.params, shares.shares, shares.zero)
+            if later:
+                multiply_grads_(later, cut.coef)
+            sharding.finish_broadcast(pending, shares.zero)
             shares.updates += 1
         return loss
 
     # ------------------------------------------------------------------ step pieces
 
-    def _gather(self) -> tuple[list[_Call], list[tuple[_Call, int]]]:
+    def _gather(self) -> tuple[list[_Call], list[tuple[_Call, int]], tuple | None]:
         """This step's calls, one per (param group, device, dtype) of the parameters with a
-        gradient (ZeRO-1: of this rank's share), and the (call, index) of parameters whose state
-        native would create now.
+        gradient (ZeRO-1: of this rank's share), the (call, index) of parameters whose state
+        native would create now, and (ZeRO-1) the pending agreement of every rank's checks, for
+        `sharding.finish_agree` before anything is modified (which raises on every rank when one
+        rank's checks failed); None without ZeRO-1.
 
-        Raises (before anything is modified): see the class docstring; ZeRO-1: on every rank
-        when one rank's checks fail (`sharding.agree`).
+        Raises (before anything is modified): see the class docstring.
         """
         shares = self._shares
         if shares is None:
-            return self._gather_calls(None)
+            return (*self._gather_calls(None), None)
         shares.refresh(self.param_groups, self.state)  # (raises alike on every rank)
         calls: list[_Call] = []
         fresh: list[tuple[_Call, int]] = []
@@ -369,9 +390,9 @@ class AdamW(torch.optim.AdamW):
                     call.checked = True
         except Exception as exc:
             error = exc
-        sharding.agree(error, shares.zero, shares.params[0].device if shares.params else
-                       torch.device("cpu"))
-        return calls, fresh
+        pending = sharding.start_agree(error, shares.zero, shares.params[0].device
+                                       if shares.params else torch.device("cpu"))
+        return calls, fresh, pending
 
     def _gather_calls(self, shares: sharding.Shares | None):
         calls: list[_Call] = []
@@ -634,7 +655,7 @@ class AdamW(torch.optim.AdamW):
         grads = self._clip_grads()
         if self._clipped_already(grads):
             return self._last_clip[0]
-        self._gather()  # the same checks as a step: nothing is modified on bad input
+        sharding.finish_agree(self._gather()[2])  # a step's checks: nothing modified on bad input
         cut = self._clip_norm(grads, fold=False)
         if cut.identity:
             torch.autograd.graph.increment_version(grads)
@@ -1047,6 +1068,8 @@ def _extent(t: Tensor) -> int:
     tensor spans its gaps too; non-negative strides, as torch tensors have)."""
     if t.numel() == 0:
         return 0
+    if t.is_contiguous():
+        return t.numel() * t.element_size()
     return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 

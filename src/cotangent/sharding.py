@@ -107,19 +107,28 @@ def shares_of(sizes: list[int], world: int) -> list[int]:
     return out
 
 
-def agree(error: BaseException | None, zero: Zero1, device: torch.device) -> None:
-    """Whether every rank got through its checks: a collective run before anything is modified,
-    so that a rank whose own share fails a check (a bad ``state`` entry of a parameter it owns)
-    does not leave the others waiting in the broadcast.
-
-    Raises:
-        `error` on the rank that raised it; on every other rank, a RuntimeError naming the ranks
-        that raised.
-    """
+def start_agree(error: BaseException | None, zero: Zero1, device: torch.device) -> tuple:
+    """Whether every rank got through its checks: a collective started before anything is
+    modified and waited for (`finish_agree`) before the first modification, so that a rank
+    whose own share fails a check (a bad ``state`` entry of a parameter it owns) does not leave
+    the others waiting in the broadcast. Returns the pending agreement."""
     flags = torch.zeros(zero.world, dtype=torch.int32, device=device)
     if error is not None:
         flags[zero.rank] = 1
-    dist.all_reduce(flags, group=zero.group)
+    return dist.all_reduce(flags, group=zero.group, async_op=True), flags, error
+
+
+def finish_agree(pending: tuple | None) -> None:
+    """Wait for `start_agree`'s all-reduce (None: nothing to wait for).
+
+    Raises:
+        The checks' error on the rank that raised it; on every other rank, a RuntimeError
+        naming the ranks that raised.
+    """
+    if pending is None:
+        return
+    work, flags, error = pending
+    work.wait()
     if error is not None:
         raise error
     failed = flags.nonzero().flatten().tolist()
@@ -194,23 +203,32 @@ def share_total_norm(grads: list[Tensor], shares: list[int], zero: Zero1, norm_t
     return torch.linalg.vector_norm(torch.stack([norms[i].to(first) for i in order]), norm_type)
 
 
-BUCKET_BYTES = 1 << 25  # the most a broadcast bucket holds (32 MiB): bounds the copy's memory
+BUCKET_BYTES = 1 << 22  # the most a broadcast bucket of small parameters holds (4 MiB)
+DIRECT_BYTES = 1 << 20  # a contiguous parameter this large travels alone, as it is (1 MiB)
 
 
 @torch.no_grad()
-def broadcast_shares(params: list[Tensor], shares: list[int], zero: Zero1) -> None:
-    """After the update: every parameter from its owner. Consecutive parameters of one owner
-    and dtype travel together in one flat bucket of at most `BUCKET_BYTES` (the owner
-    concatenates them, the others copy them out on arrival: one broadcast per bucket rather than
-    per parameter, which on gloo is what makes per-parameter `ZeroRedundancyOptimizer` slow);
-    all broadcasts are issued asynchronously, then waited for in order. The parameters stay
-    where they are: only their values are written."""
+def start_broadcast(params: list[Tensor], shares: list[int], zero: Zero1) -> list:
+    """After the update: issue, asynchronously, the broadcasts that send every parameter from
+    its owner; `finish_broadcast` waits for them. A contiguous parameter of `DIRECT_BYTES` or
+    more is sent and received as it is (no copy); consecutive smaller ones of one owner and
+    dtype travel together in a flat bucket of at most `BUCKET_BYTES` (the owner concatenates
+    them, the others copy them out on arrival), since on gloo a broadcast per small parameter
+    costs more than the copy (`cotangent bench --distributed`). The parameters stay where they
+    are: only their values are written.
+
+    Returns:
+        The pending broadcasts, for `finish_broadcast`.
+    """
     buckets: list[tuple[int, list[Tensor]]] = []
     size = 0
     for p, share in zip(params, shares):
         last = buckets[-1] if buckets else None
         nbytes = p.numel() * p.element_size()
-        if (last is None or last[0] != share or last[1][0].dtype != p.dtype
+        if nbytes >= DIRECT_BYTES and p.is_contiguous():
+            buckets.append((share, [p]))
+            size = BUCKET_BYTES  # (nothing joins it)
+        elif (last is None or last[0] != share or last[1][0].dtype != p.dtype
                 or size + nbytes > BUCKET_BYTES):
             buckets.append((share, [p]))
             size = nbytes
@@ -219,18 +237,33 @@ def broadcast_shares(params: list[Tensor], shares: list[int], zero: Zero1) -> No
             size += nbytes
     pending = []
     for share, ps in buckets:
-        if share == zero.rank:
-            flat = torch.cat([p.reshape(-1) for p in ps]) if len(ps) > 1 else ps[0].reshape(-1)
+        if len(ps) == 1 and ps[0].is_contiguous():
+            flat = ps[0].view(-1)  # received in place
+        elif share == zero.rank:
+            flat = torch.cat([p.reshape(-1) for p in ps])
         else:
             flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype,
                                device=ps[0].device)
         work = dist.broadcast(flat, zero.source(share), group=zero.group, async_op=True)
         pending.append((work, share, ps, flat))
+    return pending
+
+
+@torch.no_grad()
+def finish_broadcast(pending: list, zero: Zero1) -> None:
+    """Wait for `start_broadcast`'s broadcasts, in order, copying each received bucket out."""
     for work, share, ps, flat in pending:
         work.wait()
-        if share != zero.rank:
+        if share != zero.rank and not (len(ps) == 1 and flat.data_ptr() == ps[0].data_ptr()
+                                       and ps[0].is_contiguous()):
             for p, part in zip(ps, flat.split([p.numel() for p in ps])):
                 p.copy_(part.view(p.shape))
+
+
+@torch.no_grad()
+def broadcast_shares(params: list[Tensor], shares: list[int], zero: Zero1) -> None:
+    """Every parameter from its owner (`start_broadcast`, then `finish_broadcast`)."""
+    finish_broadcast(start_broadcast(params, shares, zero), zero)
 
 
 def all_gather_states(local: dict[int, dict], zero: Zero1) -> dict[int, dict]:
