@@ -459,8 +459,34 @@ def _zero_in_place_checks(rank: int, world: int) -> list[str]:
     problems += [f"refilled gradient, parameter {i}: {d}" for i, (a, b) in enumerate(zip(ps, qs))
                  if (d := first_difference(a.detach(), b.detach())) is not None]
 
+    # what the broadcast sends: a parameter sent as it is (>= 1 MiB), one not contiguous, an
+    # empty one, two dtypes (buckets split by owner and dtype), small ones bucketed
+    def odd_params():
+        gen = torch.Generator().manual_seed(7)
+        big = torch.randn(300_000, generator=gen)
+        wide = torch.randn(40, 24, generator=gen).t()  # (24, 40), strides (1, 24)
+        return [torch.nn.Parameter(t) for t in (
+            torch.randn(5, generator=gen), big, wide, torch.zeros(0),
+            torch.randn(33, generator=gen, dtype=torch.float64), torch.randn(7, 3, generator=gen),
+            torch.randn(1000, generator=gen))]
+    ps, qs = odd_params(), odd_params()
+    o_native = torch.optim.AdamW(ps, lr=0.1, foreach=False)
+    o_ours = cotangent.AdamW(qs, lr=0.1, foreach=False, max_norm=1.0, clip_order=qs,
+                             shard="zero1")
+    if sorted(set(o_ours.share_of(q) for q in qs)) != list(range(world)):
+        problems.append("the odd parameters were not spread over every rank")
+    for i in range(2):
+        for p, q in zip(ps, qs):
+            g = torch.cos(torch.arange(p.numel(), dtype=p.dtype) * (i + 1)).reshape(p.shape)
+            p.grad, q.grad = g.clone(), g.clone()
+        torch.nn.utils.clip_grad_norm_(ps, 1.0)
+        o_native.step()
+        o_ours.step()
+    problems += [f"odd parameter {i}: {d}" for i, (a, b) in enumerate(zip(ps, qs))
+                 if (d := first_difference(a.detach(), b.detach())) is not None]
+
     # one rank's own state is bad: both ranks raise, nothing is modified
-    mine = next(q for q in qs if o_ours.share_of(q) == rank)
+    mine = next(q for q in qs if o_ours.share_of(q) == rank and q.numel())
     if rank == 0:
         o_ours.state[mine]["exp_avg"] = torch.zeros(3)
     before = [q.detach().clone() for q in qs]
