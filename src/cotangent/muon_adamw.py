@@ -158,8 +158,9 @@ class MuonAdamW(torch.optim.Optimizer):
 
     Raises:
         ValueError: a Muon parameter that is not 2-D, an AdamW group without "params", a
-            parameter listed twice, `muon_ns_steps` outside 1..5, or (compile) more compiled
-            variants than Dynamo's recompile limit.
+            parameter in two param groups (torch's check; one listed twice within a group gets
+            torch's duplicate-parameter warning, as with native optimizers), `muon_ns_steps`
+            outside 1..5, or (compile) more compiled variants than Dynamo's recompile limit.
         RuntimeError (at `step`): a Muon parameter without a gradient (the published code
             stacks every member's gradient); raised before anything is updated.
     """
@@ -218,7 +219,8 @@ class MuonAdamW(torch.optim.Optimizer):
         kind = param_group.setdefault("kind", "adamw")
         if kind not in ("adamw", "muon"):
             raise ValueError(f"param group kind must be 'adamw' or 'muon', got {kind!r}")
-        if hasattr(self, "_group_defaults"):  # after __init__
+        if hasattr(self, "_group_defaults"):  # (always: set before torch's __init__ adds
+            # the constructor's groups, so they are checked and filled here too)
             if kind == "muon":
                 params = param_group["params"]
                 params = [params] if isinstance(params, Tensor) else list(params)
