@@ -2,7 +2,8 @@
 
 Public API:
     AdamW: drop-in for ``clip_grad_norm_`` + ``torch.optim.AdamW``, on the tensors where they are.
-    PackedAdamW: the same over packed flat buffers (the seed study's design; ZeRO-1).
+    PackedAdamW: the same over packed flat buffers (the seed study's design; the factorial's
+        packed arms; it does not shard: ZeRO-1 is ``AdamW(..., shard="zero1")``).
     clip_grad_norm_, get_total_norm, clip_grads_with_norm_: drop-ins for the torch.nn.utils
         functions, with calibrated batched norms where gradients sit in a flat buffer.
     verify: prove native == Cotangent bit for bit on your own model, step by step.
