@@ -518,8 +518,139 @@ def _zero_in_place_checks(rank: int, world: int) -> list[str]:
     return problems
 
 
+def _native_vs_zero(rank: int, make, norms: str, steps: int = 2, **kw) -> list[str]:
+    """`make()` parameters (with gradients set per step by `grads(params, step)`) stepped by
+    clip_grad_norm_ + torch.optim.AdamW and by ZeRO-1; the parameters' and gradients' bytes."""
+    import cotangent
+    from cotangent.verify import first_difference
+
+    (ps, grads), (qs, _) = make(), make()
+    native = torch.optim.AdamW(ps, lr=0.1, **kw)
+    ours = cotangent.AdamW(qs, lr=0.1, max_norm=0.5, shard="zero1", shard_norms=norms, **kw)
+    problems = []
+    for i in range(steps):
+        for p, q, g in zip(ps, qs, grads(i)):
+            p.grad, q.grad = g.clone(), g.clone()
+        torch.nn.utils.clip_grad_norm_(ps, 0.5)
+        native.step()
+        ours.step()
+    for j, (p, q) in enumerate(zip(ps, qs)):
+        for what, a, b in (("parameter", p, q), ("gradient", p.grad, q.grad)):
+            if (d := first_difference(a.detach(), b.detach())) is not None:
+                problems.append(f"{what} {j}: {d}")
+    return problems
+
+
+def _same_on_every_rank(tensors: list) -> bool:
+    """Whether every rank holds these tensors' bytes (an all-gather of their hashes)."""
+    import hashlib
+
+    digest = hashlib.sha256(b"".join(t.detach().contiguous().view(torch.uint8).numpy().tobytes()
+                                     for t in tensors)).hexdigest()
+    every: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, digest)
+    return len(set(every)) == 1
+
+
+def _zero_review_checks(rank: int, world: int) -> list[str]:
+    """The break-it review's findings against the first in-place ZeRO-1 (each a kind):
+    gathered norms of mixed widths and of complex gradients; an error native raises inside the
+    update, on one rank's share; state of a parameter removed, stepped without, and added back
+    under another owner; a clip multiply that raises on another rank's gradient; a parameter
+    that overlaps itself."""
+    import cotangent
+
+    problems = []
+
+    def mixed():  # a 2-byte norm between 4-byte ones, a complex gradient (its norm is real)
+        gen = torch.Generator().manual_seed(1)
+        shapes = [(100, torch.float32), (3, torch.bfloat16), (100, torch.float32),
+                  (10, torch.complex64), (40, torch.float64), (7, torch.float16)]
+        made = [torch.nn.Parameter(torch.randn(n, generator=gen).to(dt)) for n, dt in shapes]
+
+        def grads(step):
+            g = torch.Generator().manual_seed(10 + step)
+            return [torch.randn(p.shape, generator=g).to(p.dtype) for p in made]
+        return made, grads
+
+    for norms in ("share", "all"):
+        problems += [f"mixed widths, shard_norms={norms}: {p}"
+                     for p in _native_vs_zero(rank, mixed, norms, foreach=False)]
+
+    # an error native raises inside the update (a step count of -1: a zero bias correction's
+    # ZeroDivisionError) on rank 0's share only: every rank raises, the ranks still agree
+    ps = [torch.nn.Parameter(torch.ones(100)) for _ in range(2)]
+    opt = cotangent.AdamW(ps, max_norm=0.5, shard="zero1", foreach=False)
+    for p in ps:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    mine = next(p for p in ps if opt.share_of(p) == rank)
+    if rank == 0:
+        opt.state[mine]["step"] = torch.tensor(-1.0)
+    try:
+        opt.step()
+        problems.append("a step count of -1 on rank 0: no error")
+    except (ZeroDivisionError, RuntimeError) as exc:
+        if rank != 0 and "rank(s) [0]" not in str(exc):
+            problems.append(f"a step count of -1 on rank 0: unclear error on rank {rank}: {exc}")
+    if not _same_on_every_rank(ps):
+        problems.append("after an error inside the update the ranks' parameters differ")
+
+    # removed, stepped without, added back under another owner: the state follows
+    def run(opt, params):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        opt.param_groups[0]["params"].pop(0)
+        opt.step()
+        opt.add_param_group({"params": [params[0]]})
+        opt.step()
+    a = [torch.nn.Parameter(torch.ones(40)) for _ in range(4)]
+    b = [torch.nn.Parameter(torch.ones(40)) for _ in range(4)]
+    native = torch.optim.AdamW(a, foreach=False)
+    ours = cotangent.AdamW(b, foreach=False, max_norm=1e9, clip_order="param_groups",
+                           shard="zero1")
+    first = ours.share_of(b[0])
+    run(native, a)
+    run(ours, b)
+    if ours.share_of(b[0]) == first:
+        problems.append("the parameter added back kept its owner: the case checked nothing")
+    if ours.share_of(b[0]) == rank:
+        got = ours.state[b[0]]["step"]
+        if float(got) != float(native.state[a[0]]["step"]):
+            problems.append(f"state of a parameter added back: step {float(got)}, native "
+                            f"{float(native.state[a[0]]['step'])}")
+    if any(not torch.equal(x.view(torch.uint8), y.detach().view(torch.uint8))
+           for x, y in zip([t.detach() for t in a], b)):
+        problems.append("parameters differ after a parameter was removed and added back")
+
+    # native's clip multiply raises on an expanded gradient before any update: so on every rank
+    ps = [torch.nn.Parameter(torch.ones(100)) for _ in range(2)]
+    opt = cotangent.AdamW(ps, max_norm=0.5, shard="zero1", foreach=False)
+    ps[0].grad = torch.full((100,), 2.0)
+    ps[1].grad = torch.full((1,), 3.0).expand(100)
+    before = [p.detach().clone() for p in ps]
+    try:
+        opt.step()
+        problems.append("an expanded gradient: no error")
+    except RuntimeError:
+        pass
+    if any(not torch.equal(x.view(torch.uint8), y.detach().view(torch.uint8))
+           for x, y in zip(before, ps)):
+        problems.append("an expanded gradient: a parameter changed before the error")
+
+    try:
+        cotangent.AdamW([torch.nn.Parameter(torch.zeros(1).expand(100))], shard="zero1")
+        problems.append("a parameter overlapping itself: no error")
+    except ValueError as exc:
+        if "overlaps itself" not in str(exc):
+            problems.append(f"a parameter overlapping itself: unclear error {exc}")
+    return problems
+
+
 def _zero_checks(rank: int, world: int) -> list[str]:
-    problems = _zero_error_checks(rank, world) + _zero_in_place_checks(rank, world)
+    problems = (_zero_error_checks(rank, world) + _zero_in_place_checks(rank, world)
+                + _zero_review_checks(rank, world))
     for cfg in ZERO_CONFIGS:
         problems += _zero_config(rank, world, cfg)
     return problems

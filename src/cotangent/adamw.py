@@ -328,17 +328,49 @@ class AdamW(torch.optim.AdamW):
                 # no update reads them and nothing shares their memory: their multiply runs
                 # while the parameters travel
                 read = {id(g) for c in calls for g in c.grads}
-                later = [g for g in rest if id(g) not in read]
+                # (a multiply that could raise, as native's does on an expanded or inference
+                # gradient, runs before the update, where native's raises)
+                later = [g for g in rest if id(g) not in read and type(g) is Tensor
+                         and is_dense_non_overlapping(g) and not g.is_inference()]
                 if later and singlepass.spans_disjoint(
                         [t.data_ptr() for t in chain(self._shares.params, later)],
                         [_extent(t) for t in chain(self._shares.params, later)]):
-                    rest = [g for g in rest if id(g) in read]
+                    held = set(map(id, later))
+                    rest = [g for g in rest if id(g) not in held]
                 else:
                     later = []  # (a gradient on a parameter's memory: native's order)
             if cut.identity:
                 torch.autograd.graph.increment_version(rest)  # native's multiply bumps them
             else:
                 multiply_grads_(rest, cut.coef)
+        if (shares := self._shares) is None:
+            paths = self._run_calls(calls, cut, decisions, grad_scale, found_inf)
+        else:
+            # ZeRO-1: an error native raises inside the update reaches every rank, and every
+            # parameter still travels from its owner (no rank is left in a broadcast)
+            error = None
+            try:
+                paths = self._run_calls(calls, cut, decisions, grad_scale, found_inf)
+            except Exception as exc:
+                error = exc
+            agreed = sharding.start_agree(error, shares.zero, shares.device, sharding.DURING)
+            pending = sharding.start_broadcast(shares.params, shares.shares, shares.zero)
+            try:
+                if later:  # other shares' clip multiply, while the parameters travel
+                    multiply_grads_(later, cut.coef)
+            finally:
+                sharding.finish_broadcast(pending, shares.zero)
+            sharding.finish_agree(agreed)
+            shares.updates += 1
+        if cut is not None:
+            self._record_clip(cut.total, cut.grads)
+        self._paths = paths
+        return loss
+
+    def _run_calls(self, calls: list[_Call], cut: _Clip | None, decisions: dict, grad_scale,
+                   found_inf) -> tuple:
+        """Run the step's calls (single pass where it was planned, else native's); returns
+        `update_path`'s counts."""
         single = native = in_pass = 0
         notes = set()
         for call in calls:
@@ -352,16 +384,7 @@ class AdamW(torch.optim.AdamW):
                 notes.add(call.why_native)
             native += len(call.params)
             self._run_native(call, grad_scale, found_inf)
-        if cut is not None:
-            self._record_clip(cut.total, cut.grads)
-        self._paths = (single, native, tuple(sorted(notes)), in_pass)
-        if (shares := self._shares) is not None:  # every parameter from its owner
-            pending = sharding.start_broadcast(shares.params, shares.shares, shares.zero)
-            if later:
-                multiply_grads_(later, cut.coef)
-            sharding.finish_broadcast(pending, shares.zero)
-            shares.updates += 1
-        return loss
+        return single, native, tuple(sorted(notes)), in_pass
 
     # ------------------------------------------------------------------ step pieces
 
@@ -390,8 +413,7 @@ class AdamW(torch.optim.AdamW):
                     call.checked = True
         except Exception as exc:
             error = exc
-        pending = sharding.start_agree(error, shares.zero, shares.params[0].device
-                                       if shares.params else torch.device("cpu"))
+        pending = sharding.start_agree(error, shares.zero, shares.device)
         return calls, fresh, pending
 
     def _gather_calls(self, shares: sharding.Shares | None):

@@ -16,6 +16,7 @@ SC 2020 (stage 1 = optimizer-state partitioning).
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -107,7 +108,13 @@ def shares_of(sizes: list[int], world: int) -> list[int]:
     return out
 
 
-def start_agree(error: BaseException | None, zero: Zero1, device: torch.device) -> tuple:
+BEFORE = "before the update (nothing was modified)"
+DURING = ("during the update (as with native code, what was updated before the error stays "
+          "updated; every parameter was still broadcast from its owner, so the ranks agree)")
+
+
+def start_agree(error: BaseException | None, zero: Zero1, device: torch.device,
+                when: str = BEFORE) -> tuple:
     """Whether every rank got through its checks: a collective started before anything is
     modified and waited for (`finish_agree`) before the first modification, so that a rank
     whose own share fails a check (a bad ``state`` entry of a parameter it owns) does not leave
@@ -115,7 +122,7 @@ def start_agree(error: BaseException | None, zero: Zero1, device: torch.device) 
     flags = torch.zeros(zero.world, dtype=torch.int32, device=device)
     if error is not None:
         flags[zero.rank] = 1
-    return dist.all_reduce(flags, group=zero.group, async_op=True), flags, error
+    return dist.all_reduce(flags, group=zero.group, async_op=True), flags, error, when
 
 
 def finish_agree(pending: tuple | None) -> None:
@@ -127,14 +134,17 @@ def finish_agree(pending: tuple | None) -> None:
     """
     if pending is None:
         return
-    work, flags, error = pending
+    work, flags, error, when = pending
     work.wait()
     if error is not None:
         raise error
     failed = flags.nonzero().flatten().tolist()
     if failed:
-        raise RuntimeError(f"rank(s) {failed} of the ZeRO-1 group raised before the update "
-                           "(nothing was modified); see the error there")
+        raise RuntimeError(f"rank(s) {failed} of the ZeRO-1 group raised {when}; see the error "
+                           "there")
+
+
+_SLOT = 8  # bytes per norm in `share_total_norm`'s gather: the widest real dtype
 
 
 def share_total_norm(grads: list[Tensor], shares: list[int], zero: Zero1, norm_type: float,
@@ -165,41 +175,43 @@ def share_total_norm(grads: list[Tensor], shares: list[int], zero: Zero1, norm_t
     groups = _compat.group_by_device_and_dtype(grads)
     order = [i for _, _, idx in groups for i in idx]
     first = grads[0].device
-    size = [g.element_size() for g in grads]  # a norm has its gradient's dtype
+    # a norm is real: a complex gradient's has the dtype of its real part; each travels in a
+    # slot of _SLOT bytes, so that every slot is aligned for any dtype's view
+    dtypes = [g.real.dtype if g.is_complex() else g.dtype for g in grads]
     owned = [[i for i in order if shares[i] == r] for r in range(zero.world)]
+    width = max(len(part) for part in owned) * _SLOT
+    mine = torch.zeros(width + _SLOT, dtype=torch.uint8, device=first)  # slots, then a flag
     norms: dict[int, Tensor] = {}
     error = None
     try:
         for _, _, idx in groups:
             here = [i for i in idx if shares[i] in (zero.rank, -1)]
             for i, n in zip(here, norms_of([grads[i] for i in here])):
+                if n.dtype != dtypes[i] or n.numel() != 1:
+                    raise RuntimeError(f"the norm of gradient {i} is {n.dtype} {tuple(n.shape)}"
+                                       f", not a {dtypes[i]} scalar")
                 norms[i] = n
+        for k, i in enumerate(owned[zero.rank]):
+            raw = norms[i].reshape(1).view(torch.uint8)
+            mine[k * _SLOT:k * _SLOT + raw.numel()] = raw
     except Exception as exc:  # re-raised below, after the other ranks have been told
         error = exc
-    width = max(sum(size[i] for i in part) for part in owned)
-    mine = torch.zeros(width + 1, dtype=torch.uint8, device=first)  # bytes, then a flag
-    if error is None:
-        if owned[zero.rank]:
-            mine[:sum(size[i] for i in owned[zero.rank])] = torch.cat(
-                [norms[i].reshape(1).view(torch.uint8) for i in owned[zero.rank]])
-    else:
         mine[-1] = 1
-    raw = [torch.empty_like(mine) for _ in range(zero.world)]
-    dist.all_gather(raw, mine, group=zero.group)
+    parts = [torch.empty_like(mine) for _ in range(zero.world)]
+    dist.all_gather(parts, mine, group=zero.group)
     if error is not None:
         raise error
-    failed = [r for r, part in enumerate(raw) if part[-1].item()]
+    failed = [r for r, part in enumerate(parts) if part[-1].item()]
     if failed:
         raise RuntimeError(
             f"rank(s) {failed} raised while computing the gradient norms of their ZeRO-1 "
             "share (shard_norms='share'); see the error there")
-    for r, part in enumerate(raw):
+    for r, part in enumerate(parts):
         if r == zero.rank:
             continue
-        at = 0
-        for i in owned[r]:
-            norms[i] = part[at:at + size[i]].view(grads[i].dtype).reshape(())
-            at += size[i]
+        for k, i in enumerate(owned[r]):
+            size = torch.empty((), dtype=dtypes[i]).element_size()
+            norms[i] = part[k * _SLOT:k * _SLOT + size].view(dtypes[i]).reshape(())
     return torch.linalg.vector_norm(torch.stack([norms[i].to(first) for i in order]), norm_type)
 
 
@@ -296,6 +308,10 @@ def check_disjoint(params: list[Tensor]) -> None:
     Raises:
         ValueError: two parameters whose bytes overlap.
     """
+    for i, p in enumerate(params):
+        if _self_overlapping(p):
+            raise ValueError(f"shard='zero1' needs parameters that share no memory; parameter {i} "
+                             f"(shape {tuple(p.shape)}, stride {p.stride()}) overlaps itself")
     spans = sorted((p.data_ptr(), p.data_ptr() + _extent(p), i) for i, p in enumerate(params)
                    if p.numel())
     for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
@@ -303,6 +319,19 @@ def check_disjoint(params: list[Tensor]) -> None:
             raise ValueError(f"shard='zero1' needs parameters that share no memory; parameters "
                              f"{min(i, j)} and {max(i, j)} overlap (native updates that memory "
                              "once per parameter, two owners would not)")
+
+
+def _self_overlapping(t: Tensor) -> bool:
+    """Whether two indices of `t` reach one element (an expanded tensor, a stride-0 dimension)."""
+    dims = sorted((st, n) for n, st in zip(t.shape, t.stride()) if n > 1)
+    if t.numel() == 0:
+        return False
+    reach = 0  # elements the smaller dims span, minus one
+    for st, n in dims:
+        if st <= reach:
+            return True
+        reach += (n - 1) * st
+    return False
 
 
 def _extent(t: Tensor) -> int:
@@ -328,6 +357,9 @@ class Shares:
         self.params: list[Tensor] = []
         self.shares: list[int] = []
         self.share_of: dict[int, int] = {}
+        # id -> (weak reference, owner) of every parameter a plan held, kept after it leaves
+        # the param groups (native keeps its state): a parameter added back finds its state
+        self.history: dict[int, tuple] = {}
         self.updates = 0
         self.consolidated: tuple[int, dict] | None = None
 
@@ -348,9 +380,11 @@ class Shares:
             check_one_device(params)
             check_disjoint(params)
             shares = shares_of([p.numel() for p in params], self.zero.world)
-            old, rank = self.share_of, self.zero.rank
+            rank = self.zero.rank
+            old = {k: share for k, (ref, share) in self.history.items() if ref() is not None}
             moved = [s for s, p in enumerate(params)
-                     if id(p) in old and old[id(p)] != shares[s]] if exchange else []
+                     if id(p) in old and self.history[id(p)][0]() is p
+                     and old[id(p)] != shares[s]] if exchange else []
             if moved:  # every rank computes the same list: all of them take part
                 mine = {s: state[params[s]] for s in moved
                         if old[id(params[s])] == rank and state.get(params[s])}
@@ -359,12 +393,20 @@ class Shares:
                         state[params[s]] = entry
             self.key, self.params, self.shares = key, params, shares
             self.share_of = {id(p): s for p, s in zip(params, shares)}
+            self.history = {k: v for k, v in self.history.items() if v[0]() is not None}
+            self.history.update((id(p), (weakref.ref(p), s)) for p, s in zip(params, shares))
             self.consolidated = None
         self.drop_foreign(state)
 
+    @property
+    def device(self) -> torch.device:
+        """Where this plan's collectives run: its parameters' one device (CPU when empty)."""
+        return self.params[0].device if self.params else torch.device("cpu")
+
     def drop_foreign(self, state) -> None:
         """Remove the entries of parameters another rank owns (an entry assigned here would
-        never be read by an update, and must not stand for the owner's)."""
+        never be read by an update, and must not stand for the owner's). An entry of a
+        parameter that left the param groups stays with its last owner, as native keeps it."""
         rank, share_of = self.zero.rank, self.share_of
         for p in [p for p in state if share_of.get(id(p), rank) != rank]:
             del state[p]
