@@ -691,7 +691,7 @@ def test_ddp_loops_are_bitwise_equal_to_native_on_every_rank():
 # ---------------------------------------------------------------- one process: arguments, plan
 
 
-def test_zero1_arguments_are_checked_before_anything_is_packed():
+def test_zero1_arguments_are_checked_before_anything_is_modified():
     import cotangent
 
     model = nn.Linear(4, 4)
@@ -704,7 +704,7 @@ def test_zero1_arguments_are_checked_before_anything_is_packed():
         cotangent.AdamW(model.parameters(), shard_norms="half")
     with pytest.raises(ValueError, match="process_group is only used"):
         cotangent.AdamW(model.parameters(), process_group=object())
-    assert [p.data_ptr() for p in model.parameters()] == before  # nothing was packed
+    assert [p.data_ptr() for p in model.parameters()] == before  # nothing moved
     opt = cotangent.AdamW(model.parameters())
     with pytest.raises(RuntimeError, match="not sharded"):
         opt.consolidate_state_dict()

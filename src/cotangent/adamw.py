@@ -8,9 +8,10 @@ coefficient exactly as `clip_grad_norm_` (the per-tensor 2-norms of contiguous f
 gradients from one C call where its probe proved ATen's bits); lets the single-pass kernel
 (`cotangent.singlepass`) take the for-loop, foreach and fused calls its probe proved equal to
 native, with the clip multiply in the same pass (`_fold_rule` decides where); multiplies every
-other gradient and runs every other call with native's own functions. Nothing is packed, copied or tracked: after
-`zero_grad()` every ``.grad`` is None, after a backward ``p.grad`` is autograd's tensor, and
-the clipped gradients are left in it, as native leaves them.
+other gradient and runs every other call with native's own functions. Nothing is packed,
+copied or tracked (ZeRO-1's broadcast buckets aside: `cotangent.sharding`): after `zero_grad()`
+every ``.grad`` is None, after a backward ``p.grad`` is autograd's tensor, and the clipped
+gradients are left in it, as native leaves them.
 """
 
 from __future__ import annotations
@@ -963,7 +964,9 @@ class AdamW(torch.optim.AdamW):
     def load_state_dict(self, state_dict: dict) -> None:
         """As `torch.optim.Optimizer.load_state_dict` (native AdamW format). Every moment is
         checked against its parameter first: a tensor of another shape (native would broadcast
-        or fail mid-update) is a ValueError naming the parameter, and nothing is loaded."""
+        or fail mid-update) is a ValueError naming the parameter, and nothing is loaded.
+        ZeRO-1: load the whole (native-format) state dict on every rank; each keeps its
+        share."""
         if (live := _live(self)) is not self:
             return live.load_state_dict(state_dict)
         check_state_dict(state_dict, self.param_groups)

@@ -1,6 +1,7 @@
 """Parameter-aligned ZeRO-1 for `cotangent.AdamW(..., shard="zero1")`: each rank keeps and
 updates the AdamW state of a share of whole parameters, then every parameter is broadcast from
-its owner. Parameters, gradients and state stay where they are (nothing is packed or copied).
+its owner. Parameters, gradients and state stay where they are (nothing is moved; only small
+parameters' values pass through broadcast buckets).
 
 Shares are contiguous runs of the optimizer's parameter list (param groups concatenated),
 balanced by element count (`shares_of`), so every rank computes the same plan from the
@@ -280,7 +281,7 @@ def broadcast_shares(params: list[Tensor], shares: list[int], zero: Zero1) -> No
 
 def all_gather_states(local: dict[int, dict], zero: Zero1) -> dict[int, dict]:
     """Every rank's `local` (slot -> state dict) merged: a collective. Tensors travel as
-    compact copies (`compact_state`: a view would carry its whole flat buffer into the pickle)."""
+    compact copies (`compact_state`: a view would carry its whole storage into the pickle)."""
     gathered: list = [None] * zero.world
     dist.all_gather_object(gathered, dict(compact_state(local)), group=zero.group)
     return _merged(gathered)
