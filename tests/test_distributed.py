@@ -559,6 +559,7 @@ def _zero_review_checks(rank: int, world: int) -> list[str]:
     under another owner; a clip multiply that raises on another rank's gradient; a parameter
     that overlaps itself."""
     import cotangent
+    from cotangent.verify import first_difference
 
     problems = []
 
@@ -620,8 +621,7 @@ def _zero_review_checks(rank: int, world: int) -> list[str]:
         if float(got) != float(native.state[a[0]]["step"]):
             problems.append(f"state of a parameter added back: step {float(got)}, native "
                             f"{float(native.state[a[0]]['step'])}")
-    if any(not torch.equal(x.view(torch.uint8), y.detach().view(torch.uint8))
-           for x, y in zip([t.detach() for t in a], b)):
+    if any(first_difference(x.detach(), y.detach()) is not None for x, y in zip(a, b)):
         problems.append("parameters differ after a parameter was removed and added back")
 
     # native's clip multiply raises on an expanded gradient before any update: so on every rank
@@ -635,8 +635,7 @@ def _zero_review_checks(rank: int, world: int) -> list[str]:
         problems.append("an expanded gradient: no error")
     except RuntimeError:
         pass
-    if any(not torch.equal(x.view(torch.uint8), y.detach().view(torch.uint8))
-           for x, y in zip(before, ps)):
+    if any(first_difference(x, y.detach()) is not None for x, y in zip(before, ps)):
         problems.append("an expanded gradient: a parameter changed before the error")
 
     try:

@@ -630,6 +630,56 @@ def test_no_compiler_native_path_and_one_warning(fresh_verdicts, monkeypatch):
         sp.sqrt_kind.cache_clear()
 
 
+def test_spans_disjoint_gives_the_same_answer_without_the_library(monkeypatch):
+    """`spans_disjoint` in C and its Python fallback (`packing.overlapping_pair`, used where the
+    kernel library cannot be built) agree on random spans, touching and empty ones included."""
+    from cotangent.packing import overlapping_pair
+
+    gen = torch.Generator().manual_seed(5)
+    cases = [([0, 8, 16], [8, 8, 8]), ([0, 7], [8, 8]), ([0, 0], [0, 8]), ([], [])]
+    for _ in range(200):
+        n = int(torch.randint(1, 8, (), generator=gen))
+        cases.append((torch.randint(0, 64, (n,), generator=gen).tolist(),
+                      torch.randint(0, 12, (n,), generator=gen).tolist()))
+    answers = [sp.spans_disjoint(a, b) for a, b in cases]
+    assert answers[:4] == [True, False, True, True] and False in answers[4:]
+    assert answers == [overlapping_pair(a, b) is None for a, b in cases]
+    monkeypatch.setattr(sp, "_lib", lambda: (_ for _ in ()).throw(
+        sp.SinglePassUnavailable("no C++ compiler found (a test)")))
+    assert [sp.spans_disjoint(a, b) for a, b in cases] == answers
+
+
+def test_zero1_without_a_compiler_steps_with_natives_bits(fresh_verdicts, monkeypatch,
+                                                          single_rank_group):
+    """ZeRO-1 asks whether its tensors share memory at every step, kernel or not: without a
+    compiler that answer comes from Python, and the step is native's."""
+    monkeypatch.setattr(_build, "compiler", lambda: None)
+    monkeypatch.setattr(tensorlists, "_STATE", {})
+    for name in ("_LIB", "_BUILD", "_FAILURE"):
+        monkeypatch.setattr(sp, name, None)
+    monkeypatch.setattr(sp, "_UNAVAILABLE", sp._NOT_CHECKED)
+    sp.sqrt_kind.cache_clear()
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", sp.SinglePassWarning)
+            gen = torch.Generator().manual_seed(3)
+            ps = [torch.nn.Parameter(torch.randn(n, generator=gen)) for n in (10, 30, 7)]
+            qs = [torch.nn.Parameter(p.detach().clone()) for p in ps]
+            native = torch.optim.AdamW(ps, foreach=False)
+            ours = cotangent.AdamW(qs, foreach=False, max_norm=0.1, shard="zero1")
+            for _ in range(2):
+                for p, q in zip(ps, qs):
+                    p.grad = torch.randn(p.shape, generator=gen)
+                    q.grad = p.grad.clone()
+                torch.nn.utils.clip_grad_norm_(ps, 0.1)
+                native.step()
+                ours.step()
+        assert ours.update_path()["path"] == "native"
+        assert_same_update(ps, native.state, qs, ours.state, "ZeRO-1 without a compiler")
+    finally:
+        sp.sqrt_kind.cache_clear()
+
+
 def test_switched_off_by_the_environment_then_on(fresh_verdicts, monkeypatch):
     """COTANGENT_SINGLE_PASS=0 runs native's op sequence (no probe, no warning); switching it
     back on mid-run continues with the same bytes."""

@@ -35,7 +35,7 @@ from cotangent.clipping import (
 )
 from cotangent.norms import (check_finite, clip_coefficient, multiply_is_identity,
                              native_tensor_norms, total_norm)
-from cotangent.packing import is_dense_non_overlapping
+from cotangent.packing import extent, is_dense_non_overlapping
 from cotangent.store import check_state_dict, describe, state_problem
 
 
@@ -317,9 +317,9 @@ class AdamW(torch.optim.AdamW):
             self._plan_kernel(call, cut, decisions, allowed=grad_scale is None
                               and found_inf is None, extra=extra)
         calls += extra
-        disjoint = (any(c.kernel is not None for c in calls) or self._shares is not None) and (
-            self._memory_disjoint(calls, cut))
-        if any(c.kernel is not None for c in calls) and not disjoint:
+        kernels = any(c.kernel is not None for c in calls)
+        disjoint = (kernels or self._shares is not None) and self._memory_disjoint(calls, cut)
+        if kernels and not disjoint:
             calls = self._in_native_order(calls)
         later: list[Tensor] = []  # ZeRO-1: gradients of other shares, multiplied meanwhile
         if cut is not None:
@@ -335,7 +335,7 @@ class AdamW(torch.optim.AdamW):
                          and is_dense_non_overlapping(g) and not g.is_inference()]
                 if later and singlepass.spans_disjoint(
                         [t.data_ptr() for t in chain(self._shares.params, later)],
-                        [_extent(t) for t in chain(self._shares.params, later)]):
+                        [extent(t) for t in chain(self._shares.params, later)]):
                     held = set(map(id, later))
                     rest = [g for g in rest if id(g) not in held]
                 else:
@@ -360,7 +360,7 @@ class AdamW(torch.optim.AdamW):
                 if later:  # other shares' clip multiply, while the parameters travel
                     multiply_grads_(later, cut.coef)
             finally:
-                sharding.finish_broadcast(pending, shares.zero)
+                sharding.finish_broadcast(pending)
             sharding.finish_agree(agreed)
             shares.updates += 1
         if cut is not None:
@@ -446,10 +446,7 @@ class AdamW(torch.optim.AdamW):
             by = {}
             for index, p in params:
                 g = p.grad
-                if g.is_sparse:
-                    raise RuntimeError(f"{self._describe(p)} received a sparse gradient: Adam "
-                                       "does not support sparse gradients, please consider "
-                                       "SparseAdam instead")
+                self._refuse_sparse(p)
                 key = (p.device, p.dtype)
                 call = by.get(key)
                 if call is None:
@@ -517,13 +514,20 @@ class AdamW(torch.optim.AdamW):
         for index, p in params:
             if shares.owns(p):
                 own.append((index, p))
-            elif p.grad.is_sparse:
-                raise RuntimeError(f"{self._describe(p)} received a sparse gradient: Adam does "
-                                   "not support sparse gradients, please consider SparseAdam "
-                                   "instead")
             else:
+                self._refuse_sparse(p)
                 self._check_param(p, amsgrad)  # (no state here: the gradient alone)
         return own
+
+    def _refuse_sparse(self, p: Tensor) -> None:
+        """Native AdamW's refusal of a sparse gradient, naming the parameter.
+
+        Raises:
+            RuntimeError: ``p.grad`` is sparse.
+        """
+        if p.grad.is_sparse:
+            raise RuntimeError(f"{self._describe(p)} received a sparse gradient: Adam does not "
+                               "support sparse gradients, please consider SparseAdam instead")
 
     def _check_param(self, p: Tensor, amsgrad: bool) -> None:
         """Native AdamW's inputs for `p` as native reads them, or a clear error: a gradient of
@@ -784,12 +788,12 @@ class AdamW(torch.optim.AdamW):
                            c.steps):
                 seen.add(id(t))
                 starts.append(t.data_ptr())
-                nbytes.append(_extent(t))
+                nbytes.append(extent(t))
         if cut is not None:
             for g in cut.grads:
                 if id(g) not in seen:
                     starts.append(g.data_ptr())
-                    nbytes.append(_extent(g))
+                    nbytes.append(extent(g))
         return singlepass.spans_disjoint(starts, nbytes)
 
     def _in_native_order(self, calls: list[_Call]) -> list[_Call]:
@@ -1086,16 +1090,6 @@ class AdamW(torch.optim.AdamW):
             path = "mixed" if single and native else ("single-pass" if single else "native")
         return dict(path=path, single_pass=single, native=native, single_pass_notes=list(notes),
                     clip_in_pass=clip_in_pass)
-
-
-def _extent(t: Tensor) -> int:
-    """Bytes from `t`'s first element to one past its last (all it may touch: a non-dense
-    tensor spans its gaps too; non-negative strides, as torch tensors have)."""
-    if t.numel() == 0:
-        return 0
-    if t.is_contiguous():
-        return t.numel() * t.element_size()
-    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
 def _moment_ok(t, p: Tensor) -> bool:

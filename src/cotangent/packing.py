@@ -103,6 +103,27 @@ def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
 
 
+def extent(t: Tensor) -> int:
+    """Bytes from `t`'s first element to one past its last: all the memory it may touch (a
+    non-dense tensor spans its gaps too; non-negative strides, as torch tensors have); 0 when
+    empty."""
+    if t.numel() == 0:
+        return 0
+    if t.is_contiguous():
+        return t.numel() * t.element_size()
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def overlapping_pair(starts: list[int], nbytes: list[int]) -> tuple[int, int] | None:
+    """Two indices whose byte spans ``[starts[i], starts[i] + nbytes[i])`` overlap (the lower
+    first), or None when no two do (empty spans never overlap): one sort, in Python."""
+    spans = sorted((s, s + n, i) for i, (s, n) in enumerate(zip(starts, nbytes)) if n > 0)
+    for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
+        if start < end:
+            return min(i, j), max(i, j)
+    return None
+
+
 def is_dense_non_overlapping(t: Tensor) -> bool:
     """True when `t`'s elements fill exactly `t.numel()` consecutive storage slots.
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cotangent import _compat
+from cotangent.packing import extent, overlapping_pair
 from cotangent.store import compact_state
 
 SHARD_MODES = (None, "zero1")
@@ -211,7 +212,7 @@ def share_total_norm(grads: list[Tensor], shares: list[int], zero: Zero1, norm_t
         if r == zero.rank:
             continue
         for k, i in enumerate(owned[r]):
-            size = torch.empty((), dtype=dtypes[i]).element_size()
+            size = dtypes[i].itemsize
             norms[i] = part[k * _SLOT:k * _SLOT + size].view(dtypes[i]).reshape(())
     return torch.linalg.vector_norm(torch.stack([norms[i].to(first) for i in order]), norm_type)
 
@@ -250,33 +251,34 @@ def start_broadcast(params: list[Tensor], shares: list[int], zero: Zero1) -> lis
             size += nbytes
     pending = []
     for share, ps in buckets:
+        copy_out = None  # the parameters to fill from `flat` once it has arrived
         if len(ps) == 1 and ps[0].is_contiguous():
-            flat = ps[0].view(-1)  # received in place
+            flat = ps[0].view(-1)  # sent or received in place
         elif share == zero.rank:
             flat = torch.cat([p.reshape(-1) for p in ps])
         else:
             flat = torch.empty(sum(p.numel() for p in ps), dtype=ps[0].dtype,
                                device=ps[0].device)
+            copy_out = ps
         work = dist.broadcast(flat, zero.source(share), group=zero.group, async_op=True)
-        pending.append((work, share, ps, flat))
+        pending.append((work, copy_out, flat))
     return pending
 
 
 @torch.no_grad()
-def finish_broadcast(pending: list, zero: Zero1) -> None:
+def finish_broadcast(pending: list) -> None:
     """Wait for `start_broadcast`'s broadcasts, in order, copying each received bucket out."""
-    for work, share, ps, flat in pending:
+    for work, copy_out, flat in pending:
         work.wait()
-        if share != zero.rank and not (len(ps) == 1 and flat.data_ptr() == ps[0].data_ptr()
-                                       and ps[0].is_contiguous()):
-            for p, part in zip(ps, flat.split([p.numel() for p in ps])):
+        if copy_out is not None:
+            for p, part in zip(copy_out, flat.split([p.numel() for p in copy_out])):
                 p.copy_(part.view(p.shape))
 
 
 @torch.no_grad()
 def broadcast_shares(params: list[Tensor], shares: list[int], zero: Zero1) -> None:
     """Every parameter from its owner (`start_broadcast`, then `finish_broadcast`)."""
-    finish_broadcast(start_broadcast(params, shares, zero), zero)
+    finish_broadcast(start_broadcast(params, shares, zero))
 
 
 def all_gather_states(local: dict[int, dict], zero: Zero1) -> dict[int, dict]:
@@ -313,13 +315,11 @@ def check_disjoint(params: list[Tensor]) -> None:
         if _self_overlapping(p):
             raise ValueError(f"shard='zero1' needs parameters that share no memory; parameter {i} "
                              f"(shape {tuple(p.shape)}, stride {p.stride()}) overlaps itself")
-    spans = sorted((p.data_ptr(), p.data_ptr() + _extent(p), i) for i, p in enumerate(params)
-                   if p.numel())
-    for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
-        if start < end:
-            raise ValueError(f"shard='zero1' needs parameters that share no memory; parameters "
-                             f"{min(i, j)} and {max(i, j)} overlap (native updates that memory "
-                             "once per parameter, two owners would not)")
+    pair = overlapping_pair([p.data_ptr() for p in params], list(map(extent, params)))
+    if pair is not None:
+        raise ValueError(f"shard='zero1' needs parameters that share no memory; parameters "
+                         f"{pair[0]} and {pair[1]} overlap (native updates that memory once per "
+                         "parameter, two owners would not)")
 
 
 def _self_overlapping(t: Tensor) -> bool:
@@ -333,10 +333,6 @@ def _self_overlapping(t: Tensor) -> bool:
             return True
         reach += (n - 1) * st
     return False
-
-
-def _extent(t: Tensor) -> int:
-    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
 
 
 class Shares:
@@ -382,13 +378,12 @@ class Shares:
             check_disjoint(params)
             shares = shares_of([p.numel() for p in params], self.zero.world)
             rank = self.zero.rank
-            old = {k: share for k, (ref, share) in self.history.items() if ref() is not None}
-            moved = [s for s, p in enumerate(params)
-                     if id(p) in old and self.history[id(p)][0]() is p
-                     and old[id(p)] != shares[s]] if exchange else []
+            was = [self._last_owner(p) for p in params]
+            moved = [s for s in range(len(params))
+                     if was[s] is not None and was[s] != shares[s]] if exchange else []
             if moved:  # every rank computes the same list: all of them take part
                 mine = {s: state[params[s]] for s in moved
-                        if old[id(params[s])] == rank and state.get(params[s])}
+                        if was[s] == rank and state.get(params[s])}
                 for s, entry in all_gather_states(mine, self.zero).items():
                     if shares[s] == rank:
                         state[params[s]] = entry
@@ -398,6 +393,11 @@ class Shares:
             self.history.update((id(p), (weakref.ref(p), s)) for p, s in zip(params, shares))
             self.consolidated = None
         self.drop_foreign(state)
+
+    def _last_owner(self, p: Tensor) -> int | None:
+        """The owner `p` had in an earlier plan, or None (never planned)."""
+        seen = self.history.get(id(p))
+        return seen[1] if seen is not None and seen[0]() is p else None
 
     @property
     def device(self) -> torch.device:

@@ -98,7 +98,7 @@ import torch
 from torch import Tensor
 
 from cotangent import _build, _compat, calibration, tensorlists
-from cotangent.packing import is_dense_non_overlapping
+from cotangent.packing import is_dense_non_overlapping, overlapping_pair
 
 GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: TensorIterator splits work among threads above it
 MKL_SQRT_MODE = 0x2 | 0x140000 | 0x100  # VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE
@@ -889,13 +889,14 @@ def _checked_steps(steps: list) -> tuple[list, list[int]]:
 
 def spans_disjoint(starts: list[int], nbytes: list[int]) -> bool:
     """Whether no two of the byte spans ``[starts[i], starts[i] + nbytes[i])`` overlap (empty
-    spans never do): one sort in C++.
-
-    Raises:
-        SinglePassUnavailable: the kernel library cannot be built here.
-    """
+    spans never do): one sort in C++, or in Python where the kernel library cannot be built
+    (`cotangent.packing.overlapping_pair`: the same answer)."""
+    try:
+        lib = _lib()
+    except SinglePassUnavailable:
+        return overlapping_pair(starts, nbytes) is None
     a, b = _int64s(starts), _int64s(nbytes)
-    return bool(_lib().cot_singlepass_disjoint(_address(a), _address(b), len(starts)))
+    return bool(lib.cot_singlepass_disjoint(_address(a), _address(b), len(starts)))
 
 
 NORM_PROBE_KIND = "singlepass_norm"
