@@ -22,6 +22,7 @@ import torch.nn.functional as F
 import cotangent
 from bitwise import assert_same_bits, assert_same_update
 from cotangent.harness.model import build_model
+from cotangent.harness.packed import PackedAdamW
 
 HP = dict(lr=5e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
 IMPLS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}
@@ -196,7 +197,7 @@ class Case:
     # (native optimizer, our optimizer) -> a callback run with the step index after each step
     schedule: Callable | None = None
     expect: frozenset = frozenset()  # subset of OBSERVATIONS
-    packed: bool = False  # Cotangent's side is cotangent.PackedAdamW (the packed design)
+    packed: bool = False  # Cotangent's side is PackedAdamW (the packed design)
 
     def __str__(self) -> str:
         return self.name
@@ -290,7 +291,7 @@ def run_case(case: Case, impl: str) -> set[str]:
                       else (case.clip_order, case.clip_order))
     ref = cotangent.ReferenceUpdate(spec1, max_norm=case.max_norm, norm_type=norm_type,
                                     clip_order=order1, **copy.deepcopy(kw))
-    cls = cotangent.PackedAdamW if case.packed else cotangent.AdamW
+    cls = PackedAdamW if case.packed else cotangent.AdamW
     opt = cls(spec2, max_norm=case.max_norm, norm_type=norm_type, clip_order=order2,
                           **copy.deepcopy(kw), **case.ours)
     return lockstep(m1, ref, m2, opt, case.steps, f"{case} ({impl})", loss=case.loss,
@@ -346,7 +347,7 @@ def lockstep(m1, ref, m2, opt, steps: int, what: str, *, loss=square, batch=vect
             seen.add("clip-active" if total > max_norm else "clip-inactive")
         assert_same_update(m1.parameters(), ref_opt.state, m2.parameters(), opt.state,
                            f"{what}, step {step}", names)
-        if isinstance(opt, cotangent.PackedAdamW):
+        if isinstance(opt, PackedAdamW):
             calls = opt.call_summary()
             if calls["calls"] < calls["parameters"]:
                 seen.add("merged")

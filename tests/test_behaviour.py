@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 
 import cotangent
+from cotangent.harness.packed import PackedAdamW
 from bitwise import assert_same_bits, assert_same_update, same_bits
 from cases import HP, lockstep, mlp
 
@@ -265,7 +266,7 @@ def test_thread_count_change_recalibrates():
 
 def test_plan_cache_is_bounded():
     layers = nn.ModuleList(nn.Linear(2, 2) for _ in range(12))
-    opt = cotangent.PackedAdamW(layers.parameters())
+    opt = PackedAdamW(layers.parameters())
     gen = torch.Generator().manual_seed(0)
     for _ in range(200):
         opt.zero_grad()
@@ -369,7 +370,7 @@ def test_packed_parameters_sharing_storage_are_refused():
     b = nn.Linear(4, 4)
     b.weight.data = a.weight.data  # two Parameter objects, one storage
     with pytest.raises(ValueError, match="share storage"):
-        cotangent.PackedAdamW(list(a.parameters()) + list(b.parameters()))
+        PackedAdamW(list(a.parameters()) + list(b.parameters()))
     assert b.weight.data_ptr() == a.weight.data_ptr()
 
 
@@ -424,7 +425,7 @@ def test_meta_parameters_are_refused_clearly_by_packing():
     """PackedAdamW has nothing to pack; cotangent.AdamW takes them as native does (the model
     is materialised with `to_empty` before the first step)."""
     with pytest.raises(ValueError, match="meta device"):
-        cotangent.PackedAdamW([nn.Parameter(torch.empty(3, device="meta"))])
+        PackedAdamW([nn.Parameter(torch.empty(3, device="meta"))])
     cotangent.AdamW([nn.Parameter(torch.empty(3, device="meta"))])
 
 
@@ -462,7 +463,7 @@ def test_duplicate_parameter_is_refused_before_anything_changes_by_packing():
     lin = torch.nn.Linear(3, 3)
     ptr = lin.weight.data_ptr()
     with pytest.raises(ValueError, match="same tensor"):
-        cotangent.PackedAdamW([lin.weight, lin.bias, lin.weight], fused=True)
+        PackedAdamW([lin.weight, lin.bias, lin.weight], fused=True)
     assert lin.weight.data_ptr() == ptr and lin.weight.grad is None
 
 
@@ -528,14 +529,14 @@ def test_backward_through_parameters_updated_since_the_forward_behaves_like_nati
     a graph that saved the old values raises; parameters updated inside a merged range must
     too. Native fused AdamW (torch 2.13) bumps none and the backward runs: so must ours."""
     outcomes = []
-    for cls in (torch.optim.AdamW, cotangent.AdamW, cotangent.PackedAdamW):
+    for cls in (torch.optim.AdamW, cotangent.AdamW, PackedAdamW):
         torch.manual_seed(0)
         model = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])  # equal lengths: merged
         opt = cls(model.parameters(), **{"fused": dict(fused=True), "foreach": dict(foreach=True),
                                          "for-loop": dict(foreach=False)}[impl])
         model(torch.ones(2, 4)).sum().backward()
         opt.step()
-        if cls is cotangent.PackedAdamW:
+        if cls is PackedAdamW:
             calls = opt.call_summary()
             assert calls["calls"] < calls["parameters"], "the case must use merged ranges"
         loss = model(torch.ones(2, 4)).sum()  # saves the current weights for backward

@@ -19,6 +19,7 @@ import torch  # noqa: E402
 
 import cotangent  # noqa: E402
 from cotangent.harness import bench, cli  # noqa: E402
+from cotangent.harness.packed import PackedAdamW
 
 REQUIRED = {"shape", "params", "tensors", "native_impl", "method", "native_ms", "cotangent_ms",
             "ratio", "native_step_ms", "cotangent_step_ms", "step_ratio", "native_zero_grad_ms",
@@ -141,7 +142,7 @@ def test_the_byte_check_covers_the_single_pass_off_arm(monkeypatch):
 def test_the_byte_check_covers_the_packed_arm(monkeypatch):
     """Control: the PackedAdamW arm (the design before issue 26) stepping with another learning
     rate makes the row not bitwise."""
-    real = cotangent.PackedAdamW
+    real = PackedAdamW
 
     def other_lr(params, **kw):
         return real(params, **{**kw, "lr": kw["lr"] * 2})

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from cotangent import calibration, merge, norms, singlepass, tracking
+from cotangent import calibration, merge, norms, singlepass
+from cotangent.harness.packed import tracking
 
 CPU = torch.device("cpu")
 

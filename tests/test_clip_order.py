@@ -10,7 +10,6 @@ step: loss, total norm, clipped gradients, parameters, ``exp_avg``, ``exp_avg_sq
 
 from __future__ import annotations
 
-import copy
 
 import pytest
 import torch

@@ -1,5 +1,5 @@
 """Fresh gradients copied into the flat buffer as the backward delivers them
-(`cotangent.tracking.GradientTracker.can_copy_in`), outside torch.distributed: `.grad` reads None
+(`cotangent.harness.packed.tracking.GradientTracker.can_copy_in`), outside torch.distributed: `.grad` reads None
 after `zero_grad()` as native, each backward's fresh gradient is copied into its view (gradients
 of `COPY_NOW_MIN` elements or more in their hook, smaller ones together at the end of the
 backward), and what cannot be copied that way is left where native leaves it. Every case runs
@@ -13,9 +13,9 @@ import copy
 import pytest
 import torch
 
-import cotangent
 from bitwise import run_against_native, same_bits
-from cotangent import tracking
+from cotangent.harness.packed import tracking
+from cotangent.harness.packed import PackedAdamW
 
 SMALL, BIG = 37, tracking.COPY_NOW_MIN + 3  # one gradient each side of the threshold
 
@@ -91,7 +91,7 @@ def test_copy_in_gives_native_bytes(name, deliver, dtype, steps, foreach):
 
 def test_grad_reads_none_after_zero_grad_and_views_after_the_backward():
     params = [torch.nn.Parameter(b) for b in _base()]
-    opt = cotangent.PackedAdamW(params, max_norm=1.0)
+    opt = PackedAdamW(params, max_norm=1.0)
     flat = opt._store.flat_grads[0].untyped_storage().data_ptr()
     for step in range(3):
         _backward(step, params)
@@ -107,7 +107,7 @@ def test_large_fresh_gradient_is_copied_in_its_hook_small_ones_at_the_end(monkey
     """The end-of-backward copy takes the two small gradients in one call; the large one was
     copied in its own hook (and its fresh tensor freed there)."""
     params = [torch.nn.Parameter(b) for b in _base()]
-    opt = cotangent.PackedAdamW(params)
+    opt = PackedAdamW(params)
     batches = []
     real = tracking._compat.foreach_copy_
 
@@ -127,7 +127,7 @@ def test_a_gradient_replaced_before_the_end_of_the_backward_is_left_alone():
     tensor stays `.grad` (native keeps it), and the step copies its values in as for any
     gradient assigned from outside."""
     params = [torch.nn.Parameter(b) for b in _base()]
-    opt = cotangent.PackedAdamW(params)
+    opt = PackedAdamW(params)
     mine = torch.full((SMALL,), 0.25)
 
     def swap(p):
@@ -172,7 +172,7 @@ def test_a_gradient_sharing_memory_with_a_parameter_is_refused(deliver):
     another): a clear error before anything changes. Before this check the backward case was
     copied into the -0.0 prefill and diverged silently (parameter 0: 9 of 37 elements)."""
     params = [torch.nn.Parameter(b) for b in _base()]
-    opt = cotangent.PackedAdamW(params, max_norm=1.0)
+    opt = PackedAdamW(params, max_norm=1.0)
     _backward(0, params)
     opt.step()
     opt.zero_grad()
@@ -215,7 +215,7 @@ def test_a_gradient_kept_by_a_user_hook_stays_the_live_gradient(numel, before):
         return p.detach().clone(), opt.state[p]
 
     native_p, native_state = run(lambda ps: torch.optim.AdamW(ps, lr=0.1))
-    ours_p, ours_state = run(lambda ps: cotangent.PackedAdamW(ps, lr=0.1, max_norm=1e9))
+    ours_p, ours_state = run(lambda ps: PackedAdamW(ps, lr=0.1, max_norm=1e9))
     assert same_bits(native_p, ours_p)
     assert all(same_bits(native_state[k], ours_state[k]) for k in native_state)
 
@@ -245,7 +245,7 @@ def test_a_failed_backward_then_model_zero_grad_does_not_stop_copy_in():
     native_model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 1))
     ours_model = copy.deepcopy(native_model)
     native = torch.optim.AdamW(native_model.parameters(), lr=0.1)
-    ours = cotangent.PackedAdamW(ours_model.parameters(), lr=0.1, max_norm=1.0)
+    ours = PackedAdamW(ours_model.parameters(), lr=0.1, max_norm=1.0)
 
     def native_step(m):
         torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)

@@ -9,7 +9,8 @@ import torch
 
 from bitwise import assert_same_bits
 from cotangent import calibration, norms
-from cotangent.packing import plan_layouts
+from cotangent.harness.packed import norms as packed_norms
+from cotangent.harness.packed.layout import plan_layouts
 
 LENGTHS = [1, 2, 3, 5, 8, 31, 33, 64, 130, 1026, 4098, 65536]
 
@@ -22,11 +23,11 @@ def test_layout_norms_and_total_equal_native(dtype, rows):
     perm = torch.randperm(len(grads), generator=gen).tolist()  # parameter order != length order
     grads = [grads[i] for i in perm]
     (layout,) = plan_layouts(grads)
-    norms.calibrate_layout(layout, 2.0, None)
+    packed_norms.calibrate_layout(layout, 2.0, None)
     flat = layout.new_buffer(-0.0)
     for seg in layout.segments:
         layout.view(flat, seg).copy_(grads[seg.slot])
-    ours = norms.layout_norms(layout, flat, 2.0, None)
+    ours = packed_norms.layout_norms(layout, flat, 2.0, None)
     native = torch._foreach_norm(grads, 2.0)
     for pos, seg in enumerate(layout.segments):
         assert_same_bits(ours[pos], native[seg.slot], f"norm of length {seg.numel}")

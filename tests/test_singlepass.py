@@ -631,9 +631,9 @@ def test_no_compiler_native_path_and_one_warning(fresh_verdicts, monkeypatch):
 
 
 def test_spans_disjoint_gives_the_same_answer_without_the_library(monkeypatch):
-    """`spans_disjoint` in C and its Python fallback (`packing.overlapping_pair`, used where the
+    """`spans_disjoint` in C and its Python fallback (`spans.overlapping_pair`, used where the
     kernel library cannot be built) agree on random spans, touching and empty ones included."""
-    from cotangent.packing import overlapping_pair
+    from cotangent.spans import overlapping_pair
 
     gen = torch.Generator().manual_seed(5)
     cases = [([0, 8, 16], [8, 8, 8]), ([0, 7], [8, 8]), ([0, 0], [0, 8]), ([], [])]
@@ -986,38 +986,11 @@ def test_bfloat16_amsgrad_runs_natively_and_the_scalar_rounding_is_what_the_prob
             assert any("probe" in n for n in opt.update_path()["single_pass_notes"])
 
 
-@pytest.mark.parametrize("n,offset", [(1, 0), (17, 3), (4099, 1), (1 << 20, 0), ((1 << 20) + 5, 7)])
-@pytest.mark.parametrize("nthreads", [1, 2])
-def test_streaming_fill_writes_negative_zero_everywhere(n, offset, nthreads, monkeypatch):
-    """The non-temporal refill: every element of any length and alignment becomes -0.0
-    (0x80000000), nothing around it changes, and the version counter moves as `fill_`'s."""
-    sp.build()
-    monkeypatch.setattr(sp, "STREAM_FILL_MIN", 1)
-    base = torch.randn(n + offset + 9)
-    before = base.clone()
-    t = base[offset:offset + n]
-    version = t._version
-    with threads(nthreads):
-        sp.fill_negative_zero_(t)
-    assert t._version > version
-    assert bool((t.view(torch.int32) == -2**31).all())
-    assert same_bits(base[:offset], before[:offset])
-    assert same_bits(base[offset + n:], before[offset + n:])
-
-
 def test_zero_grad_outside_a_process_group_writes_nothing_and_gives_native_bytes(monkeypatch):
-    """`zero_grad` is native's: it neither refills anything (the streaming fill, threshold
-    lowered to 1, is never called, nor `fill_`) nor keeps gradients: ``.grad`` reads None, and
+    """`zero_grad` is native's: it neither refills anything (`fill_` is never called) nor keeps
+    gradients: ``.grad`` reads None, and
     each backward's fresh gradients, zeros of both signs among them, are read where autograd
     left them, with native's bytes."""
-    sp.build()
-    calls = []
-    real = sp._LIB.cot_fill_negative_zero
-
-    def counted(*args):
-        calls.append(args[1])
-        return real(*args)
-
     class SignedZeroGradients(torch.nn.Module):
         """`w`'s gradient is a scalar times `c`: zeros of both signs among other values."""
 
@@ -1033,8 +1006,6 @@ def test_zero_grad_outside_a_process_group_writes_nothing_and_gives_native_bytes
         def forward(self, x):
             return self.lin(x) + (self.w * self.c).sum()
 
-    monkeypatch.setattr(sp, "STREAM_FILL_MIN", 1)
-    monkeypatch.setattr(sp._LIB, "cot_fill_negative_zero", counted)
     with threads(2):
         for models in (None, (SignedZeroGradients(), SignedZeroGradients())):
             native_vs_cotangent(foreach=False, steps=4, max_norm=1.0, models=models)
@@ -1050,19 +1021,6 @@ def test_zero_grad_outside_a_process_group_writes_nothing_and_gives_native_bytes
             assert all(p.grad is None for p in model.parameters())
             params = {p.untyped_storage().data_ptr() for p in model.parameters()}
             assert not {g.untyped_storage().data_ptr() for g in grads} & params
-    assert calls == []
-
-
-def test_streaming_fill_refuses_an_inference_tensor_as_fill_does(monkeypatch):
-    sp.build()
-    monkeypatch.setattr(sp, "STREAM_FILL_MIN", 1)
-    with torch.inference_mode():
-        native, ours = torch.ones(64), torch.ones(64)
-    with pytest.raises(RuntimeError, match="inference tensor outside InferenceMode"):
-        native.fill_(-0.0)
-    with pytest.raises(RuntimeError, match="inference tensor outside InferenceMode"):
-        sp.fill_negative_zero_(ours)
-    assert same_bits(ours, native)  # whatever fill_ leaves (torch 2.13: written, then raised)
 
 
 # ---------------------------------------------------------------------- the fused bits, the norms

@@ -76,7 +76,7 @@ def test_cli_verify_writes_a_report_and_fails_on_injection(tmp_path, monkeypatch
     assert [c["model"] for c in report["cases"] if c["compiled"]] == ["transformer-small"]
     assert "7/7 cases identical, 7 update steps" in capsys.readouterr().out
     import cotangent.adamw as adamw
-    import cotangent.clipping as clipping
+    from cotangent.harness.packed import clipping
 
     for module in (adamw, clipping):  # cotangent.AdamW's clip and PackedAdamW's
         monkeypatch.setattr(module, "clip_coefficient",
@@ -101,6 +101,35 @@ def test_ulp_distance():
         cotangent.verify(suite_model("causal-conv", False), lm_loss, [], arm="nope")
     with pytest.raises(ValueError, match="verify_batched_norms_only"):
         cotangent.verify(suite_model("causal-conv", False), lm_loss, [], arm="batched-norms-only")
+    with pytest.raises(ValueError, match="verify_packing_only"):
+        cotangent.verify(suite_model("causal-conv", False), lm_loss, [], arm="packing-only")
+
+
+def test_packed_design_left_the_library():
+    """`cotangent.PackedAdamW` is gone from the library (issue 26); the name says where the
+    seed study's packed design lives now, and no library module imports the harness's copy."""
+    with pytest.raises(AttributeError, match="cotangent.harness.packed.PackedAdamW"):
+        cotangent.PackedAdamW  # noqa: B018
+    assert "PackedAdamW" not in cotangent.__all__
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        cotangent.nope  # noqa: B018
+
+
+def test_packing_only_verify_lives_in_the_harness_and_can_fail(monkeypatch):
+    """The harness's packing-only verify (packed buffers, native per-tensor norms) reports
+    native's bits on a tiny model, and the first difference when its clip coefficient is one
+    ULP off."""
+    from cotangent.harness.factorial import verify_packing_only
+    from cotangent.harness.packed import clipping
+
+    model = suite_model("causal-conv", False)
+    report = verify_packing_only(model, lm_loss, _batches(2), max_norm=0.1, lr=1e-3)
+    assert report.passed and report.steps == 2 and report.arm == "packing-only"
+    monkeypatch.setattr(clipping, "clip_coefficient",
+                        lambda t, m: torch.nextafter(norms.clip_coefficient(t, m),
+                                                     torch.tensor(0.0)))
+    report = verify_packing_only(model, lm_loss, _batches(2), max_norm=0.1, lr=1e-3)
+    assert not report.passed and report.failures
 
 
 def test_batched_norms_only_verify_lives_in_the_harness_and_can_fail(monkeypatch):

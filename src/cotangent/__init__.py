@@ -2,10 +2,8 @@
 
 Public API:
     AdamW: drop-in for ``clip_grad_norm_`` + ``torch.optim.AdamW``, on the tensors where they are.
-    PackedAdamW: the same over packed flat buffers (the seed study's design; the factorial's
-        packed arms; it does not shard: ZeRO-1 is ``AdamW(..., shard="zero1")``).
     clip_grad_norm_, get_total_norm, clip_grads_with_norm_: drop-ins for the torch.nn.utils
-        functions, with calibrated batched norms where gradients sit in a flat buffer.
+        functions, with batched norms only where a calibration probe proved them native's bits.
     verify: prove native == Cotangent bit for bit on your own model, step by step.
     ReferenceUpdate: the readable native path (clip_grad_norm_ + torch.optim.AdamW) it is tested
         against.
@@ -15,6 +13,10 @@ Public API:
     occurrence: per-occurrence gradient aggregation for shared parameters.
     native_bugs, NativeBugWarning: the native PyTorch bugs Cotangent reproduces (to keep
         native's bits) and the warning it gives, once per process, when one affects a run.
+
+The packed design of the seed study (parameters moved into flat buffers, every gradient copied
+in by hooks) is no longer part of the library: it lives on as the harness's factorial arms,
+``cotangent.harness.packed.PackedAdamW``.
 """
 
 from cotangent._version import __version__
@@ -24,9 +26,18 @@ from cotangent.muon import Muon
 from cotangent.native_bugs import NativeBugWarning
 from cotangent.muon_adamw import MuonAdamW
 from cotangent.adamw import AdamW
-from cotangent.optim import PackedAdamW
 from cotangent.reference import ReferenceUpdate
 from cotangent.verify import verify
 
-__all__ = ["AdamW", "PackedAdamW", "Muon", "MuonAdamW", "NativeBugWarning", "ReferenceUpdate",
+__all__ = ["AdamW", "Muon", "MuonAdamW", "NativeBugWarning", "ReferenceUpdate",
            "clip_grad_norm_", "memory", "native_bugs", "occurrence", "clip_grads_with_norm_", "get_total_norm", "verify", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "PackedAdamW":
+        raise AttributeError(
+            "cotangent.PackedAdamW left the library (issue 26: gradients are read where autograd "
+            "leaves them); use cotangent.AdamW, or for the seed study's packed design the "
+            "harness's cotangent.harness.packed.PackedAdamW (needs the harness extra)",
+            name=name)
+    raise AttributeError(f"module 'cotangent' has no attribute {name!r}", name=name)

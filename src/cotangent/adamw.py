@@ -26,7 +26,7 @@ from torch import Tensor
 
 from cotangent import _compat, merge, sharding, singlepass
 from cotangent.clip import get_total_norm, multiply_grads_
-from cotangent.clipping import (
+from cotangent.clip_order import (
     PARAM_GROUPS,
     ClipOrder,
     check_clip_order_known,
@@ -35,8 +35,8 @@ from cotangent.clipping import (
 )
 from cotangent.norms import (check_finite, clip_coefficient, multiply_is_identity,
                              native_tensor_norms, total_norm)
-from cotangent.packing import extent, is_dense_non_overlapping
-from cotangent.store import check_state_dict, describe, state_problem
+from cotangent.spans import extent, is_dense_non_overlapping
+from cotangent.state import check_state_dict, describe, state_problem
 
 
 class NotShardedError(AttributeError, RuntimeError):
@@ -1093,7 +1093,7 @@ class AdamW(torch.optim.AdamW):
 
 
 def _moment_ok(t, p: Tensor) -> bool:
-    """The quick form of `cotangent.store.entry_problem` for a moment (the full check, with its
+    """The quick form of `cotangent.state.entry_problem` for a moment (the full check, with its
     message, runs where this fails): a dense tensor of `p`'s shape, dtype and device."""
     return (type(t) is Tensor and t.shape == p.shape and t.dtype is p.dtype
             and t.layout is torch.strided and t.device == p.device)

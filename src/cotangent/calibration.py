@@ -1,7 +1,7 @@
 """Calibration verdicts: cached in memory and in a user cache file, and the probes' test values.
 
 Every probe verdict (`cotangent.norms`, `cotangent.merge`, `cotangent.muon`,
-`cotangent.singlepass`, `cotangent.tracking`) is keyed by everything its bits depend on and
+`cotangent.singlepass`, the harness's `packed.tracking`) is keyed by everything its bits depend on and
 everything that decides what the probe checks (`full_key`): the probe kind and its own arguments
 (device type, dtype, lengths, ...); the machine (CPU vector ISA class and the CPU model: vendor,
 family, model, stepping and microcode, `cpu_model`; or the CUDA device name and compute

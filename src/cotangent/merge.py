@@ -29,7 +29,7 @@ from torch.optim.adam import adam as functional_adam
 
 from cotangent import _compat, calibration
 from cotangent.calibration import sprinkle_special_values
-from cotangent.packing import align_elements
+from cotangent.spans import align_elements
 
 GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: TensorIterator ops below this run on one thread
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from cotangent.clipping import normalize_clip_order
+from cotangent.clip_order import normalize_clip_order
 
 
 class ReferenceUpdate:

@@ -25,8 +25,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from cotangent import _compat
-from cotangent.packing import extent, overlapping_pair
-from cotangent.store import compact_state
+from cotangent.spans import extent, overlapping_pair
+from cotangent.state import compact_state
 
 SHARD_MODES = (None, "zero1")
 SHARD_NORMS = ("all", "share")

@@ -66,7 +66,7 @@ compares every byte; a caller uses the pass only where that probe passed.
 `cotangent.AdamW` uses it for its for-loop, foreach and fused calls over CPU tensor lists
 (decoupled weight decay, float betas, not capturable / differentiable): one `launch` per (param
 group, device, dtype) over the parameters with a gradient at that step, reading and writing
-every tensor where it is (`prepare_lists`); `cotangent.PackedAdamW` for its for-loop and
+every tensor where it is (`prepare_lists`); the harness's `PackedAdamW` for its for-loop and
 foreach calls over flat buffers (`single_pass_adamw_`). `decide` gates every call at every step:
 ``COTANGENT_SINGLE_PASS=0`` switches it off; without the kernel (`unavailable_reason`: not
 x86-64, an ATen CPU capability other than AVX2/AVX512, no C++ compiler, a failed build) native's
@@ -98,7 +98,7 @@ import torch
 from torch import Tensor
 
 from cotangent import _build, _compat, calibration, tensorlists
-from cotangent.packing import is_dense_non_overlapping, overlapping_pair
+from cotangent.spans import is_dense_non_overlapping, overlapping_pair
 
 GRAIN_SIZE = 32768  # at::internal::GRAIN_SIZE: TensorIterator splits work among threads above it
 MKL_SQRT_MODE = 0x2 | 0x140000 | 0x100  # VML_HA | VML_FTZDAZ_OFF | VML_ERRMODE_IGNORE
@@ -210,8 +210,6 @@ def _build_locked() -> tuple[ctypes.CDLL, Build]:
         _log.info("single-pass kernel loaded from the cache: %s", target)
     else:
         _log.info("single-pass kernel compiled in %.2f s (%s): %s", compile_s, cxx, target)
-    lib.cot_fill_negative_zero.restype = None
-    lib.cot_fill_negative_zero.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
     lib.cot_singlepass_team.restype = ctypes.c_int
     lib.cot_singlepass_team.argtypes = [ctypes.c_int, ctypes.c_void_p]
     emulated = None
@@ -226,31 +224,6 @@ def _lib() -> ctypes.CDLL:
     build()
     assert _LIB is not None
     return _LIB
-
-
-STREAM_FILL_MIN = 1 << 22  # elements (16 MiB of float32); measured below
-
-
-def fill_negative_zero_(t: Tensor) -> None:
-    """``t.fill_(-0.0)``: every element of `t` becomes -0.0 (bits 0x80000000 in float32), and
-    its version counter is bumped, as `fill_` does.
-
-    A contiguous float32 CPU tensor of at least `STREAM_FILL_MIN` elements is filled by the
-    kernel library with non-temporal stores, which write whole cache lines without first
-    reading them (a plain fill reads every line it writes): on a 2-core AMD EPYC (Zen 5),
-    19.3M elements 1.36 -> 1.06 ms, 2 threads, caches evicted before each fill. Smaller buffers
-    keep `fill_`, which leaves them in cache for the backward that accumulates into them next.
-    Also `fill_` where the single pass is switched off or its library is not loaded (never
-    compiles it), and for inference tensors (whose in-place update outside inference mode
-    `fill_` refuses with its RuntimeError)."""
-    lib = _LIB
-    if (lib is None or t.device.type != "cpu" or t.dtype != torch.float32
-            or not t.is_contiguous() or t.numel() < STREAM_FILL_MIN or t.is_inference()
-            or not switched_on()):
-        t.fill_(-0.0)
-        return
-    lib.cot_fill_negative_zero(t.data_ptr(), t.numel(), torch.get_num_threads())
-    torch.autograd.graph.increment_version(t)
 
 
 @lru_cache(maxsize=None)
@@ -890,7 +863,7 @@ def _checked_steps(steps: list) -> tuple[list, list[int]]:
 def spans_disjoint(starts: list[int], nbytes: list[int]) -> bool:
     """Whether no two of the byte spans ``[starts[i], starts[i] + nbytes[i])`` overlap (empty
     spans never do): one sort in C++, or in Python where the kernel library cannot be built
-    (`cotangent.packing.overlapping_pair`: the same answer)."""
+    (`cotangent.spans.overlapping_pair`: the same answer)."""
     try:
         lib = _lib()
     except SinglePassUnavailable:

@@ -18,12 +18,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from cotangent.clipping import PARAM_GROUPS, normalize_clip_order
+from cotangent.clip_order import PARAM_GROUPS, normalize_clip_order
 from cotangent.adamw import AdamW
-from cotangent.optim import PackedAdamW
 from cotangent.reference import ReferenceUpdate
 
-ARMS = ("cotangent", "packing-only")
+ARMS = ("cotangent",)
+# the factorial's other cells, verified by the harness (`cotangent.harness.factorial`)
+HARNESS_ARMS = {"batched-norms-only": "verify_batched_norms_only",
+                "packing-only": "verify_packing_only"}
 _INT = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
@@ -114,8 +116,8 @@ def verify(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], 
         loss_fn: ``loss_fn(model, batch) -> 0-dim loss``, called once per batch per side.
         batches: one batch per update step (at least one).
         max_norm: clipping threshold (None: no clipping).
-        arm: "cotangent" (batched norms + packing) or "packing-only" (the research harness adds
-            "batched-norms-only": `cotangent.harness.factorial.verify_batched_norms_only`).
+        arm: "cotangent" (the research harness verifies the factorial's other cells:
+            `cotangent.harness.factorial.verify_batched_norms_only`, `verify_packing_only`).
         autocast_dtype: run forward passes under `torch.autocast` with this dtype.
         compile: `torch.compile` both copies (after the optimizers are built), under
             `torch.use_deterministic_algorithms(True)` for the duration of the call.
@@ -146,22 +148,23 @@ def verify(model: torch.nn.Module, loss_fn: Callable[[torch.nn.Module, object], 
     """
     if arm not in ARMS:
         raise ValueError(f"unknown arm {arm!r}; known: {', '.join(ARMS)}" + (
-            " (batched-norms-only is the harness's: "
-            "cotangent.harness.factorial.verify_batched_norms_only)"
-            if arm == "batched-norms-only" else ""))
-    return _verify_with(_build_cotangent(arm), model, loss_fn, batches, max_norm=max_norm,
+            f" ({arm} is the harness's: cotangent.harness.factorial.{HARNESS_ARMS[arm]})"
+            if arm in HARNESS_ARMS else ""))
+    return _verify_with(optimizer_builder(AdamW, arm=arm), model, loss_fn, batches, max_norm=max_norm,
                         autocast_dtype=autocast_dtype, compile=compile,
                         stop_at_first=stop_at_first, params=params, clip_order=clip_order,
                         norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
                         **adamw_kwargs)
 
 
-def _build_cotangent(arm: str):
+def optimizer_builder(cls, *, arm: str, **fixed):
+    """The side under test for `_verify_with`: ``cls(params_or_groups, max_norm=...,
+    norm_type=..., error_if_nonfinite=..., clip_order=..., **fixed, **adamw_kwargs)``, an
+    optimizer that clips in `step()` and keeps the total norm in ``last_total_norm``."""
     def build(our_spec, our_order, *, max_norm, norm_type, error_if_nonfinite, **adamw_kwargs):
-        cls = PackedAdamW if arm == "packing-only" else AdamW
-        opt = cls(our_spec, max_norm=max_norm, batched_norms=arm == "cotangent",
-                    norm_type=norm_type, error_if_nonfinite=error_if_nonfinite,
-                    clip_order=our_order, **adamw_kwargs)
+        opt = cls(our_spec, max_norm=max_norm, norm_type=norm_type,
+                  error_if_nonfinite=error_if_nonfinite, clip_order=our_order, **fixed,
+                  **adamw_kwargs)
 
         def step():
             opt.step()

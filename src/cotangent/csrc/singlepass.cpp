@@ -737,35 +737,6 @@ int cot_singlepass_adamw_bf16(uint16_t* const* p, uint16_t* const* g, uint16_t* 
   return 0;
 }
 
-// Every element of p[0, n) set to -0.0 (the bits 0x80000000) with non-temporal stores, which
-// write whole cache lines without reading them first (a plain fill reads each line before
-// writing it), split evenly among nthreads OpenMP threads (1: no parallel region).
-void cot_fill_negative_zero(float* p, int64_t n, int nthreads) {
-#pragma omp parallel num_threads(nthreads) if (nthreads > 1)
-  {
-    const int64_t t = omp_get_thread_num(), size = omp_get_num_threads();
-    int64_t i = n * t / size;
-    const int64_t hi = n * (t + 1) / size;
-#ifdef __AVX512F__
-    constexpr int64_t W = 16;
-    const __m512 z = _mm512_set1_ps(-0.0f);
-#else
-    constexpr int64_t W = 8;
-    const __m256 z = _mm256_set1_ps(-0.0f);
-#endif
-    for (; i < hi && (reinterpret_cast<uintptr_t>(p + i) & (4 * W - 1)); i++) p[i] = -0.0f;
-    for (; i + W <= hi; i += W) {
-#ifdef __AVX512F__
-      _mm512_stream_ps(p + i, z);
-#else
-      _mm256_stream_ps(p + i, z);
-#endif
-    }
-    for (; i < hi; i++) p[i] = -0.0f;
-    _mm_sfence();  // the streamed stores are visible to every thread after this
-  }
-}
-
 int cot_singlepass_version() { return 15; }
 
 // The float32 step counters at ptr[0..n): out[i] = step + 1 as `step_t += 1` rounds it (the

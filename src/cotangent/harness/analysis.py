@@ -63,7 +63,7 @@ from cotangent.harness.campaign import (
 ANALYSIS = "analysis"
 REPORT = "report"
 MANIFEST = "manifest.json"
-# the 2x2 factorial {batched norms} x {packing}: "packed" (cotangent.PackedAdamW) is both
+# the 2x2 factorial {batched norms} x {packing}: "packed" (the harness's PackedAdamW) is both
 FACTORIAL_ARMS = ("native", "batched-norms-only", "packing-only", "packed")
 RUN_COLUMNS = ("job", "index", "block", "position", "model", "seed", "arm", "state", "run_dir",
                "steps", "training_s", "update_s", "update_ms_median", "step_ms_median",

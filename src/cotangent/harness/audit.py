@@ -59,7 +59,7 @@ from datetime import datetime
 from pathlib import Path
 
 RTOL = 1e-9
-# the 2x2 factorial {batched norms} x {packing}: "packed" (cotangent.PackedAdamW) is both
+# the 2x2 factorial {batched norms} x {packing}: "packed" (the harness's PackedAdamW) is both
 FACTORIAL_ARMS = ("native", "batched-norms-only", "packing-only", "packed")
 # The timing-flag rules of cotangent.harness.contention (its docstring defines them).
 SLOW_STEP_FACTOR = 5.0

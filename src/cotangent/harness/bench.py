@@ -63,6 +63,7 @@ from cotangent.harness.contention import BUSY_DEMAND_RATIO, HostSampler
 from cotangent.harness.model import build_model
 from cotangent.harness.records import environment
 from cotangent.harness.train import sync
+from cotangent.harness.packed import PackedAdamW
 
 IMPLS = {"default": {}, "foreach": {"foreach": True}, "fused": {"fused": True}}
 SHAPES = ("many-small", "transformer-small", "causal-conv", "gated-gqa", "transformer-medium",
@@ -276,7 +277,7 @@ class Row:
     cotangent_off_ms: float | None = None
     off_ratio: float | None = None
     cotangent_off_path: str | None = None  # update_path()["path"] of that arm ("native")
-    # cotangent.PackedAdamW (the packed design before issue 26) in the same interleaving:
+    # PackedAdamW (the packed design before issue 26) in the same interleaving:
     # update phase (median ms), its ratio to native, its gradient phase, its loop ratio
     packed_ms: float | None = None
     packed_ratio: float | None = None
@@ -377,7 +378,7 @@ def bench_row(shape: str, impl: str, *, pass_ms: float | None = None, repeats: i
     # the design before issue 26 (parameters and gradients packed), in the same interleaving
     m4 = copy.deepcopy(m1)
     p4 = list(m4.parameters())
-    packed = cotangent.PackedAdamW(p4, max_norm=max_norm, **BENCH_ADAMW_ARGS, **IMPLS[impl])
+    packed = PackedAdamW(p4, max_norm=max_norm, **BENCH_ADAMW_ARGS, **IMPLS[impl])
 
     def packed_update():
         packed.step()
@@ -567,7 +568,7 @@ def format_table(rows: list[Row], pass_ms: float, method: str = "real-backward",
              "native); step: the ratio of clip + step alone; bwd: the gradient phase before it "
              "(ms); loop: the ratio of gradient phase + update (the whole iteration); fwd-end: "
              "bytes the allocator holds at the end of a forward (profiler memory events, third "
-             "iteration of a fresh copy; real-backward only); packed: cotangent.PackedAdamW "
+             "iteration of a fresh copy; real-backward only); packed: PackedAdamW "
              "(the packed design before issue 26) in the same interleaving: update ratio, "
              "gradient phase ms, loop ratio",
              "path: what updated Cotangent's parameters (single-pass kernel, native's op "

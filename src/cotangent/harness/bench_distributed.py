@@ -40,6 +40,7 @@ from cotangent import sharding
 from cotangent.harness.bench import BENCH_ADAMW_ARGS, IMPLS, _same_bytes, bench_model
 from cotangent.harness.records import environment
 from cotangent.harness.train import end_rank_process
+from cotangent.harness.packed import PackedAdamW
 
 ARMS = ("native-ddp", "cotangent-ddp", "native-zero", "cotangent-zero1")
 DISTRIBUTED_SHAPES = ("many-small", "transformer-small", "causal-conv", "gated-gqa")
@@ -59,7 +60,7 @@ class GradientSource(nn.Module):
 
 
 def _state_bytes(opt) -> int:
-    if isinstance(opt, (cotangent.AdamW, cotangent.PackedAdamW)):
+    if isinstance(opt, (cotangent.AdamW, PackedAdamW)):
         return opt.state_bytes()
     state = opt.optim.state if hasattr(opt, "optim") else opt.state
     return sum(v.numel() * v.element_size() for st in state.values() for v in st.values()

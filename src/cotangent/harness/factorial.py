@@ -1,7 +1,7 @@
 """The two off-diagonal cells of the 2x2 factorial {batched norms} x {packing}.
 
-`native` (neither) is `cotangent.ReferenceUpdate`; `packed` (both) is `cotangent.PackedAdamW`;
-`packing-only` is `cotangent.PackedAdamW(..., batched_norms=False)`; `batched-norms-only` is
+`native` (neither) is `cotangent.ReferenceUpdate`; `packed` (both) is `cotangent.harness.packed.PackedAdamW`;
+`packing-only` is `PackedAdamW(..., batched_norms=False)`; `batched-norms-only` is
 `BatchedNormsOnly` below: gradients stay separate native tensors, equal-length ones are stacked
 (one copy each step: the price of batching without a flat buffer) and reduced by one 2-D norm
 wherever calibration proved it bitwise equal; the clip multiply and AdamW are native. Every cell
@@ -16,7 +16,8 @@ from torch import Tensor
 from cotangent import _compat
 from cotangent.clip import clip_grads_with_norm_
 from cotangent.norms import bucket_norm_is_exact, native_tensor_norms, total_norm
-from cotangent.verify import _verify_with
+from cotangent.harness.packed import PackedAdamW
+from cotangent.verify import _verify_with, optimizer_builder
 
 
 def stacked_group_norms(grads: list[Tensor], norm_type: float) -> Tensor:
@@ -98,3 +99,23 @@ def verify_batched_norms_only(model: torch.nn.Module, loss_fn, batches, *,
                         autocast_dtype=autocast_dtype, compile=compile,
                         stop_at_first=stop_at_first, params=None, clip_order=None,
                         norm_type=norm_type, error_if_nonfinite=False, **adamw_kwargs)
+
+
+def verify_packing_only(model: torch.nn.Module, loss_fn, batches, *,
+                        max_norm: float | None = 1.0, norm_type: float = 2.0,
+                        autocast_dtype: torch.dtype | None = None, compile: bool = False,
+                        stop_at_first: bool = True, params=None, clip_order=None,
+                        error_if_nonfinite: bool = False, **adamw_kwargs):
+    """`cotangent.verify` for the packing-only cell: native clip + AdamW against
+    ``PackedAdamW(..., batched_norms=False)`` (packed buffers, native per-tensor norms), byte
+    for byte after every step; the arguments and the `cotangent.verify.VerifyReport` as
+    `cotangent.verify`'s, with arm "packing-only".
+
+    Raises:
+        ValueError: as `cotangent.verify`.
+    """
+    return _verify_with(optimizer_builder(PackedAdamW, arm="packing-only", batched_norms=False),
+                        model, loss_fn, batches, max_norm=max_norm, autocast_dtype=autocast_dtype,
+                        compile=compile, stop_at_first=stop_at_first, params=params,
+                        clip_order=clip_order, norm_type=norm_type,
+                        error_if_nonfinite=error_if_nonfinite, **adamw_kwargs)

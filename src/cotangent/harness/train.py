@@ -8,9 +8,9 @@ Bitwise arms (every arm gives native's bits):
 The seed study's 2x2 factorial {batched norms} x {packing} (native is neither):
     batched-norms-only  `cotangent.harness.factorial.BatchedNormsOnly`: stacked batched norms,
                         native tensors, native clip multiply and AdamW.
-    packing-only        `cotangent.PackedAdamW(..., batched_norms=False)`: packed buffers,
+    packing-only        `PackedAdamW(..., batched_norms=False)`: packed buffers,
                         merged AdamW calls, native per-tensor norms.
-    packed              `cotangent.PackedAdamW(...)`: both (the seed study's `cotangent` arm).
+    packed              `PackedAdamW(...)`: both (the seed study's `cotangent` arm).
 
 Study arms (occurrence aggregation of a shared recurrent core; a study, not a bitwise family:
 their final hashes are recorded, never required to agree), each on a `recurrent-*` model and
@@ -72,6 +72,7 @@ from cotangent.harness.data import (
 from cotangent.harness.factorial import BatchedNormsOnly
 from cotangent.harness.model import MODEL_CONFIGS, build_model
 from cotangent.harness.schema import setting
+from cotangent.harness.packed import PackedAdamW
 
 BITWISE_ARMS = ("native", "cotangent", "batched-norms-only", "packing-only", "packed",
                 "cotangent-zero1")
@@ -412,7 +413,7 @@ class Arm:
             # cotangent-zero1: each rank keeps the AdamW state of its share (ZeRO-1);
             # packing-only / packed: the packed design without / with batched norms
             if name in ("packing-only", "packed"):
-                self.optimizer = cotangent.PackedAdamW(
+                self.optimizer = PackedAdamW(
                     params, max_norm=cfg.max_norm, batched_norms=name == "packed", **kw)
             else:
                 self.optimizer = cotangent.AdamW(
@@ -423,7 +424,7 @@ class Arm:
         if data_parallel is not None:  # gradients averaged over the ranks in backward
             self.forward = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[device.index] if device.type == "cuda" else None)
-        if cfg.compile:  # after packing: cotangent.PackedAdamW moves parameter storage
+        if cfg.compile:  # after packing: PackedAdamW moves parameter storage
             self.forward = torch.compile(self.forward)
 
     def _build_study(self, name: str, cfg: TrainConfig, device: torch.device) -> None:
@@ -802,7 +803,7 @@ def _start_records(run: _Run, arms: dict[str, Arm], corpus: Corpus, env: dict, p
             "command": sys.argv,
             "data_parallel": SINGLE_PROCESS_RECORD if dp is None else dp.record(),
         }
-        if isinstance(arm.optimizer, cotangent.PackedAdamW):
+        if isinstance(arm.optimizer, PackedAdamW):
             meta["layout"] = arm.optimizer.layout_summary()
             meta["buckets"] = sum(layout["buckets"] for layout in meta["layout"])
         canonical = canonical_sha256(arm.model)

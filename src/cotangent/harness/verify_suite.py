@@ -10,12 +10,12 @@ import torch
 import torch.nn.functional as F
 
 from cotangent.harness.model import TINY, Transformer, build_model
-from cotangent.harness.factorial import verify_batched_norms_only
+from cotangent.harness.factorial import verify_batched_norms_only, verify_packing_only
 from cotangent.verify import ARMS as LIBRARY_ARMS
 from cotangent.verify import verify
 
 VERIFY_MODELS = ("transformer-small", "transformer-medium", "gated-gqa", "causal-conv")
-ARMS = (*LIBRARY_ARMS, "batched-norms-only")
+ARMS = (*LIBRARY_ARMS, "packing-only", "batched-norms-only")
 VERIFY_ADAMW_ARGS = dict(lr=3e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)
 
 
@@ -44,8 +44,8 @@ def run_suite(*, models=VERIFY_MODELS, precisions=("fp32", "bf16"), arms=ARMS,
         gen = torch.Generator().manual_seed(1)
         context = model.cfg.context
         batches = [torch.randint(0, 256, (2, context + 1), generator=gen) for _ in range(steps)]
-        run = (verify_batched_norms_only if arm == "batched-norms-only"
-               else functools.partial(verify, arm=arm))
+        run = {"batched-norms-only": verify_batched_norms_only,
+               "packing-only": verify_packing_only}.get(arm, functools.partial(verify, arm=arm))
         report = run(model, lm_loss, batches, max_norm=max_norm,
                      autocast_dtype=torch.bfloat16 if precision == "bf16" else None,
                      compile=compiled, **VERIFY_ADAMW_ARGS)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 try:
     import transformers
-    from transformers import Trainer, TrainerCallback
+    from transformers import Trainer
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError("cotangent.integrations.hf needs transformers and accelerate: "
                       "pip install 'cotangent[hf]'") from error
@@ -30,9 +30,8 @@ import torch
 
 from cotangent.integrations import clip_follows
 from cotangent.adamw import AdamW
-from cotangent.optim import PackedAdamW
 
-__all__ = ["CotangentTrainer", "CotangentTrainerMixin", "KeepGradientsPacked"]
+__all__ = ["CotangentTrainer", "CotangentTrainerMixin"]
 
 # Accelerate's distributed types whose `clip_grad_norm_` is the plain torch call (after
 # unscaling), i.e. where the optimizer's clip is the same computation.
@@ -51,25 +50,6 @@ def unwrap_optimizer(optimizer):
     return optimizer
 
 
-class KeepGradientsPacked(TrainerCallback):
-    """Keeps `cotangent.PackedAdamW`'s gradients in its flat buffer under the Trainer
-    (`cotangent.AdamW` reads gradients where autograd leaves them: nothing to keep).
-
-    The Trainer resets gradients with ``model.zero_grad()`` (``.grad = None``). At the start of
-    every optimizer step (``on_step_begin``, before the first micro-batch) this calls the
-    optimizer's own ``zero_grad()`` as well. Outside torch.distributed that changes nothing:
-    ``.grad`` reads None and the optimizer's hooks copy each backward's fresh gradients into its
-    buffer as they arrive. In a process group it makes each ``.grad`` its buffer view filled
-    with -0.0, which the backward accumulates into in place with the same bits (README, "Known
-    differences": the -0.0 fill). Does nothing for other optimizers.
-    """
-
-    def on_step_begin(self, args, state, control, optimizer=None, **kwargs):
-        opt = unwrap_optimizer(optimizer)
-        if isinstance(opt, PackedAdamW):
-            opt.zero_grad(set_to_none=True)
-
-
 class CotangentTrainerMixin:
     """Mix into a `transformers.Trainer` subclass (``class T(CotangentTrainerMixin, SFTTrainer)``)
     to make `cotangent.AdamW` (built with ``max_norm``) do the Trainer's gradient clip.
@@ -85,7 +65,7 @@ class CotangentTrainerMixin:
       - ``norm_type != 2`` with ``max_grad_norm == 0``: the Trainer's native norm pass logs the
         2-norm and the optimizer clips with its p-norm in `step()` (the native program).
     Any other optimizer, or `cotangent.AdamW` with ``max_norm=None``: the Trainer's own native
-    clip and norm, unchanged. The callback `KeepGradientsPacked` is added.
+    clip and norm, unchanged.
 
     The optimizer's clip covers its clip order; the Trainer's covers ``model.parameters()``.
     They must list the parameters that have gradients in the same order, else `ValueError` at
@@ -110,7 +90,6 @@ class CotangentTrainerMixin:
                     f"{transformers.__version__}). With this version use the plain Trainer with "
                     "TrainingArguments(max_grad_norm=0) and cotangent.AdamW(max_norm=...)")
         super().__init__(*args, **kwargs)
-        self.add_callback(KeepGradientsPacked())
 
     # -- the Trainer's two hooks (transformers 5.x, Trainer._inner_training_loop)
 

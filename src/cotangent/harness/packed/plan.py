@@ -20,8 +20,9 @@ import torch
 from torch import Tensor
 
 from cotangent import merge, singlepass
-from cotangent.packing import Segment, align_elements
-from cotangent.store import FlatStore
+from cotangent.harness.packed.layout import Segment
+from cotangent.spans import align_elements
+from cotangent.harness.packed.store import FlatStore
 
 
 def group_signature(group: dict) -> tuple:

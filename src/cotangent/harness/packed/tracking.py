@@ -30,9 +30,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from cotangent import _compat, calibration, singlepass
+from cotangent import _compat, calibration
 from cotangent.calibration import sprinkle_special_values
-from cotangent.store import FlatStore, describe, same_strides
+from cotangent.harness.packed.store import FlatStore, same_strides
+from cotangent.state import describe
 
 _GRAD = operator.attrgetter("grad")
 # Fresh gradients of at least this many elements are copied into the flat buffer in their own
@@ -283,7 +284,7 @@ class GradientTracker:
                 views[slot].fill_(-0.0)
         else:
             for flat_g in store.flat_grads:
-                singlepass.fill_negative_zero_(flat_g)
+                flat_g.fill_(-0.0)
         # Only gradients that are not their buffer view need a look (none in the usual step).
         for slot, (p, g, view) in enumerate(zip(store.params, map(_GRAD, store.params), views)):
             if g is view and self.tracked[slot] and (prefill[slot] or slot in keep):

@@ -1,4 +1,5 @@
-"""Flat-buffer layout: parameters, gradients and AdamW moments as views into one buffer.
+"""Flat-buffer layout of the packed design (`PackedAdamW`): parameters, gradients and AdamW
+moments as views into one buffer.
 
 For each (device, dtype) the parameters are laid out in one flat 1-D buffer, ordered by length so
 that equal-length tensors sit side by side (a *bucket*). Each parameter keeps its own shape and
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-ALIGN_BYTES = 64
+from cotangent.spans import align_elements, is_dense_non_overlapping
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,52 +94,8 @@ def own_storage(view: Tensor) -> Tensor:
     return torch.from_dlpack(view)
 
 
-def align_elements(dtype: torch.dtype) -> int:
-    """Number of `dtype` elements in `ALIGN_BYTES` bytes."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return max(1, ALIGN_BYTES // itemsize)
-
-
 def _round_up(n: int, multiple: int) -> int:
     return -(-n // multiple) * multiple
-
-
-def extent(t: Tensor) -> int:
-    """Bytes from `t`'s first element to one past its last: all the memory it may touch (a
-    non-dense tensor spans its gaps too; non-negative strides, as torch tensors have); 0 when
-    empty."""
-    if t.numel() == 0:
-        return 0
-    if t.is_contiguous():
-        return t.numel() * t.element_size()
-    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
-
-
-def overlapping_pair(starts: list[int], nbytes: list[int]) -> tuple[int, int] | None:
-    """Two indices whose byte spans ``[starts[i], starts[i] + nbytes[i])`` overlap (the lower
-    first), or None when no two do (empty spans never overlap): one sort, in Python."""
-    spans = sorted((s, s + n, i) for i, (s, n) in enumerate(zip(starts, nbytes)) if n > 0)
-    for (_, end, i), (start, _, j) in zip(spans, spans[1:]):
-        if start < end:
-            return min(i, j), max(i, j)
-    return None
-
-
-def is_dense_non_overlapping(t: Tensor) -> bool:
-    """True when `t`'s elements fill exactly `t.numel()` consecutive storage slots.
-
-    Contiguous, channels_last and any permuted-dense tensor qualify; slices with gaps (`x[::2]`)
-    and expanded tensors (stride 0) do not.
-    """
-    if t.numel() == 0 or t.is_contiguous():
-        return True
-    dims = sorted((st, sz) for sz, st in zip(t.shape, t.stride()) if sz != 1)
-    expected = 1
-    for st, sz in dims:
-        if st != expected:
-            return False
-        expected *= sz
-    return True
 
 
 def plan_layouts(params: list[Tensor]) -> list[FlatLayout]:

@@ -1,14 +1,14 @@
-"""`cotangent.PackedAdamW`: gradient clipping plus AdamW over packed parameters, bitwise equal to
+"""`PackedAdamW`: gradient clipping plus AdamW over packed parameters, bitwise equal to
 native: the seed study's design, kept as the factorial's ``packing-only`` and ``packed`` arms
 (`cotangent.AdamW` itself reads every tensor where it is, ZeRO-1 included: `cotangent.adamw`).
 
 Read `step()` first: it clips where user code calls `clip_grad_norm_`, then `_update` runs the
 native functional AdamW calls. The pieces it composes:
 
-- `cotangent.store.FlatStore`: parameters, gradients and AdamW state as views of flat buffers;
-- `cotangent.tracking.GradientTracker`: which gradients arrived since `zero_grad`;
-- `cotangent.plan.Planner`: which native AdamW calls, over which merged ranges;
-- `cotangent.clipping.PackedClipper`: `clip_grad_norm_` over the packed gradients;
+- `store.FlatStore`: parameters, gradients and AdamW state as views of flat buffers;
+- `tracking.GradientTracker`: which gradients arrived since `zero_grad`;
+- `plan.Planner`: which native AdamW calls, over which merged ranges;
+- `clipping.PackedClipper`: `clip_grad_norm_` over the packed gradients;
 - `cotangent.singlepass`: for-loop / foreach AdamW as one pass over the flat buffers, gated;
 - `cotangent.reference.ReferenceUpdate`: the native code all of this is tested against.
 """
@@ -24,26 +24,15 @@ import torch
 from torch import Tensor
 
 from cotangent import _compat, merge, singlepass
-from cotangent.adamw import AdamW, NotShardedError
-from cotangent.clipping import (
-    ClipOrder,
-    PackedClipper,
-    check_clip_order_known,
-    check_not_sharded_by_zero,
-    clip_actual_tensors,
-    normalize_clip_order,
-)
-from cotangent.plan import Planner, StepPlan
-from cotangent.store import (
-    FlatStore,
-    WatchedState,
-    check_state,
-    check_state_dict,
-    compact_state,
-    same_strides,
-    validate_params,
-)
-from cotangent.tracking import Gradients, GradientTracker, gradients_to_carry
+from cotangent.adamw import AdamW
+from cotangent.clip_order import (ClipOrder, check_clip_order_known, check_not_sharded_by_zero,
+                                  normalize_clip_order)
+from cotangent.harness.packed.clipping import PackedClipper, clip_actual_tensors, tensors_if_outside
+from cotangent.harness.packed.plan import Planner, StepPlan
+from cotangent.harness.packed.store import (FlatStore, WatchedState, check_state, same_strides,
+                                            validate_params)
+from cotangent.harness.packed.tracking import Gradients, GradientTracker, gradients_to_carry
+from cotangent.state import check_state_dict, compact_state
 
 
 def _live(opt: PackedAdamW) -> PackedAdamW:
@@ -472,7 +461,7 @@ class PackedAdamW(AdamW):
             # run the update without the scale.
             _compat.unscale_grads_([grads.tensor(store, s) for s in grads.present], grad_scale)
             self._scale_applied = True
-        outside = self._clip_seq.tensors_if_outside(grads, store)
+        outside = tensors_if_outside(self._clip_seq, grads, store)
         if outside is not None:  # not all in the buffer: clip them where they are
             total = clip_actual_tensors(outside, self.max_norm, self.norm_type,
                                         self.error_if_nonfinite)
