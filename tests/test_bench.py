@@ -147,7 +147,7 @@ def test_the_byte_check_covers_the_packed_arm(monkeypatch):
     def other_lr(params, **kw):
         return real(params, **{**kw, "lr": kw["lr"] * 2})
 
-    monkeypatch.setattr(cotangent, "PackedAdamW", other_lr)
+    monkeypatch.setattr(bench, "PackedAdamW", other_lr)
     assert _row("real-backward", "fused").bitwise is False
 
 
