@@ -348,7 +348,7 @@ def test_dcp_optimizer_state_of_a_packed_adamw_is_native_bytes(tmp_path):
 
 # Regressions found in review: optimizer-state tensors stay views of the flat buffers (a state
 # tensor with a storage of its own made these diverge silently). `torch.save(opt.state[p])`
-# alone therefore writes the flat buffers (README, "Checkpoint formats").
+# alone therefore writes the flat buffers (docs/usage.md, "Checkpoint formats").
 
 
 @pytest.mark.parametrize("event", ["share_memory_", "async-checkpoint-queue", ".data ="])

@@ -297,7 +297,7 @@ def test_grad_scaler_path_of_accelerated_optimizer(impl):
     scales the loss, AcceleratedOptimizer calls ``scaler.step`` through its patched
     ``optimizer.step`` and ``scaler.update``; batch 2 overflows. Cotangent's built-in clip and
     `accelerator.clip_grad_norm_` (which unscales first) both give native's bits, skipped
-    update and scale included, except (README, GradScaler) the gradients of the skipped step
+    update and scale included, except (docs/integrations.md, GradScaler) the gradients of the skipped step
     with for-loop AdamW and the built-in clip: the scaler does not call ``step()`` there, so
     they stay unscaled and unclipped where native's loop clipped them (to NaN and 0). On an
     accelerate whose clip gives a -NaN total norm +NaN (1.16.0; the probe

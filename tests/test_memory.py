@@ -270,7 +270,7 @@ def test_referenced_bytes_equal_a_brute_force_count(make):
 
 
 def test_memory_is_reachable_after_a_plain_import():
-    """`import cotangent` alone makes `cotangent.memory.audit` usable, as the README writes it."""
+    """`import cotangent` alone makes `cotangent.memory.audit` usable, as docs/harness.md writes it."""
     import subprocess
     import sys
 

@@ -83,12 +83,31 @@ def test_ci_runs_the_readme_test_command():
     assert "torch==2.13.0" in ci and "COTANGENT_DATA_DIR=../shared/data/wikitext-2" in ci
 
 
-def test_readme_edit_table_names_tests_that_exist():
-    """Every test the README's "What Cotangent notices" table cites exists (a `*` is a prefix)."""
+def test_readme_is_short_and_its_links_resolve():
+    """The README stays a front page (at most 300 lines: what it is, the two set-up commands,
+    usage, the guarantee, links); every relative link in it and in docs/ names a file that
+    exists."""
     import re
 
-    text = (ROOT / "README.md").read_text()
-    table = text[text.index("### What Cotangent notices"):]
+    readme = (ROOT / "README.md").read_text()
+    assert len(readme.splitlines()) <= 300
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    assert len(pages) >= 8
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" not in target:
+                assert (page.parent / target).exists(), (page.name, target)
+    for page in pages[1:]:
+        assert f"(docs/{page.name})" in readme, f"README links every docs page: {page.name}"
+
+
+def test_bitwise_edit_table_names_tests_that_exist():
+    """Every test the "What Cotangent notices" table (docs/bitwise.md) cites exists (a `*` is a
+    prefix)."""
+    import re
+
+    text = (ROOT / "docs" / "bitwise.md").read_text()
+    table = text[text.index("## What Cotangent notices"):]
     table = table[:table.index("\n\n", table.index("| Edit"))]
     rows = [line for line in table.splitlines() if line.startswith("| ") and "---" not in line]
     defined = {m.group(1) for path in (ROOT / "tests").glob("test_*.py")

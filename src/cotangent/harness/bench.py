@@ -17,7 +17,7 @@ often). Each repeat gets its gradients by one of `METHODS`:
                      between updates, so the update starts with the gradients just written and
                      little else in the caches. Measured: Cotangent's clip + step is 0.1-0.4 ms
                      faster than after a real backward, native's about the same, so its ratios
-                     read lower than a training loop's (README, "Update-phase benchmark"); it
+                     read lower than a training loop's (docs/benchmarks.md); it
                      also hides Cotangent's accumulation cost (native clones `grads` there).
 
 The gradient phase, clip + step and zero_grad are each timed between device synchronisations
