@@ -7,11 +7,17 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 
 def pytest_configure(config):
-    # Calibration verdicts go to a per-session temporary cache, never the user's own.
+    # Calibration verdicts go to a per-session temporary cache, never the user's own; compiled
+    # libraries (the kernel, the list reader, the tests' kernel variants) to a cache that
+    # outlives the session (`$COTANGENT_KERNEL_CACHE_DIR` where set, else
+    # `~/.cache/cotangent-tests/kernels`): each is built once per machine, source and flags.
     import os
     import tempfile
 
     os.environ["COTANGENT_CACHE_DIR"] = tempfile.mkdtemp(prefix="cotangent-cache-")
+    if not os.environ.get("COTANGENT_KERNEL_CACHE_DIR"):
+        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+        os.environ["COTANGENT_KERNEL_CACHE_DIR"] = os.path.join(base, "cotangent-tests", "kernels")
 
 
 INTEGRATIONS = ("transformers", "accelerate", "pytorch_lightning", "safetensors", "tensorboard")
@@ -39,6 +45,13 @@ def pytest_report_header(config):
 
 def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_line(_versions())
+    from cotangent import _build
+
+    names = [c.path.name.rsplit("-", 1)[0] for c in _build.COMPILED]
+    terminalreporter.write_line(
+        f"compiled in this session: {len(names)} libraries in "
+        f"{sum(c.compile_s for c in _build.COMPILED):.1f} s ({', '.join(names) or 'none'}); "
+        f"kernel cache {_build.cache_dir()}")
 
 
 @pytest.fixture

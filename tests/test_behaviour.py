@@ -24,6 +24,8 @@ def compare(m1, o1, m2, o2, what):
                        [n for n, _ in m1.named_parameters()])
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_zero_grad_keep_and_model_zero_grad():
     m1 = mlp()
     m2 = copy.deepcopy(m1)

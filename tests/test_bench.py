@@ -86,6 +86,8 @@ def test_both_methods_run_bitwise_and_record_the_method(method, impl):
     assert row.native_loop_ms >= row.native_ms and row.cotangent_loop_ms >= row.cotangent_ms
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_real_backward_on_many_small_and_a_larger_batch_is_bitwise():
     row = _row("real-backward", "default", "many-small", batch_size=2, seq_len=8)
     assert row.bitwise is True and row.tensors == 146 and (row.batch_size, row.seq_len) == (2, 8)
@@ -104,6 +106,8 @@ def test_the_rows_byte_check_sees_another_learning_rate(method, monkeypatch):
     assert _row(method).bitwise is False
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_every_row_times_the_single_pass_and_the_path_before_it(monkeypatch):
     """For-loop, foreach and fused rows carry a third arm, Cotangent with COTANGENT_SINGLE_PASS=0, in
     the same interleaving and the same byte checks; each row names the path its arms took

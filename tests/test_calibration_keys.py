@@ -145,6 +145,8 @@ def test_cpu_model_reads_microcode_where_linux_shows_it():
     assert model.split(" / ")[4] == microcode
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_fingerprints_are_the_same_in_every_process(tmp_path, monkeypatch):
     """A fingerprint must not change between processes: not with an object's address, a hash
     seed, the process's own state (singlepass records its probe count and seconds and the square
@@ -215,6 +217,8 @@ def test_the_fingerprint_covers_what_the_probe_calls_and_reads(edit, monkeypatch
     assert calibration.probe_fingerprint(probe) == before  # and back
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_a_set_constant_in_a_probe_hashes_alike_under_every_hash_seed(tmp_path):
     """``x in {"a", "b"}`` compiles to a frozenset constant whose iteration order follows the
     string hash seed: the fingerprint sorts it."""

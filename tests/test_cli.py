@@ -69,6 +69,8 @@ def test_bench_help_names_the_shapes(capsys):
     assert all(shape in text for shape in SHAPES)
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_command_without_the_harness_extra_names_it_in_one_line():
     """A core-only install (`pip install cotangent`): the `cotangent` command's entry point
     says which extra to install (exit 2, no traceback). Simulated by blocking numpy."""

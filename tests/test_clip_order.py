@@ -166,6 +166,8 @@ def test_the_two_native_clip_orders_differ_on_this_model():
     assert any(first_difference(a, b) is not None for a, b in zip(model_params, group_params))
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_verify_compares_against_the_model_order_loop_by_default():
     """`verify`'s clip_order is what cotangent.AdamW gets; the native loop clips what it stands
     for (None and `model`: ``model.parameters()``). Two groups with None: AdamW's own error."""

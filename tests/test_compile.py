@@ -17,7 +17,9 @@ from bitwise import assert_same_bits
 from cotangent.harness.model import build_model
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["fused", "for-loop"])
+@pytest.mark.slow
 def test_compiled_model_matches_native(impl):
     torch._dynamo.reset()
     previous = torch.are_deterministic_algorithms_enabled()
@@ -53,6 +55,8 @@ def _compiled_run(impl):
                 assert_same_bits(native.optimizer.state[p1][key], ours.state[p2][key], key)
 
 
+@pytest.mark.slow
+@pytest.mark.slow
 def test_backward_under_compiled_autograd_matches_native():
     """A backward traced by compiled autograd (``compiled_autograd._enable(torch.compile(...))``,
     not fullgraph): the optimizer's gradient hooks run eagerly (`torch.compiler.disable`d twins),

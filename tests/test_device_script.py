@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "device_adamw_check.py"
 
@@ -22,6 +24,7 @@ def _run(tmp_path, *args):
     return proc, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_dry_run_passes_every_case_and_writes_each_section(tmp_path):
     proc, doc = _run(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -38,6 +41,7 @@ def test_dry_run_passes_every_case_and_writes_each_section(tmp_path):
     assert all(r["ms"]["native"]["update"] > 0 for r in timing)
 
 
+@pytest.mark.slow
 def test_a_spent_budget_skips_what_is_left_and_still_writes_the_document(tmp_path):
     proc, doc = _run(tmp_path, "--budget", "0")
     rows = [r for rows in doc["sections"].values() for r in rows]

@@ -666,6 +666,7 @@ def _crash_checks(rank: int, world: int) -> list[str]:
 CHECKS = {"ddp": _ddp_checks, "zero1": _zero_checks, "crash": _crash_checks}
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_fails_the_test_within_seconds():
     t0 = time.monotonic()
     with pytest.raises(pytest.fail.Exception, match=r"rank\(s\) \[\(1, 3\)\]"):
@@ -673,6 +674,7 @@ def test_a_rank_that_dies_fails_the_test_within_seconds():
     assert time.monotonic() - t0 < 60
 
 
+@pytest.mark.slow
 def test_zero1_is_bitwise_equal_to_native_ddp_and_to_zero_redundancy_optimizer():
     reports = run_ranks("zero1")
     problems = [f"rank {rank}: {p}" for rank, ps in reports for p in ps]
@@ -680,6 +682,7 @@ def test_zero1_is_bitwise_equal_to_native_ddp_and_to_zero_redundancy_optimizer()
 
 
 
+@pytest.mark.slow
 def test_ddp_loops_are_bitwise_equal_to_native_on_every_rank():
     reports = run_ranks("ddp")
     assert len(CONFIGS) == 20

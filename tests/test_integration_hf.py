@@ -172,6 +172,7 @@ def native_run(tmp_path_factory, key, **kw) -> Run:
 
 
 @pytest.mark.parametrize("fused", [None, True], ids=["for-loop", "fused"])
+@pytest.mark.slow
 def test_one_clip_matches_native(tmp_path, tmp_path_factory, fused):
     """Three configurations clip once and give native's bits (native: the same Trainer with
     `torch.optim.AdamW` and `max_grad_norm=1.0`): `CotangentTrainer` with `max_grad_norm=1.0` and
@@ -202,6 +203,7 @@ class ClipThenAdamW(torch.optim.AdamW):
         return super().step(closure)
 
 
+@pytest.mark.slow
 def test_double_clip_plain_trainer_clips_twice_cotangent_trainer_once(tmp_path, tmp_path_factory):
     """`max_grad_norm=1.0` with `cotangent.AdamW(max_norm=1.0)`: the plain Trainer clips, then
     the optimizer clips again (its coefficient 1/(norm+1e-6) is just below 1 in float32): the
@@ -235,6 +237,7 @@ def _inf_at_second_backward(model):
     model.transformer.h[0].mlp.c_fc.weight.register_hook(hook)
 
 
+@pytest.mark.slow
 def test_non_finite_norm_step(tmp_path, tmp_path_factory):
     """An inf gradient at step 2: native (max_grad_norm=1.0) multiplies the gradients by
     1/(inf+1e-6) = 0 (the inf element becomes NaN, the others 0). The plain Trainer with
@@ -283,6 +286,7 @@ def accelerator_clip_multiplies_at_an_infinite_max_norm() -> bool:
 # ---------------------------------------------------------------------------- CotangentTrainer
 
 
+@pytest.mark.slow
 def test_cotangent_trainer_refuses_two_clips_or_another_order(tmp_path, tmp_path_factory):
     """Two different thresholds are a ValueError at the first step, and the Trainer's own param
     groups (decay / no decay) without a `clip_order` one when the Trainer builds the optimizer
@@ -315,6 +319,7 @@ def test_cotangent_trainer_refuses_two_clips_or_another_order(tmp_path, tmp_path
     assert_same_run(ref, got, "Trainer-built cotangent.AdamW with clip_order=model")
 
 
+@pytest.mark.slow
 def test_gradient_accumulation(tmp_path, tmp_path_factory):
     """`gradient_accumulation_steps=2`: each step's first micro-batch finds ``.grad`` None (the
     Trainer's ``model.zero_grad()``), its backward creates the gradients, the second
@@ -366,6 +371,7 @@ def saving_runs(tmp_path_factory):
                        cls=CotangentTrainer, save_strategy="steps", save_steps=2))
 
 
+@pytest.mark.slow
 def test_resume_from_checkpoint(tmp_path, tmp_path_factory):
     """4 steps saving at step 2; a fresh model and a fresh `cotangent.AdamW` resumed by the
     Trainer from checkpoint-2 end with the bits of the uninterrupted native run. The Trainer
@@ -418,6 +424,7 @@ def test_save_pretrained_of_a_model_trained_by_cotangent(tmp_path, tmp_path_fact
     assert loaded.lm_head.weight is loaded.transformer.wte.weight  # tying survives
 
 
+@pytest.mark.slow
 def test_core_import_needs_no_transformers():
     """`import cotangent` (and the integrations package) does not import transformers; without
     it, importing `cotangent.integrations.hf` names the extra to install."""

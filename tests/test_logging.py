@@ -237,6 +237,7 @@ def test_campaign_jobs_write_tensorboard_runs(tmp_path, data, monkeypatch):
     assert "progress: step 3/3 (100%)" in log and _no_bar_characters(log), log
 
 
+@pytest.mark.slow
 def test_missing_tensorboard_is_one_line_exit_2_and_nothing_written(tmp_path, data):
     """Without the tensorboard package (simulated by blocking it): exit status 2, one line
     naming the extra, no traceback, no run directory and no TensorBoard directory."""

@@ -42,6 +42,7 @@ def _x():
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.slow
 def test_a_saved_slice_pins_its_storage_and_contiguous_removes_the_pin(compiled):
     reports = {}
     for variant in ("slice", "contiguous"):
@@ -180,6 +181,7 @@ def test_unsupported_kinds_are_hook_errors_and_json_round_trips():
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.slow
 def test_demo_stack_storage_classes_per_gate_variant(compiled):
     from cotangent.harness.memory_cli import run_demo
 
@@ -269,6 +271,7 @@ def test_referenced_bytes_equal_a_brute_force_count(make):
     assert _union_bytes(meta, 240) == 4 * len(seen)
 
 
+@pytest.mark.slow
 def test_memory_is_reachable_after_a_plain_import():
     """`import cotangent` alone makes `cotangent.memory.audit` usable, as docs/harness.md writes it."""
     import subprocess

@@ -6,6 +6,7 @@ COTANGENT_SINGLE_PASS=0, re-probing on edits) against clip_grad_norm_ + torch.op
 from __future__ import annotations
 
 import array
+import ctypes
 import warnings
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from bitwise import (assert_same_bits, assert_same_update, require_register_path
 from cotangent import _build, calibration, tensorlists
 from cotangent import singlepass as sp
 from cotangent.calibration import sprinkle_special_values
+from mutants import use_mutant
 
 require_single_pass_kernel()
 
@@ -280,12 +282,31 @@ def test_refusals_leave_everything_unmodified():
 
 
 def test_build_is_cached_and_a_missing_compiler_is_a_clear_error(tmp_path, monkeypatch):
+    """The builder compiles a source once into the kernel cache and loads it from there
+    afterwards (the library's name is its build key); without `COTANGENT_KERNEL_CACHE_DIR` that
+    cache is the `kernels` folder of `COTANGENT_CACHE_DIR`, with it there, `off`: a folder of
+    the process's own. The kernel itself comes from the kernel cache the same way. Shown on a
+    one-function source (each build of the kernel itself takes 6-14 s)."""
+    source, flags = "extern \"C\" int cot_answer() { return 42; }\n", ("-shared", "-fPIC")
+    monkeypatch.delenv("COTANGENT_KERNEL_CACHE_DIR", raising=False)
     monkeypatch.setenv("COTANGENT_CACHE_DIR", str(tmp_path))
-    _, first = sp._build_locked()
-    _, second = sp._build_locked()
+    first = _build.compile_cached("answer", source, flags)
+    second = _build.compile_cached("answer", source, flags)
     assert not first.cached and first.compile_s > 0
     assert second.cached and second.path == first.path and second.compile_s == 0.0
-    assert str(tmp_path) in first.path
+    assert first.path.parent == tmp_path / "kernels"
+    assert ctypes.CDLL(str(first.path)).cot_answer() == 42
+    other = _build.compile_cached("answer", source, flags + ("-O1",))
+    assert not other.cached and other.path != first.path  # (flags are part of the key)
+    monkeypatch.setenv("COTANGENT_KERNEL_CACHE_DIR", str(tmp_path / "elsewhere"))
+    third = _build.compile_cached("answer", source, flags)
+    assert not third.cached and third.path.parent == tmp_path / "elsewhere"
+    assert third.path.name == first.path.name
+    monkeypatch.setenv("COTANGENT_KERNEL_CACHE_DIR", "off")
+    assert _build.cache_dir() is None
+    monkeypatch.undo()
+    kernel = sp.build()  # this session's kernel: from the session's kernel cache
+    assert Path(kernel.path).parent == _build.cache_dir()
     monkeypatch.setattr(_build, "compiler", lambda: None)
     monkeypatch.setattr(tensorlists, "_STATE", {})  # (the reader too: restored afterwards)
     with pytest.raises(sp.SinglePassUnavailable, match="no C\\+\\+ compiler"):
@@ -302,7 +323,8 @@ def test_native_pieces_follow_aten_thread_split():
     assert sp.aten_vector_unit() in (16, 32)  # 2 x Vectorized<float>: AVX2 16, AVX512 32
 
 
-def test_probe_catches_a_kernel_that_rounds_one_branch_differently(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_probe_catches_a_kernel_that_rounds_one_branch_differently(monkeypatch):
     """A kernel whose scalar-tail lerp (weight 1: beta1 = 0) used the vector body's formula
     differs from native only in the sign of some zeros; the probe's special-value grid in
     tail segments finds it, and the shipped kernel passes the same probe."""
@@ -310,17 +332,7 @@ def test_probe_catches_a_kernel_that_rounds_one_branch_differently(tmp_path, mon
               weight_decay=0.1, maximize=False, amsgrad=False, lengths=(33,), steps=2)
     with threads(2):
         assert sp.matches_native(**kw)
-        wrong = sp._SOURCE.replace("TAIL       ? __builtin_fmaf(-d, omw, g)",
-                                   "TAIL       ? __builtin_fmaf(wm1, d, g)")
-        assert wrong != sp._SOURCE
-        fused = "TAIL       ? L::fma(L::xor_(d, sign), omw, g)"
-        assert sp._SOURCE.count(fused) == 1  # the register path
-        wrong = wrong.replace(fused, "TAIL       ? L::fma(wm1, d, g)")
-        monkeypatch.setenv("COTANGENT_CACHE_DIR", str(tmp_path))
-        monkeypatch.setattr(sp, "_SOURCE", wrong)
-        monkeypatch.setattr(sp, "_LIB", None)
-        monkeypatch.setattr(sp, "_BUILD", None)
-        monkeypatch.setattr(sp, "_FAILURE", None)
+        use_mutant(monkeypatch, "tail-lerp-as-body")  # (general and register paths)
         sp.sqrt_kind.cache_clear()
         try:
             assert not sp.matches_native(**kw)
@@ -328,42 +340,22 @@ def test_probe_catches_a_kernel_that_rounds_one_branch_differently(tmp_path, mon
             sp.sqrt_kind.cache_clear()
 
 
-@pytest.fixture(scope="module")
-def mutants_cache(tmp_path_factory):
-    """One kernel cache for this module's mutated kernels: each source compiles once (its
-    build key names its file) and its square root check is cached with it."""
-    return tmp_path_factory.mktemp("mutated-kernels")
-
-
-def _load(source: str, cache_dir, monkeypatch) -> None:
-    """Make the next kernel call compile (or load from `cache_dir`) and use `source`."""
-    monkeypatch.setenv("COTANGENT_CACHE_DIR", str(cache_dir))
-    monkeypatch.setattr(sp, "_SOURCE", source)
-    for name in ("_LIB", "_BUILD", "_FAILURE"):
-        monkeypatch.setattr(sp, name, None)
-
-
 # each path's addcdiv_ division through the reciprocal (other bytes wherever that path runs)
-_REGISTER_DIV = ("L::div(t, den)", "L::mul(t, L::div(L::set1(1.0f), den))")
-_GENERAL_DIV = ("float q = t / den;", "float q = t * (1.0f / den);")
-
-
 @pytest.mark.parametrize("mutated,plain,equal", [
-    (_REGISTER_DIV, True, False),   # clean vectors take the register path
-    (_GENERAL_DIV, True, True),     # ... and never the general one
-    (_GENERAL_DIV, False, False),   # vectors with a NaN are redone by the general path
+    ("register-div-reciprocal", True, False),  # clean vectors take the register path
+    ("general-div-reciprocal", True, True),    # ... and never the general one
+    ("general-div-reciprocal", False, False),  # vectors with a NaN are redone by the general path
 ], ids=["register-clean", "general-clean", "general-nan"])
 @pytest.mark.parametrize("amsgrad", [False, True], ids=["adamw", "amsgrad"])
+@pytest.mark.slow
 def test_register_path_takes_clean_vectors_and_the_general_path_those_with_a_nan(
-        mutated, plain, equal, amsgrad, mutants_cache, monkeypatch):
+        mutated, plain, equal, amsgrad, monkeypatch):
     """Which path updates which vector, shown by breaking one path at a time: the kernel keeps
     a vector in registers unless one of its lanes meets a NaN, and then redoes it element by
     element. (Both unbroken paths give native's bytes: the other tests.)"""
     require_register_path()
     assert sp.sqrt_kind() in ("emulated", "hardware")  # the kinds the register path takes
-    old, new = mutated
-    assert sp._SOURCE.count(old) == 1
-    _load(sp._SOURCE.replace(old, new), mutants_cache, monkeypatch)
+    use_mutant(monkeypatch, mutated)
     with threads(2):
         params, states, ours, steps = run_both(plain=plain, steps=2, weight_decay=0.1,
                                                amsgrad=amsgrad, each_step=False)
@@ -371,31 +363,22 @@ def test_register_path_takes_clean_vectors_and_the_general_path_those_with_a_nan
     assert same == equal
 
 
-# register-path edits a plausible rewrite could make, each giving other bytes somewhere
-REGISTER_MUTATIONS = {
-    # the tail's maximum computed like the body's: differs only for a -0.0 maximum against a
-    # +0.0 second moment, in the state of one step (the next step overwrites it)
-    "tail-maximum-as-body": (
-        "s = TAIL ? L::where_lt(a, v1, v1, a)", "s = TAIL ? L::where_gt(a, v1, a, v1)"),
-    "body-maximum-as-tail": (
-        ": L::where_gt(a, v1, a, v1);", ": L::where_lt(a, v1, v1, a);"),
-    # a NaN maximum left in the register path (torch.maximum makes its own NaN)
-    "nan-maximum-kept": (
-        "(AMSGRAD ? L::unordered(a, v1) : 0u)", "0u"),
-}
+# register-path edits a plausible rewrite could make, each giving other bytes somewhere: the
+# tail's maximum computed like the body's differs only for a -0.0 maximum against a +0.0
+# second moment, in the state of one step (the next step overwrites it); a NaN maximum left in
+# the register path misses torch.maximum's own NaN
+REGISTER_MUTATIONS = ("tail-maximum-as-body", "body-maximum-as-tail", "nan-maximum-kept")
 
 
-@pytest.mark.parametrize("name", sorted(REGISTER_MUTATIONS))
-def test_probe_rejects_a_register_path_that_differs_from_native(name, mutants_cache,
-                                                                monkeypatch):
+@pytest.mark.parametrize("name", REGISTER_MUTATIONS)
+@pytest.mark.slow
+def test_probe_rejects_a_register_path_that_differs_from_native(name, monkeypatch):
     kw = dict(implementation="for-loop", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
               weight_decay=0.1, maximize=False, amsgrad=True)
     require_register_path()
-    old, new = REGISTER_MUTATIONS[name]
-    assert sp._SOURCE.count(old) == 1
     with threads(2):
         assert sp.matches_native(**kw)  # the shipped kernel
-        _load(sp._SOURCE.replace(old, new), mutants_cache, monkeypatch)
+        use_mutant(monkeypatch, name)
         assert not sp.matches_native(**kw)
 
 
@@ -580,19 +563,12 @@ def test_a_failing_probe_keeps_the_native_path(fresh_verdicts, monkeypatch):
     assert opt.update_path()["clip_in_pass"] == 0
 
 
+@pytest.mark.slow
 def test_a_wrong_kernel_fails_its_probe_and_native_runs(fresh_verdicts, monkeypatch):
     """A kernel that divides by the square root through its reciprocal (a plausible
     optimisation) gives other parameter bytes: forced past the gate it differs from native
     (the control), gated its probe fails and the update keeps native's path and bytes."""
-    wrong = sp._SOURCE.replace("float q = t / den;", "float q = t * (1.0f / den);")
-    assert wrong != sp._SOURCE
-    # and in the register path
-    fused, reciprocal = _REGISTER_DIV
-    assert sp._SOURCE.count(fused) == 1
-    wrong = wrong.replace(fused, reciprocal)
-    monkeypatch.setattr(sp, "_SOURCE", wrong)
-    for name in ("_LIB", "_BUILD", "_FAILURE"):
-        monkeypatch.setattr(sp, name, None)
+    use_mutant(monkeypatch, "general-div-reciprocal", "register-div-reciprocal")
     monkeypatch.setattr(sp, "_UNAVAILABLE", sp._NOT_CHECKED)
     sp.sqrt_kind.cache_clear()
     try:
@@ -1071,8 +1047,9 @@ def test_fused_bits_equal_native_on_both_copies_of_its_loop(setting, nthreads):
                 assert_same_bits(a, b, f"{n} elements, {nthreads} threads")
 
 
+@pytest.mark.slow
 def test_norms_equal_native_and_a_kernel_that_fuses_every_tail_square_is_caught(
-        mutants_cache, monkeypatch):
+        monkeypatch):
     """`tensor_norms` gives native clipping's per-tensor norms byte for byte on the probe's
     tensors (and the probe passes); control: a kernel whose norm fuses every tail square into
     the sum, and whose fused AdamW forgets the inline copy's NaN sign, fails both probes."""
@@ -1086,11 +1063,7 @@ def test_norms_equal_native_and_a_kernel_that_fuses_every_tail_square_is_caught(
         kw = dict(implementation="fused", lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
                   weight_decay=0.01, maximize=True, amsgrad=False)
         assert sp.matches_native(**kw)
-        tail_rounded = "for (int64_t i = 0; i < rounded; i++) {"
-        inline_sign = "((MAXIMIZE && !INLINE) ? quiet(-gr) : quiet(gr))"
-        assert sp._SOURCE.count(tail_rounded) == 1 and sp._SOURCE.count(inline_sign) == 1
-        _load(sp._SOURCE.replace(tail_rounded, "for (int64_t i = 0; i < 0; i++) {").replace(
-            inline_sign, "quiet(gr)"), mutants_cache, monkeypatch)
+        use_mutant(monkeypatch, "norm-tail-fused", "fused-inline-sign-lost")
         assert not sp.norms_match_native()
         assert not sp.matches_native(**kw)
 

@@ -419,6 +419,7 @@ def test_clip_bumps_gradient_version_counters():
             saved.backward()
 
 
+@pytest.mark.slow
 def test_omp_thread_limit_below_torch_threads():
     script = textwrap.dedent("""
         import sys, torch, cotangent

@@ -200,6 +200,7 @@ def test_direct_kernel_control():
         adam_module.adam = real
 
 
+@pytest.mark.slow
 def test_omp_thread_limit_with_many_small_tensors():
     """OMP_THREAD_LIMIT=1 with torch.set_num_threads(2): a team of one takes every block."""
     script = textwrap.dedent("""

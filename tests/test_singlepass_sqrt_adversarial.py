@@ -149,6 +149,7 @@ CHILD = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("foreach", [False, True], ids=["for-loop", "foreach"])
+@pytest.mark.slow
 def test_invalid_trap_unmasked_negative_second_moment(foreach):
     """FE_INVALID unmasked (feenableexcept) and a negative exp_avg_sq loaded through a state
     dict: native's step survives (MKL's square root gives NaN without a trap) with NaN

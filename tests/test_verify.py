@@ -45,6 +45,7 @@ def test_verify_names_the_first_difference_when_the_update_is_broken(monkeypatch
     assert "ULP" in message
 
 
+@pytest.mark.slow
 def test_suite_runs_every_model_precision_and_arm_and_a_compiled_model():
     """`cotangent verify`'s suite: 4 model families x {fp32, bf16} x the 3 Cotangent arms, and
     the first model compiled; every case identical on every step."""

@@ -39,6 +39,10 @@ class Compiled:
     key: str
 
 
+# the libraries this process compiled (not those it loaded from the cache), in order
+COMPILED: list[Compiled] = []
+
+
 def compiler() -> str | None:
     """The C++ compiler: ``$CXX``, else ``c++``, else ``g++`` (a full path), or None."""
     for name in (os.environ.get("CXX"), "c++", "g++"):
@@ -48,7 +52,14 @@ def compiler() -> str | None:
 
 
 def cache_dir() -> Path | None:
-    """Where compiled libraries are kept across processes, None when the cache is off."""
+    """Where compiled libraries are kept across processes: ``$COTANGENT_KERNEL_CACHE_DIR``, else
+    the ``kernels`` folder of Cotangent's cache folder (`calibration.cache_root`); None when the
+    one that applies is ``off`` (each process then compiles into a folder of its own). The
+    variable lets compiled libraries outlive a cache of verdicts kept fresh (the test suite's
+    per-session one): a library's name carries its build key, so a stale one is never loaded."""
+    kernels = os.environ.get("COTANGENT_KERNEL_CACHE_DIR")
+    if kernels:
+        return None if kernels == "off" else Path(kernels)
     root = calibration.cache_root()
     return None if root is None else root / "kernels"
 
@@ -106,4 +117,6 @@ def compile_cached(stem: str, source: str, flags: tuple[str, ...], *, suffix: st
         os.replace(tmp_out, target)
     except OSError as e:  # (e.g. a "compiler" that exits 0 and writes nothing)
         raise BuildFailed(f"compiling {stem} with {cxx} left no library: {e}") from e
-    return Compiled(target, cxx, False, seconds, key)
+    built = Compiled(target, cxx, False, seconds, key)
+    COMPILED.append(built)
+    return built

@@ -124,6 +124,9 @@ def compile_flags() -> tuple[str, ...]:
 
 # the kernel's C++ source (package data); its text is part of the build key
 _SOURCE = (Path(__file__).with_name("csrc") / "singlepass.cpp").read_text()
+# the tests' mutant mask (the source's head): nonzero only in tests, which then load the build
+# with the switches (`-DCOT_MUTANT_RUNTIME`) and set its `cot_mutant_mask` to it
+_MUTANT = 0
 
 
 class SinglePassUnavailable(RuntimeError):
@@ -173,7 +176,8 @@ def _build_locked() -> tuple[ctypes.CDLL, Build]:
         raise SinglePassUnavailable(f"single-pass AdamW supports x86-64 only, not "
                                     f"{platform.machine()}")
     try:
-        built = _build.compile_cached("singlepass", _SOURCE, compile_flags())
+        flags = compile_flags() + (("-DCOT_MUTANT_RUNTIME",) if _MUTANT else ())
+        built = _build.compile_cached("singlepass", _SOURCE, flags)
     except _build.BuildFailed as e:
         raise SinglePassUnavailable(str(e)) from e
     target, cxx, cached, compile_s, key = (built.path, built.compiler, built.cached,
@@ -182,6 +186,8 @@ def _build_locked() -> tuple[ctypes.CDLL, Build]:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
         raise SinglePassUnavailable(f"loading the single-pass kernel failed: {e}") from e
+    if _MUTANT:
+        ctypes.c_int.in_dll(lib, "cot_mutant_mask").value = _MUTANT
     lib.cot_singlepass_adamw.restype = ctypes.c_int
     lib.cot_singlepass_adamw.argtypes = [
         ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p,

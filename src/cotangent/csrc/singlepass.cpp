@@ -12,6 +12,24 @@
 
 typedef void (*sqrt_fn_t)(int64_t, const float*, float*, long long);
 
+// Test mutants: the tests' build of this file (-DCOT_MUTANT_RUNTIME; never a shipped one) breaks,
+// for each bit i set in `cot_mutant_mask` (written through ctypes), one rule on purpose where
+// `MUTANT(i)` stands below, so that the tests can show the probes catch that kind of error;
+// with the mask 0 it computes what the shipped build computes. In a shipped build MUTANT(i)
+// is 0 and every switch folds away. 0: the scalar tail's lerp takes the vector body's
+// formula; 1: the register path divides through the reciprocal; 2: the general path does; 3:
+// amsgrad's maximum in the tail as in the body; 4: in the body as in the tail; 5: a NaN
+// maximum stays in registers; 6: the norm fuses every tail square into its sum; 7: fused
+// AdamW's inline copy forgets the NaN sign under maximize; 8: the register path drops its NaN
+// flags on grad - exp_avg and on the quotient.
+#ifdef COT_MUTANT_RUNTIME
+extern "C" int cot_mutant_mask;
+int cot_mutant_mask = 0;
+#define MUTANT(i) ((cot_mutant_mask >> (i)) & 1)
+#else
+#define MUTANT(i) 0
+#endif
+
 namespace {
 
 constexpr int64_t BLOCK = 16384;  // floats per array per block: 64 KiB, in L2
@@ -54,7 +72,7 @@ void moments(int64_t n, float* __restrict g_, float* __restrict m_, float* __res
     float d = g - m;
     d = is_nan(g) ? quiet(g) : d;
     float m1 = SMALL_WEIGHT ? __builtin_fmaf(w, d, m)
-               : TAIL       ? __builtin_fmaf(-d, omw, g)
+               : TAIL       ? (MUTANT(0) ? __builtin_fmaf(wm1, d, g) : __builtin_fmaf(-d, omw, g))
                             : __builtin_fmaf(wm1, d, g);
     m1 = is_nan(d) ? d : m1;
     m_[i] = m1;
@@ -84,7 +102,7 @@ void update(int64_t n, float* __restrict p_, const float* __restrict pd_,
   for (int64_t i = 0; i < n; i++) {
     const float den = r_[i] / bc2s + eps;  // (sqrt(v) / bias_correction2_sqrt).add_(eps)
     const float t = nstep * m_[i];         // addcdiv_: (value * exp_avg) / denom + param
-    float q = t / den;
+    float q = MUTANT(2) ? t * (1.0f / den) : t / den;
     q = is_nan(t) ? t : q;
     const float p = pd_[i];
     float r = q + p;
@@ -352,7 +370,7 @@ void fused(int64_t n, float* __restrict g_, float* __restrict m_, float* __restr
     const V g = MAXIMIZE ? L::xor_(gc, sign) : gc;
     const V d = L::sub(g, m);
     const V m1 = SMALL_WEIGHT ? L::fma(w, d, m)
-                 : TAIL       ? L::fma(L::xor_(d, sign), omw, g)
+                 : TAIL       ? (MUTANT(0) ? L::fma(wm1, d, g) : L::fma(L::xor_(d, sign), omw, g))
                               : L::fma(wm1, d, g);
     const V v1 = L::fma(L::mul(val, g), g, L::mul(v, b2));
     // amsgrad: torch.maximum(max_exp_avg_sq, exp_avg_sq) without NaNs (a lane with one goes to
@@ -361,16 +379,18 @@ void fused(int64_t n, float* __restrict g_, float* __restrict m_, float* __restr
     V a = v1, s = v1;
     if (AMSGRAD) {
       a = full ? L::load(vmax_ + i) : L::load_part(vmax_ + i, len);
-      s = TAIL ? L::where_lt(a, v1, v1, a) : L::where_gt(a, v1, a, v1);
+      s = TAIL ? (MUTANT(3) ? L::where_gt(a, v1, a, v1) : L::where_lt(a, v1, v1, a))
+               : (MUTANT(4) ? L::where_lt(a, v1, v1, a) : L::where_gt(a, v1, a, v1));
     }
     const V r = EMU ? emu_sqrt(s) : L::sqrt(s);
     const V den = L::add(L::div(r, bc), eps);
     const V t = L::mul(ns, m1);
-    const V q = L::div(t, den);
+    const V q = MUTANT(1) ? L::mul(t, L::div(L::set1(1.0f), den)) : L::div(t, den);
     const V p1 = L::add(q, pd);
     // (unused lanes of a partial vector hold zeros, whose quotient may be NaN: not counted)
-    const unsigned nan = (L::unordered(g, d) | L::unordered(t, q) |
-                          (AMSGRAD ? L::unordered(a, v1) : 0u)) & L::all_lanes(len);
+    const unsigned nan = ((MUTANT(8) ? 0u : L::unordered(g, d) | L::unordered(t, q)) |
+                          ((AMSGRAD && !MUTANT(5)) ? L::unordered(a, v1) : 0u)) &
+                         L::all_lanes(len);
     if (__builtin_expect(nan != 0, 0)) {
       float* r_ = scratch + 16;
       float* pd_ = scratch + 32;
@@ -449,7 +469,7 @@ void aten_fused_general(int64_t n, float* __restrict g_, float* __restrict m_,
     const float sg = val * gr;
     float sq1 = TAIL ? __builtin_fmaf(sq0, b2, sg * gr) : __builtin_fmaf(sg, gr, sq0 * b2);
     if (TAIL) sq1 = is_nan(sq0) ? quiet(sq0) : (is_nan(gr) ? quiet(gr) : sq1);
-    else sq1 = is_nan(gr) ? ((MAXIMIZE && !INLINE) ? quiet(-gr) : quiet(gr)) : sq1;
+    else sq1 = is_nan(gr) ? ((MAXIMIZE && !INLINE && !MUTANT(7)) ? quiet(-gr) : quiet(gr)) : sq1;
     v_[i] = sq1;
     float root_in = sq1;
     if (AMSGRAD) {
@@ -573,7 +593,8 @@ void bf16_step(int64_t n, uint16_t* __restrict p_, const uint16_t* __restrict g_
     const float m = bf16_float(m_[i]);
     const float d = g - m;                                      // exp_avg.lerp_(grad, w)
     const uint16_t m1 = to_bf16<TAIL>(SMALL_WEIGHT ? __builtin_fmaf(w, d, m)
-                                      : TAIL       ? __builtin_fmaf(-d, omw, g)
+                                      : TAIL       ? (MUTANT(0) ? __builtin_fmaf(wm1, d, g)
+                                                                : __builtin_fmaf(-d, omw, g))
                                                    : __builtin_fmaf(wm1, d, g));
     const float vb = round_bf16<TAIL>(bf16_float(v_[i]) * b2);  // exp_avg_sq.mul_(beta2)
     const uint16_t v1 = to_bf16<TAIL>(__builtin_fmaf(val * g, g, vb));  // .addcmul_
@@ -691,7 +712,7 @@ float aten_norm2(const float* x, int64_t n) {
   float sum = lane[0];
   for (int j = 1; j < 8; j++) sum = sum + lane[j];
   const int64_t tail = n - body, rounded = tail / 4 * 4;
-  for (int64_t i = 0; i < rounded; i++) {
+  for (int64_t i = 0; i < (MUTANT(6) ? 0 : rounded); i++) {
     const float v = x[body + i];
     sum = sum + v * v;
   }
