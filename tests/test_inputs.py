@@ -372,14 +372,69 @@ def test_lazy_parameters_are_read_once_materialised_like_native():
                            opts[1].state, f"lazy step {step}")
 
 
-def test_fsdp2_dtensor_parameters_are_refused_naming_fsdp2(single_rank_group):
+def test_fsdp2_on_one_rank_and_the_placements_it_refuses(single_rank_group):
+    """fully_shard on a one-rank group: native's bytes (the two-rank cases are in
+    test_distributed.py); a DTensor parameter placed Shard(1) (tensor parallelism) is a
+    ValueError naming the placement at construction, and so is FSDP2 with shard='zero1'."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
 
-    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-    fully_shard(model)
-    torch.optim.AdamW(model.parameters(), fused=True)  # native accepts them
-    with pytest.raises(ValueError, match="DTensor .*FSDP2"):
-        cotangent.AdamW(model.parameters())
+    from cotangent import dtensor
+
+    torch.manual_seed(0)
+    base = nn.Sequential(nn.Linear(8, 7), nn.Tanh(), nn.Linear(7, 8))
+    models = [copy.deepcopy(base) for _ in range(2)]
+    for m in models:
+        fully_shard(m)
+    native = torch.optim.AdamW(models[0].parameters(), lr=1e-2, fused=True)
+    ours = cotangent.AdamW(models[1].parameters(), lr=1e-2, fused=True, max_norm=0.05)
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        x = torch.randn(4, 8, generator=gen)
+        for m in models:
+            m(x).square().mean().backward()
+        total = torch.nn.utils.clip_grad_norm_(models[0].parameters(), 0.05)
+        native.step()
+        ours.step()
+        assert_same_bits(dtensor.local(ours.last_total_norm), dtensor.local(total), "norm")
+        for p, q in zip(models[0].parameters(), models[1].parameters()):
+            assert_same_bits(dtensor.local(q.detach()), dtensor.local(p.detach()), "param")
+            for key in ("exp_avg", "exp_avg_sq", "step"):
+                assert_same_bits(dtensor.local(ours.state[q][key]),
+                                 dtensor.local(native.state[p][key]), key)
+        native.zero_grad()
+        ours.zero_grad()
+    # plain parameters beside DTensors: native's for-loop updates each alone (so does ours);
+    # its clip and its foreach / fused list ops raise (ours too, before anything changes)
+    pair = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    mixed, twin = copy.deepcopy(pair), copy.deepcopy(pair)
+    for m in (mixed, twin):
+        fully_shard(m[0])
+    for m in (mixed, twin):
+        m(torch.ones(2, 4)).sum().backward()
+    native = torch.optim.AdamW(mixed.parameters(), lr=1e-2, foreach=False)
+    ours = cotangent.AdamW(twin.parameters(), lr=1e-2, foreach=False)
+    native.step()
+    ours.step()
+    for p, q in zip(mixed.parameters(), twin.parameters()):
+        assert_same_bits(dtensor.local(q.detach()), dtensor.local(p.detach()), "mixed")
+    before = [dtensor.local(q.detach()).clone() for q in twin.parameters()]
+    for make, match in [(lambda: cotangent.AdamW(twin.parameters(), max_norm=1.0),
+                         "DTensor and plain gradients"),
+                        (lambda: cotangent.AdamW(twin.parameters(), foreach=True),
+                         "plain parameter beside DTensor parameters in one foreach")]:
+        with pytest.raises(RuntimeError, match=match):
+            make().step()
+        for b, q in zip(before, twin.parameters()):
+            assert_same_bits(dtensor.local(q.detach()), b, "nothing modified")
+    mesh = init_device_mesh("cpu", (1,))
+    column = nn.Parameter(distribute_tensor(torch.randn(4, 6), mesh, [Shard(1)]))
+    torch.optim.AdamW([column])  # native accepts it
+    with pytest.raises(ValueError, match=r"Shard\(dim=1\) on mesh dimension 0"):
+        cotangent.AdamW([column])
+    with pytest.raises(ValueError, match="shard='zero1' is for DistributedDataParallel"):
+        cotangent.AdamW(models[1].parameters(), shard="zero1")
 
 
 def test_zero_redundancy_optimizer_state_round_trip(single_rank_group):

@@ -417,3 +417,19 @@ def is_zerotensor(t: Tensor) -> bool:
     """Whether `t` is a ZeroTensor (``torch._efficientzerotensor``: no memory behind it, its
     data pointer null, immutable)."""
     return t._is_zerotensor()
+
+
+def dtensor_local(t: Tensor) -> Tensor:
+    """A DTensor's local tensor itself (``t._local_tensor``: what ``t.to_local()`` returns under
+    ``torch.no_grad()``, without the autograd wrapper it adds with gradients enabled)."""
+    return t._local_tensor
+
+
+def norm_reduction_placement(norm_type: float):
+    """The placement DTensor gives the norm of a shard of order `norm_type` (a partial norm:
+    `_NormPartial(p)`, ``Partial("max")`` for inf, ``Partial("sum")`` for 0; torch 2.13's
+    `torch.distributed.tensor._ops._math_ops`), whose redistribution to Replicate is the
+    reduction native's clip of DTensor gradients runs."""
+    from torch.distributed.tensor._ops import _math_ops
+
+    return _math_ops.get_placement_from_reduction_op(_math_ops._get_norm_reduction_op(norm_type))

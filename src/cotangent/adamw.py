@@ -24,7 +24,7 @@ from operator import attrgetter, is_
 import torch
 from torch import Tensor
 
-from cotangent import _compat, merge, sharding, singlepass
+from cotangent import _compat, dtensor, merge, sharding, singlepass
 from cotangent.clip import get_total_norm, multiply_grads_
 from cotangent.clip_order import (
     PARAM_GROUPS,
@@ -96,8 +96,11 @@ class _Clip:
 
 
 def _refusal(p: Tensor) -> str | None:
-    """Why `cotangent.AdamW` cannot take `p`, or None. DTensor and other wrapper subclasses
-    (FSDP2, tensor parallelism) are refused: their clip crosses ranks."""
+    """Why `cotangent.AdamW` cannot take `p`, or None. DTensor parameters are taken where
+    placed as FSDP2 places them (`dtensor.placement_refusal`); other wrapper subclasses are
+    refused."""
+    if dtensor.is_dtensor(p):
+        return dtensor.placement_refusal(p)
     refusal = _compat.tensor_kind_refusal(p)
     if refusal is not None and isinstance(p, torch.nn.parameter.UninitializedTensorMixin):
         return None  # a lazy module's parameter: materialised in place, read at each step
@@ -296,6 +299,12 @@ class AdamW(torch.optim.AdamW):
         found_inf = getattr(self, "found_inf", None)
         calls, fresh, agreement = self._gather()  # checks everything; modifies nothing
         order = self._clip_grads() if clip else None
+        spread = None if order is None else dtensor.clip_mesh_gradient(order)
+        if spread is not None:
+            if grad_scale is not None or found_inf is not None:
+                raise RuntimeError("GradScaler state (grad_scale / found_inf) with DTensor "
+                                   "gradients: not followed by cotangent.AdamW")
+            order = list(map(dtensor.local, order))  # (the clip reduces their norms, below)
         if order is not None and self._clipped_already(order):
             order = None  # clip_grad_norm_() clipped these gradients
         if order is not None and grad_scale is not None:
@@ -308,8 +317,8 @@ class AdamW(torch.optim.AdamW):
         early = self._prepare_early(calls, order) if not fresh else None
         decisions: dict = {}
         cut = self._clip_norm(order, fold=grad_scale is None and found_inf is None,
-                              prepared=early, team_now=lambda: self._team(decisions)) if (
-            order is not None) else None
+                              prepared=early, team_now=lambda: self._team(decisions),
+                              spread=spread) if order is not None else None
         sharding.finish_agree(agreement)  # (ZeRO-1: every rank's checks passed)
         self._create_state(fresh)
         extra: list[_Call] = []
@@ -441,7 +450,7 @@ class AdamW(torch.optim.AdamW):
                     continue
             call = self._gather_alike(group, kind, params, amsgrad, fresh)
             if call is not None:
-                calls.append(call)
+                calls.append(self._on_local_shards(call))
                 continue
             by = {}
             for index, p in params:
@@ -476,7 +485,7 @@ class AdamW(torch.optim.AdamW):
                 call.steps.append(s)
                 if amsgrad:
                     call.max_exp_avg_sqs.append(vmax)
-        return calls, fresh
+        return [self._on_local_shards(c) for c in calls], fresh
 
     def _gather_alike(self, group: dict, kind: str, params: list[tuple[int, Tensor]],
                       amsgrad: bool, fresh: list[tuple[_Call, int]]) -> _Call | None:
@@ -504,6 +513,43 @@ class AdamW(torch.optim.AdamW):
         if call.checked:
             for p in ps:
                 self._check_param(p, amsgrad)
+        return call
+
+    def _on_local_shards(self, call: _Call) -> _Call:
+        """`call` over its DTensor parameters' local shards (FSDP2: native's AdamW runs the
+        same ATen ops on them, `cotangent.dtensor`): every parameter checked as native reads
+        it, with its gradient placed as the parameter; then the parameters, gradients and
+        moments replaced by their local tensors (the step tensors are plain). A call without
+        DTensors is returned as it is; plain parameters beside DTensors stay as they are in a
+        for-loop call (native updates each alone).
+
+        Raises (before anything is modified):
+            RuntimeError: a gradient that is not a DTensor placed as its parameter; a plain
+                parameter beside DTensors in a foreach or fused call (native's list ops raise
+                there, after incrementing the steps); the checks of `_check_param`.
+        """
+        if not any(map(dtensor.is_dtensor, call.params)):
+            return call
+        amsgrad = bool(call.group["amsgrad"])
+        for p in call.params:
+            if dtensor.is_dtensor(p):
+                problem = dtensor.gradient_refusal(p)
+            else:  # (native's for-loop updates each parameter alone; its lists ops raise)
+                problem = None if call.kind == "for-loop" else (
+                    "is a plain parameter beside DTensor parameters in one "
+                    f"{call.kind} AdamW call: native's {call.kind} AdamW raises mixing "
+                    "torch.Tensor and DTensor")
+            if problem:
+                raise RuntimeError(f"{self._describe(p)} {problem}")
+            if not call.checked:
+                self._check_param(p, amsgrad)
+        call.checked = True
+        local = dtensor.local
+        call.params = list(map(local, call.params))
+        call.grads = list(map(local, call.grads))
+        call.exp_avgs = [None if t is None else local(t) for t in call.exp_avgs]
+        call.exp_avg_sqs = [None if t is None else local(t) for t in call.exp_avg_sqs]
+        call.max_exp_avg_sqs = [None if t is None else local(t) for t in call.max_exp_avg_sqs]
         return call
 
     def _own_share(self, params: list[tuple[int, Tensor]], shares: sharding.Shares,
@@ -569,7 +615,8 @@ class AdamW(torch.optim.AdamW):
         """Native's lazy state initialisation (`torch.optim.Adam._init_group`) for parameters
         updated for the first time, filled into their calls' lists."""
         for call, i in fresh:
-            p, group = call.params[i], call.group
+            group = call.group
+            p = group["params"][call.pos[i]]  # (the DTensor, where the call holds its shard)
             entry = self.state[p]
             if not entry:  # (a parameter listed twice: created once, as native does)
                 entry["step"] = _compat.new_step_tensor(p, fused=bool(group["fused"]),
@@ -579,10 +626,10 @@ class AdamW(torch.optim.AdamW):
                 if group["amsgrad"]:
                     entry["max_exp_avg_sq"] = torch.zeros_like(
                         p, memory_format=torch.preserve_format)
-            call.steps[i], call.exp_avgs[i] = entry["step"], entry["exp_avg"]
-            call.exp_avg_sqs[i] = entry["exp_avg_sq"]
+            call.steps[i], call.exp_avgs[i] = entry["step"], dtensor.local(entry["exp_avg"])
+            call.exp_avg_sqs[i] = dtensor.local(entry["exp_avg_sq"])
             if group["amsgrad"]:
-                call.max_exp_avg_sqs[i] = entry["max_exp_avg_sq"]
+                call.max_exp_avg_sqs[i] = dtensor.local(entry["max_exp_avg_sq"])
 
     def _clip_order(self) -> list[Tensor]:
         """`clip_grad_norm_`'s parameter list now: the clip order (a module's parameters and a
@@ -621,13 +668,20 @@ class AdamW(torch.optim.AdamW):
         return prepared
 
     def _clip_norm(self, grads: list[Tensor], fold: bool,
-                   prepared: singlepass.Prepared | None = None, team_now=None) -> _Clip:
+                   prepared: singlepass.Prepared | None = None, team_now=None,
+                   spread: Tensor | None = None) -> _Clip:
         """`clip_grad_norm_`'s total norm and clip coefficient over `grads` (raises with
         ``error_if_nonfinite`` before anything is modified). `fold`: the single pass may do the
         multiply (no GradScaler state, a CPU coefficient that is not NaN). `prepared`: a call's
         checked lists whose gradients are `grads` (`_prepare_early`); `team_now`: this step's
-        `singlepass.team`."""
+        `singlepass.team`. `spread`: `grads` are the local shards of DTensor gradients placed
+        as this one (`dtensor.clip_mesh_gradient`): the stack of their norms becomes the
+        DTensor native's stack is (`dtensor.spread_stack`), so that the total norm (the DTensor
+        native's clip returns) and the coefficient reduce across ranks in DTensor's own code (a
+        collective); the multiply uses the coefficient's replicated local value."""
         shares = self._shares
+        across = None if spread is None else (
+            lambda stacked: dtensor.spread_stack(stacked, spread, self.norm_type))
         if shares is not None and shares.zero.norms == "share":
             share_of = {id(p.grad): s for p, s in zip(shares.params, shares.shares)
                         if p.grad is not None}
@@ -639,8 +693,9 @@ class AdamW(torch.optim.AdamW):
             # every per-tensor norm in one C call, with ATen's bits (proven by its probe)
             norms = (singlepass.tensor_norms(grads) if prepared is None else
                      singlepass.gradient_norms(prepared))
-            total = total_norm(norms, self.norm_type)
-        elif self.batched_norms and all(g.device.type == "cpu" for g in grads[:1]):
+            total = total_norm(norms, self.norm_type, across)
+        elif self.batched_norms and spread is None and all(
+                g.device.type == "cpu" for g in grads[:1]):
             # (on CUDA a (B, K) row norm and `_foreach_norm` reduce in other trees: issue 29;
             # no batched-norm probe runs there until a measurement shows it can win)
             total = get_total_norm(grads, self.norm_type)
@@ -650,10 +705,10 @@ class AdamW(torch.optim.AdamW):
             for device, _, idx in _compat.group_by_device_and_dtype(grads):
                 part = native_tensor_norms([grads[i] for i in idx], self.norm_type, None)
                 norms.extend(n.to(first) for n in part)
-            total = total_norm([torch.stack(norms)] if norms else [], self.norm_type)
+            total = total_norm([torch.stack(norms)] if norms else [], self.norm_type, across)
         if self.error_if_nonfinite:
             check_finite(total, self.norm_type)
-        coef = clip_coefficient(total, self.max_norm)
+        coef = dtensor.replicated_local(clip_coefficient(total, self.max_norm))
         # (an expanded or an inference gradient: native's multiply, by 1.0 too, raises; so
         # must ours)
         identity = multiply_is_identity(coef, self.norm_type, singlepass.flushing_now()) and (
@@ -680,10 +735,12 @@ class AdamW(torch.optim.AdamW):
         """`clip_grad_norm_` now, natively multiplied (unless these gradients are clipped
         already); returns the total norm."""
         grads = self._clip_grads()
+        spread = dtensor.clip_mesh_gradient(grads)
+        grads = list(map(dtensor.local, grads))
         if self._clipped_already(grads):
             return self._last_clip[0]
         sharding.finish_agree(self._gather()[2])  # a step's checks: nothing modified on bad input
-        cut = self._clip_norm(grads, fold=False)
+        cut = self._clip_norm(grads, fold=False, spread=spread)
         if cut.identity:
             torch.autograd.graph.increment_version(grads)
         else:
@@ -919,7 +976,8 @@ class AdamW(torch.optim.AdamW):
         if live.max_norm is None or last is None:
             return None
         ids = {id(g) for ref in last[1] if (g := ref()) is not None}  # (live: ids unique)
-        fresh = any(p.grad is not None and id(p.grad) not in ids for p in live._clip_order())
+        fresh = any(p.grad is not None and id(dtensor.local(p.grad)) not in ids
+                    for p in live._clip_order())
         return None if fresh else last[0]
 
     # ------------------------------------------------------------------ torch.optim surface
@@ -954,6 +1012,10 @@ class AdamW(torch.optim.AdamW):
         try:
             for p in group["params"]:
                 refusal = _refusal(p)
+                if refusal is None and dtensor.is_dtensor(p) and getattr(
+                        self, "_shares", None) is not None:
+                    refusal = ("is a DTensor (FSDP2 shards it already): shard='zero1' is for "
+                               "DistributedDataParallel; use cotangent.AdamW without shard")
                 if refusal is not None:
                     raise ValueError(f"{self._describe(p)} {refusal}")
             if hasattr(self, "max_norm"):

@@ -178,11 +178,14 @@ def flat_multiply_is_exact(device: torch.device, dtype: torch.dtype, coef_dtype:
     return verdict
 
 
-def total_norm(norms_in_native_order: list[Tensor] | Tensor, norm_type: float) -> Tensor:
+def total_norm(norms_in_native_order: list[Tensor] | Tensor, norm_type: float,
+               across=None) -> Tensor:
     """`vector_norm(stack(per-tensor norms), norm_type)`: the native total gradient norm.
 
     `torch.cat` of per-group 1-D norm tensors promotes dtypes exactly as native `torch.stack`
-    of the 0-dim norms does. An empty input gives native's `torch.tensor(0.0)`.
+    of the 0-dim norms does. An empty input gives native's `torch.tensor(0.0)`. `across`: a
+    function applied to the stack first (the cross-rank reduction of the local shards' norms
+    of DTensor gradients: `cotangent.dtensor.reduce_stacked`).
     """
     if isinstance(norms_in_native_order, Tensor):
         stacked = norms_in_native_order
@@ -190,6 +193,8 @@ def total_norm(norms_in_native_order: list[Tensor] | Tensor, norm_type: float) -
         return torch.tensor(0.0)
     else:
         stacked = torch.cat(norms_in_native_order)
+    if across is not None:
+        stacked = across(stacked)
     return torch.linalg.vector_norm(stacked, norm_type)
 
 
