@@ -47,7 +47,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus, config):
     terminalreporter.write_line(_versions())
     from cotangent import _build
 
-    names = [c.path.name.rsplit("-", 1)[0] for c in _build.COMPILED]
+    names = [c.path.name.split("-")[0] for c in _build.COMPILED]
     terminalreporter.write_line(
         f"compiled in this session: {len(names)} libraries in "
         f"{sum(c.compile_s for c in _build.COMPILED):.1f} s ({', '.join(names) or 'none'}); "

@@ -311,6 +311,26 @@ def test_distributed_bench_rejects_bad_rank_counts(capsys):
     assert cli.main(["bench", "--distributed", "0", "--shapes", "many-small"]) == 2
     err = capsys.readouterr().err.strip()
     assert "at least 1 rank" in err and "Traceback" not in err
+    assert cli.main(["bench", "--fsdp2", "--shapes", "many-small"]) == 2
+    assert "--fsdp2 needs --distributed N" in capsys.readouterr().err
+
+
+@pytest.mark.e2e
+def test_fsdp2_bench_runs_both_arms_bitwise_on_two_ranks(capsys):
+    """`bench --distributed 2 --fsdp2`: native and Cotangent on fully_shard copies of
+    many-small (25 units), real backward, bitwise, Cotangent's update by the single pass."""
+    code = cli.main(["bench", "--distributed", "2", "--fsdp2", "--shapes", "many-small",
+                     "--impls", "foreach", "--repeats", "2", "--warmup", "1", "--json"])
+    out = capsys.readouterr().out
+    result = json.loads(out.strip().splitlines()[-1])
+    assert code == 0 and result["world"] == 2 and "FSDP2" in out
+    (row,) = result["rows"]
+    assert row["fsdp2"] and row["bitwise"] is True and row["native_impl"] == "foreach"
+    assert row["params"] == 644_817 and row["repeats"] == 2 and row["path"] == "single-pass"
+    for key in ("native_update_ms", "cotangent_update_ms", "native_loop_ms",
+                "cotangent_loop_ms"):
+        assert row[key] > 0
+    assert row["update_ratio"] == row["cotangent_update_ms"] / row["native_update_ms"]
 
 
 def test_the_single_pass_line_says_what_happened(monkeypatch):

@@ -1,4 +1,5 @@
-"""`cotangent bench --distributed N`: the update phase under DistributedDataParallel on N ranks.
+"""`cotangent bench --distributed N [--fsdp2]`: the update phase under DistributedDataParallel
+(or FSDP2's `fully_shard`) on N ranks.
 
 Four arms per (shape, native implementation), each with its own copy of the model wrapped in
 `DistributedDataParallel`, alternating repeat by repeat (the order flips every repeat):
@@ -19,6 +20,10 @@ the warm-up ones.
 broadcast alone (`cotangent.sharding.broadcast_shares`, timed separately after the run).
 Every row then checks that the four arms hold the same parameters, gradients and total norms
 byte for byte, and reports the optimizer-state bytes each rank holds.
+
+With ``--fsdp2``: two arms on fully_shard copies of the model (`shard_fsdp2`), native's clip +
+AdamW on the DTensor parameters and `cotangent.AdamW`, after a real forward and backward of
+each rank's batch (`_rank_row_fsdp2`), timed over the update and the whole iteration.
 """
 
 from __future__ import annotations
@@ -125,19 +130,123 @@ def _rank_row(shape: str, impl: str, *, repeats: int, warmup: int, max_norm: flo
         tensors=len(reference), state_bytes={name: _state_bytes(arms[name][2]) for name in ARMS})
 
 
+FSDP2_ARMS = ("native-fsdp2", "cotangent-fsdp2")
+
+
+def shard_fsdp2(model: nn.Module) -> nn.Module:
+    """`fully_shard` as torchtitan applies it: each block of the model (each element of its
+    `nn.ModuleList`s; each layer with parameters of an `nn.Sequential`), then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    if isinstance(model, nn.Sequential):
+        blocks = [m for m in model if any(True for _ in m.parameters())]
+    else:
+        blocks = [b for m in model.children() if isinstance(m, nn.ModuleList) for b in m]
+    for block in blocks:
+        fully_shard(block)
+    return fully_shard(model)
+
+
+def _rank_row_fsdp2(shape: str, impl: str, *, repeats: int, warmup: int,
+                    max_norm: float) -> dict:
+    """One FSDP2 row on this rank (a collective): native ``clip_grad_norm_`` +
+    `torch.optim.AdamW` on the DTensor parameters against `cotangent.AdamW(max_norm=...)`,
+    each on its own fully_shard copy of the model; every repeat a real forward and backward
+    (this rank's batch, the same for both arms), then the update (clip + step) timed from a
+    barrier, then ``zero_grad``; returns this rank's times (update and whole iteration) and
+    whether every loss, total norm, local parameter shard, local gradient shard and moment
+    agreed byte for byte."""
+    from cotangent import dtensor
+    from cotangent.harness.bench import BATCH_SIZE, SEQ_LEN, bench_batches, bench_loss
+
+    rank = dist.get_rank()
+    base = bench_model(shape)
+    batches = bench_batches(base, warmup + repeats, batch_size=BATCH_SIZE, seq_len=SEQ_LEN,
+                            seed=2 + rank)
+    kw = dict(BENCH_ADAMW_ARGS, **IMPLS[impl])
+    arms = {}
+    for name in FSDP2_ARMS:
+        model = shard_fsdp2(copy.deepcopy(base))
+        params = list(model.parameters())
+        opt = (torch.optim.AdamW(params, **kw) if name == "native-fsdp2"
+               else cotangent.AdamW(params, max_norm=max_norm, **kw))
+        arms[name] = (model, params, opt)
+    losses: dict[str, list] = {name: [] for name in FSDP2_ARMS}
+    totals: dict[str, list] = {name: [] for name in FSDP2_ARMS}
+    times = {name: {"update": [], "loop": []} for name in FSDP2_ARMS}
+    order = list(FSDP2_ARMS)
+    for i in range(warmup + repeats):
+        for name in order:
+            model, params, opt = arms[name]
+            dist.barrier()
+            t0 = time.perf_counter()
+            loss = bench_loss(model, batches[i])
+            loss.backward()
+            dist.barrier()
+            t1 = time.perf_counter()
+            if name == "native-fsdp2":
+                total = torch.nn.utils.clip_grad_norm_(params, max_norm)
+                opt.step()
+            else:
+                opt.step()
+                total = opt.last_total_norm
+            t2 = time.perf_counter()
+            times[name]["update"].append(t2 - t1)
+            times[name]["loop"].append(t2 - t0)
+            losses[name].append(loss.detach())
+            totals[name].append(dtensor.local(total).clone())
+            if name == "native-fsdp2":  # (the gradients compared below: the last step's)
+                grads = [dtensor.local(p.grad).clone() for p in params]
+            else:
+                ours_grads = [dtensor.local(p.grad).clone() for p in params]
+            opt.zero_grad()
+        order.reverse()
+    (_, p1, o1), (_, p2, o2) = arms["native-fsdp2"], arms["cotangent-fsdp2"]
+    bitwise = all(_same_bytes(a, b) for a, b in zip(losses["native-fsdp2"],
+                                                    losses["cotangent-fsdp2"]))
+    bitwise &= all(_same_bytes(a, b) for a, b in zip(totals["native-fsdp2"],
+                                                     totals["cotangent-fsdp2"]))
+    bitwise &= all(_same_bytes(a, b) for a, b in zip(grads, ours_grads))
+    for a, b in zip(p1, p2):
+        bitwise &= _same_bytes(dtensor.local(a.detach()), dtensor.local(b.detach()))
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            bitwise &= _same_bytes(dtensor.local(o1.state[a][key]), dtensor.local(o2.state[b][key]))
+    return dict(times={name: {k: v[warmup:] for k, v in t.items()} for name, t in times.items()},
+                bitwise=bool(bitwise), params=sum(p.numel() for p in base.parameters()),
+                tensors=len(p1), path=o2.update_path()["path"])
+
+
+def _combine_fsdp2(shape: str, impl: str, ranks: list[dict]) -> dict:
+    """One FSDP2 row: per repeat the slowest rank, then medians (ms) and ratios."""
+    def median_ms(name: str, what: str) -> float:
+        return 1e3 * statistics.median(max(ts) for ts in zip(*[r["times"][name][what]
+                                                                 for r in ranks]))
+
+    nat_u, cot_u = median_ms("native-fsdp2", "update"), median_ms("cotangent-fsdp2", "update")
+    nat_l, cot_l = median_ms("native-fsdp2", "loop"), median_ms("cotangent-fsdp2", "loop")
+    return dict(shape=shape, native_impl=impl, params=ranks[0]["params"],
+                tensors=ranks[0]["tensors"], world=len(ranks), fsdp2=True,
+                native_update_ms=nat_u, cotangent_update_ms=cot_u, update_ratio=cot_u / nat_u,
+                native_loop_ms=nat_l, cotangent_loop_ms=cot_l, loop_ratio=cot_l / nat_l,
+                bitwise=all(r["bitwise"] for r in ranks), path=ranks[0]["path"],
+                repeats=len(ranks[0]["times"]["native-fsdp2"]["update"]))
+
+
 def _rank_main(rank: int, world: int, port: int, jobs: list, settings: dict, results) -> None:
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(settings["threads"])
     dist.init_process_group("gloo", rank=rank, world_size=world,
                             timeout=timedelta(seconds=settings["timeout_s"]))
     try:
+        fsdp2 = settings.get("fsdp2", False)
+        row, combine = (_rank_row_fsdp2, _combine_fsdp2) if fsdp2 else (_rank_row, _combine)
         for shape, impl in jobs:
-            mine = _rank_row(shape, impl, repeats=settings["repeats"],
-                             warmup=settings["warmup"], max_norm=settings["max_norm"])
+            mine = row(shape, impl, repeats=settings["repeats"], warmup=settings["warmup"],
+                       max_norm=settings["max_norm"])
             everyone: list = [None] * world
             dist.all_gather_object(everyone, mine)
             if rank == 0:
-                results.put(_combine(shape, impl, everyone))
+                results.put(combine(shape, impl, everyone))
     finally:
         dist.destroy_process_group()
     end_rank_process(0)  # DDP's reducer keeps gloo alive: skip the teardown (see there)
@@ -170,8 +279,9 @@ def _free_port() -> int:
 def run_distributed_bench(world: int, shapes=DISTRIBUTED_SHAPES, impls=("fused",), *,
                           repeats: int = 20, warmup: int = 3, max_norm: float = 1.0,
                           threads: int | None = None, timeout_s: float = 600,
-                          log=print) -> dict:
-    """Spawn `world` CPU ranks (gloo on 127.0.0.1) and run every (shape, impl) row.
+                          log=print, fsdp2: bool = False) -> dict:
+    """Spawn `world` CPU ranks (gloo on 127.0.0.1) and run every (shape, impl) row: the four
+    DDP / ZeRO arms, or with `fsdp2` the two FSDP2 arms (`_rank_row_fsdp2`).
 
     Returns {environment, world, threads_per_rank, rows, table}. Raises RuntimeError when a
     rank fails (torch.multiprocessing reports its traceback) or reports nothing in `timeout_s`.
@@ -183,7 +293,7 @@ def run_distributed_bench(world: int, shapes=DISTRIBUTED_SHAPES, impls=("fused",
     results = ctx.SimpleQueue()
     jobs = [(shape, impl) for shape in shapes for impl in impls]
     settings = dict(repeats=repeats, warmup=warmup, max_norm=max_norm, threads=threads,
-                    timeout_s=timeout_s)
+                    timeout_s=timeout_s, fsdp2=fsdp2)
     procs = torch.multiprocessing.start_processes(
         _rank_main, args=(world, _free_port(), jobs, settings, results), nprocs=world,
         join=False, start_method="spawn")
@@ -192,10 +302,17 @@ def run_distributed_bench(world: int, shapes=DISTRIBUTED_SHAPES, impls=("fused",
     while len(rows) < len(jobs):
         if not results.empty():
             row = results.get()
-            log(f"  {row['shape']:<19} {row['native_impl']:<8} DDP native "
-                f"{row['native-ddp_ms']:7.2f} ms cotangent {row['cotangent-ddp_ms']:7.2f} ms | "
-                f"ZeRO native {row['native-zero_ms']:7.2f} ms cotangent "
-                f"{row['cotangent-zero1_ms']:7.2f} ms | bitwise {row['bitwise']}")
+            if fsdp2:
+                log(f"  {row['shape']:<19} {row['native_impl']:<8} FSDP2 update native "
+                    f"{row['native_update_ms']:7.2f} ms cotangent "
+                    f"{row['cotangent_update_ms']:7.2f} ms | iteration native "
+                    f"{row['native_loop_ms']:7.2f} ms cotangent {row['cotangent_loop_ms']:7.2f}"
+                    f" ms | bitwise {row['bitwise']}")
+            else:
+                log(f"  {row['shape']:<19} {row['native_impl']:<8} DDP native "
+                    f"{row['native-ddp_ms']:7.2f} ms cotangent {row['cotangent-ddp_ms']:7.2f} "
+                    f"ms | ZeRO native {row['native-zero_ms']:7.2f} ms cotangent "
+                    f"{row['cotangent-zero1_ms']:7.2f} ms | bitwise {row['bitwise']}")
             rows.append(row)
             continue
         if procs.join(timeout=0.2):  # every rank exited (an error raises here)
@@ -210,8 +327,24 @@ def run_distributed_bench(world: int, shapes=DISTRIBUTED_SHAPES, impls=("fused",
         pass
     if len(rows) < len(jobs):
         raise RuntimeError(f"distributed bench: {len(rows)} of {len(jobs)} rows came back")
+    table = (format_fsdp2_table if fsdp2 else format_distributed_table)(rows, world, threads)
     return dict(environment=environment(), world=world, threads_per_rank=threads, rows=rows,
-                table=format_distributed_table(rows, world, threads))
+                table=table)
+
+
+def format_fsdp2_table(rows: list[dict], world: int, threads: int) -> str:
+    lines = [f"{world} CPU ranks (gloo, {threads} thread(s) each), FSDP2 (fully_shard per block "
+             "and the root); update = clip + step, iteration = forward + backward + update; "
+             "median over repeats of the slowest rank, ms",
+             f"{'shape':<19}{'params':>11}  {'native':<9}{'upd nat':>8}{'upd cot':>8}"
+             f"{'ratio':>7}{'iter nat':>9}{'iter cot':>9}{'ratio':>7}  bitwise  path"]
+    for r in rows:
+        lines.append(
+            f"{r['shape']:<19}{r['params']:>11,}  {r['native_impl']:<9}"
+            f"{r['native_update_ms']:>8.2f}{r['cotangent_update_ms']:>8.2f}"
+            f"{r['update_ratio']:>7.3f}{r['native_loop_ms']:>9.2f}{r['cotangent_loop_ms']:>9.2f}"
+            f"{r['loop_ratio']:>7.3f}  {'yes' if r['bitwise'] else 'NO':<7}  {r['path']}")
+    return "\n".join(lines)
 
 
 def format_distributed_table(rows: list[dict], world: int, threads: int) -> str:

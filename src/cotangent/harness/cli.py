@@ -284,6 +284,10 @@ def _bench_parser(sub) -> None:
                         "cotangent ZeRO-1 (default shapes: "
                         "many-small,transformer-small,causal-conv,gated-gqa; --impls default "
                         "fused)")
+    p.add_argument("--fsdp2", action="store_true",
+                   help="with --distributed N: FSDP2 (fully_shard per block and the root) "
+                        "instead of DDP: native clip + AdamW on the DTensor parameters against "
+                        "cotangent.AdamW, after a real forward and backward")
     p.add_argument("--muon", action="store_true",
                    help="instead: cotangent.Muon vs torch.optim.Muon on sets of equal-shape "
                         "matrices (--shapes picks matrix sets from "
@@ -302,6 +306,8 @@ def cmd_bench(args) -> int:
         raise ValueError("--batch-size and --seq-len apply to --method real-backward only")
     if args.muon:
         return _bench_muon(args)
+    if args.fsdp2 and args.distributed is None:
+        raise ValueError("--fsdp2 needs --distributed N (the number of CPU ranks)")
     if args.distributed is not None:
         return _bench_distributed(args)
     shapes, impls = _bench_choices(args, bench.SHAPES, tuple(bench.IMPLS))
@@ -362,7 +368,8 @@ def _bench_distributed(args) -> int:
           f"shapes x {len(impls)} native implementations, {args.repeats} repeats "
           f"(+{args.warmup} warm-up), arms interleaved")
     result = bench_distributed.run_distributed_bench(
-        args.distributed, shapes, impls, repeats=args.repeats, warmup=args.warmup)
+        args.distributed, shapes, impls, repeats=args.repeats, warmup=args.warmup,
+        fsdp2=args.fsdp2)
     print(result["table"])
     if args.json:
         print(bench.result_json(result))
