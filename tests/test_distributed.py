@@ -813,6 +813,8 @@ def _fsdp2_differences(label: str, a, b) -> list[str]:
 
 
 def _fsdp2_checks(rank: int, world: int) -> list[str]:
+    from cotangent.verify import first_difference
+
     problems = []
     for cfg in FSDP2_CONFIGS:
         native = _fsdp2_run(rank, world, cfg, "native")
@@ -830,6 +832,17 @@ def _fsdp2_checks(rank: int, world: int) -> list[str]:
                 problems.append("control: fused and foreach runs compared equal")
             # checkpoints (torch.distributed.checkpoint's get/set_state_dict) both ways: a run
             # resumed is the uninterrupted one
+            # the drop-in clip functions on DTensor gradients: native's own code
+            import cotangent
+            from cotangent import dtensor
+
+            model = _fsdp2_model(cfg, world)
+            model(torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))).sum().backward()
+            grads = [p.grad for p in model.parameters()]
+            ref = torch.nn.utils.get_total_norm(grads)
+            got = cotangent.get_total_norm(grads)
+            if (d := first_difference(dtensor.local(ref), dtensor.local(got))) is not None:
+                problems.append(f"cotangent.get_total_norm on DTensors: {d}")
             whole = _fsdp2_run(rank, world, cfg, "native", steps=4)
             for first, then in (("cotangent", "native"), ("native", "cotangent")):
                 problems += _fsdp2_differences(f"resumed {first} -> {then}", whole,

@@ -135,7 +135,9 @@ class AdamW(torch.optim.AdamW):
 
     Args:
         params: iterable of parameters or of param-group dicts, as for `torch.optim.AdamW`.
-            DTensor / FSDP2 shards and other wrapper subclasses are refused.
+            FSDP2 (`fully_shard`) DTensor parameters placed ``Shard(0)`` / ``Replicate`` are
+            updated on their local shards (`cotangent.dtensor`); other placements and other
+            wrapper subclasses are refused.
         lr, betas, eps, weight_decay, amsgrad, maximize, foreach, fused: as `torch.optim.AdamW`.
         capturable, differentiable: accepted for signature compatibility; only ``False`` is
             supported.
@@ -184,7 +186,8 @@ class AdamW(torch.optim.AdamW):
 
     Raises:
         ValueError / RuntimeError at construction: everything `torch.optim.AdamW` raises; a
-            DTensor or wrapper-subclass parameter; non-numeric `max_norm`; ``max_norm`` with two
+            DTensor parameter placed other than ``Shard(0)`` / ``Replicate`` (or any with
+            ``shard="zero1"``); a wrapper-subclass parameter; non-numeric `max_norm`; ``max_norm`` with two
             or more param groups holding parameters and no `clip_order` (also from
             `add_param_group`, `step()` and `zero_grad()` after an edit that makes it so);
             ``max_norm`` without `clip_order` (or with ``"param_groups"``) inside
@@ -1002,8 +1005,8 @@ class AdamW(torch.optim.AdamW):
         super().zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
-        """As `torch.optim.Optimizer.add_param_group`, refusing DTensor / wrapper-subclass
-        parameters and (with ``max_norm``) a second group without `clip_order`; a refused
+        """As `torch.optim.Optimizer.add_param_group`, refusing DTensor parameters it cannot
+        follow (`dtensor.placement_refusal`; any under ZeRO-1), wrapper-subclass parameters and (with ``max_norm``) a second group without `clip_order`; a refused
         group is not added."""
         if "_live_ref" in vars(self) and (live := _live(self)) is not self:
             return live.add_param_group(param_group)
@@ -1157,8 +1160,12 @@ class AdamW(torch.optim.AdamW):
 def _moment_ok(t, p: Tensor) -> bool:
     """The quick form of `cotangent.state.entry_problem` for a moment (the full check, with its
     message, runs where this fails): a dense tensor of `p`'s shape, dtype and device."""
-    return (type(t) is Tensor and t.shape == p.shape and t.dtype is p.dtype
-            and t.layout is torch.strided and t.device == p.device)
+    if type(t) is not Tensor and not (  # (FSDP2: DTensor moments placed as the parameter)
+            dtensor.is_dtensor(t) and dtensor.is_dtensor(p) and t.device_mesh == p.device_mesh
+            and t.placements == p.placements):
+        return False
+    return (t.shape == p.shape and t.dtype is p.dtype and t.layout is torch.strided
+            and t.device == p.device)
 
 
 def _plain_cpu_float32(grads: list[Tensor]) -> bool:

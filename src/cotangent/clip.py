@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
-from cotangent import _compat
+from cotangent import _compat, dtensor
 from cotangent.norms import (
     bucket_norm_is_exact,
     check_finite,
@@ -94,6 +94,8 @@ def get_total_norm(tensors: Iterable[Tensor] | Tensor, norm_type: float = 2.0,
     norm_type = float(norm_type)
     if not tensors:
         return torch.tensor(0.0)
+    if any(map(dtensor.is_dtensor, tensors)):  # (FSDP2: native's own code, reductions and all)
+        return torch.nn.utils.get_total_norm(tensors, norm_type, error_if_nonfinite, foreach)
     first_device = tensors[0].device
     parts = [group_norms([tensors[i] for i in indices], norm_type, foreach).to(first_device)
              for _, _, indices in _compat.group_by_device_and_dtype(tensors)]

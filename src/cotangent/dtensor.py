@@ -32,10 +32,17 @@ from torch import Tensor
 from cotangent import _compat
 
 
+_DTENSOR: list = []  # the DTensor class, once torch.distributed.tensor is imported
+
+
 def is_dtensor(t) -> bool:
     """Whether `t` is a DTensor (without importing torch.distributed when nothing has)."""
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(t, getattr(module, "DTensor", ()))
+    if not _DTENSOR:
+        module = sys.modules.get("torch.distributed.tensor")
+        if module is None or not hasattr(module, "DTensor"):
+            return False
+        _DTENSOR.append(module.DTensor)
+    return isinstance(t, _DTENSOR[0])
 
 
 def local(t: Tensor) -> Tensor:
@@ -46,16 +53,23 @@ def local(t: Tensor) -> Tensor:
 def placement_refusal(p: Tensor, what: str = "parameter") -> str | None:
     """Why a DTensor parameter (or gradient, `what`) cannot be followed, or None: every mesh
     dimension must place it ``Shard(0)`` or ``Replicate()``."""
+    placements = tuple(p.placements)
+    if placements in _FOLLOWED:
+        return None
     from torch.distributed.tensor import Replicate, Shard
 
-    for dim, placement in enumerate(p.placements):
+    for dim, placement in enumerate(placements):
         if isinstance(placement, Replicate) or (isinstance(placement, Shard)
                                                  and placement.dim == 0):
             continue
         return (f"is a DTensor {what} placed {placement!r} on mesh dimension {dim}: "
                 "cotangent.AdamW follows FSDP2's Shard(0) and Replicate placements only (tensor "
                 "parallelism and partial gradients are not supported; use torch.optim.AdamW)")
+    _FOLLOWED.add(placements)
     return None
+
+
+_FOLLOWED: set = set()  # placement tuples `placement_refusal` accepted
 
 
 def gradient_refusal(p: Tensor) -> str | None:
