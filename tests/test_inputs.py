@@ -405,6 +405,30 @@ def test_fsdp2_on_one_rank_and_the_placements_it_refuses(single_rank_group):
                                  dtensor.local(native.state[p][key]), key)
         native.zero_grad()
         ours.zero_grad()
+    # state native's DTensor ops would read otherwise (a checkpoint of the unsharded model, a
+    # moment redistributed, a DTensor step): a RuntimeError before anything changes
+    from torch.distributed.tensor import DTensor, Replicate
+
+    w = next(models[1].parameters())
+    models[1](torch.ones(2, 8)).sum().backward()
+    entry = ours.state[w]
+    saved = dict(entry)
+    edits = [("exp_avg", lambda: dtensor.local(saved["exp_avg"]).clone(), "a plain tensor"),
+             ("exp_avg_sq", lambda: saved["exp_avg_sq"].redistribute(
+                 saved["exp_avg_sq"].device_mesh, [Replicate()]), r"a DTensor placed \(Repl"),
+             ("step", lambda: DTensor.from_local(saved["step"], w.device_mesh, [Replicate()]),
+              "a step of type DTensor")]
+    for key, make, match in edits:
+        entry[key] = make()
+        before = [dtensor.local(q.detach()).clone() for q in models[1].parameters()]
+        grads = [dtensor.local(q.grad).clone() for q in models[1].parameters()]
+        with pytest.raises(RuntimeError, match=match):
+            ours.step()
+        for b, g, q in zip(before, grads, models[1].parameters()):
+            assert_same_bits(dtensor.local(q.detach()), b, f"{key}: nothing modified")
+            assert_same_bits(dtensor.local(q.grad), g, f"{key}: gradients not clipped")
+        entry.update(saved)
+    ours.zero_grad()
     # plain parameters beside DTensors: native's for-loop updates each alone (so does ours);
     # its clip and its foreach / fused list ops raise (ours too, before anything changes)
     pair = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))

@@ -546,6 +546,26 @@ class AdamW(torch.optim.AdamW):
                 raise RuntimeError(f"{self._describe(p)} {problem}")
             if not call.checked:
                 self._check_param(p, amsgrad)
+        for i, p in enumerate(call.params):  # the state: what native's DTensor ops would read
+            if not dtensor.is_dtensor(p):
+                continue
+            moments = [call.exp_avgs[i], call.exp_avg_sqs[i]] + (
+                [call.max_exp_avg_sqs[i]] if amsgrad else [])
+            if call.steps[i] is not None and type(call.steps[i]) is not Tensor:
+                raise RuntimeError(f"{self._describe(p)} has a step of type "
+                                   f"{type(call.steps[i]).__name__}: cotangent.AdamW follows "
+                                   "FSDP2's plain 0-d step tensors only")
+            for m in moments:
+                if m is not None and not (dtensor.is_dtensor(m) and m.device_mesh == p.device_mesh
+                                          and m.placements == p.placements):
+                    raise RuntimeError(
+                        f"{self._describe(p)} is a DTensor placed {tuple(p.placements)} whose "
+                        "state holds a moment that is "
+                        + (f"a DTensor placed {tuple(m.placements)}" if dtensor.is_dtensor(m)
+                           else "a plain tensor (a checkpoint of an unsharded model?)")
+                        + ": cotangent.AdamW follows moments placed as their parameter only "
+                        "(load a sharded checkpoint, e.g. torch.distributed.checkpoint's "
+                        "set_optimizer_state_dict)")
         call.checked = True
         local = dtensor.local
         call.params = list(map(local, call.params))
@@ -1160,9 +1180,11 @@ class AdamW(torch.optim.AdamW):
 def _moment_ok(t, p: Tensor) -> bool:
     """The quick form of `cotangent.state.entry_problem` for a moment (the full check, with its
     message, runs where this fails): a dense tensor of `p`'s shape, dtype and device."""
-    if type(t) is not Tensor and not (  # (FSDP2: DTensor moments placed as the parameter)
-            dtensor.is_dtensor(t) and dtensor.is_dtensor(p) and t.device_mesh == p.device_mesh
-            and t.placements == p.placements):
+    if dtensor.is_dtensor(p):  # (FSDP2: DTensor moments placed as the parameter)
+        if not (dtensor.is_dtensor(t) and t.device_mesh == p.device_mesh
+                and t.placements == p.placements):
+            return False
+    elif type(t) is not Tensor:
         return False
     return (t.shape == p.shape and t.dtype is p.dtype and t.layout is torch.strided
             and t.device == p.device)
