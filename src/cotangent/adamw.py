@@ -187,9 +187,10 @@ class AdamW(torch.optim.AdamW):
     Raises:
         ValueError / RuntimeError at construction: everything `torch.optim.AdamW` raises; a
             DTensor parameter placed other than ``Shard(0)`` / ``Replicate`` (or any with
-            ``shard="zero1"``); a wrapper-subclass parameter; non-numeric `max_norm`; ``max_norm`` with two
-            or more param groups holding parameters and no `clip_order` (also from
-            `add_param_group`, `step()` and `zero_grad()` after an edit that makes it so);
+            ``shard="zero1"``); a wrapper-subclass parameter; non-numeric `max_norm`;
+            ``max_norm`` with two or more param groups holding parameters and no `clip_order`
+            (also from `add_param_group`, `step()` and `zero_grad()` after an edit that makes
+            it so);
             ``max_norm`` without `clip_order` (or with ``"param_groups"``) inside
             `torch.distributed.optim.ZeroRedundancyOptimizer` (each rank's optimizer holds one
             shard: its clip would norm that shard alone); a bad `clip_order`; an unknown
@@ -556,8 +557,7 @@ class AdamW(torch.optim.AdamW):
                                    f"{type(call.steps[i]).__name__}: cotangent.AdamW follows "
                                    "FSDP2's plain 0-d step tensors only")
             for m in moments:
-                if m is not None and not (dtensor.is_dtensor(m) and m.device_mesh == p.device_mesh
-                                          and m.placements == p.placements):
+                if m is not None and not dtensor.placed_as(m, p):
                     raise RuntimeError(
                         f"{self._describe(p)} is a DTensor placed {tuple(p.placements)} whose "
                         "state holds a moment that is "
@@ -1026,8 +1026,9 @@ class AdamW(torch.optim.AdamW):
 
     def add_param_group(self, param_group: dict) -> None:
         """As `torch.optim.Optimizer.add_param_group`, refusing DTensor parameters it cannot
-        follow (`dtensor.placement_refusal`; any under ZeRO-1), wrapper-subclass parameters and (with ``max_norm``) a second group without `clip_order`; a refused
-        group is not added."""
+        follow (`dtensor.placement_refusal`; any under ZeRO-1), wrapper-subclass parameters
+        and (with ``max_norm``) a second group without `clip_order`; a refused group is not
+        added."""
         if "_live_ref" in vars(self) and (live := _live(self)) is not self:
             return live.add_param_group(param_group)
         super().add_param_group(param_group)
@@ -1180,11 +1181,8 @@ class AdamW(torch.optim.AdamW):
 def _moment_ok(t, p: Tensor) -> bool:
     """The quick form of `cotangent.state.entry_problem` for a moment (the full check, with its
     message, runs where this fails): a dense tensor of `p`'s shape, dtype and device."""
-    if dtensor.is_dtensor(p):  # (FSDP2: DTensor moments placed as the parameter)
-        if not (dtensor.is_dtensor(t) and t.device_mesh == p.device_mesh
-                and t.placements == p.placements):
-            return False
-    elif type(t) is not Tensor:
+    if not (dtensor.placed_as(t, p) if dtensor.is_dtensor(p)  # (FSDP2: placed as p)
+            else type(t) is Tensor):
         return False
     return (t.shape == p.shape and t.dtype is p.dtype and t.layout is torch.strided
             and t.device == p.device)

@@ -3,7 +3,7 @@ and the clip's total norm reduced across ranks exactly as native's clip of DTens
 reduces it.
 
 What native does with DTensor parameters (read from torch 2.13.0's DTensor op strategies and
-checked byte for byte on two gloo ranks in ``tests/test_fsdp2.py``):
+checked byte for byte on two gloo ranks in ``tests/test_distributed.py``):
 
 - AdamW (for-loop, foreach and fused): every op dispatches to the same ATen op over the local
   shards (pointwise and foreach strategies keep the shard placement), with the step tensors
@@ -50,6 +50,12 @@ def local(t: Tensor) -> Tensor:
     return _compat.dtensor_local(t) if is_dtensor(t) else t
 
 
+def placed_as(t, like: Tensor) -> bool:
+    """Whether `t` is a DTensor on DTensor `like`'s mesh with `like`'s placements."""
+    return (is_dtensor(t) and t.device_mesh == like.device_mesh
+            and tuple(t.placements) == tuple(like.placements))
+
+
 def placement_refusal(p: Tensor, what: str = "parameter") -> str | None:
     """Why a DTensor parameter (or gradient, `what`) cannot be followed, or None: every mesh
     dimension must place it ``Shard(0)`` or ``Replicate()``."""
@@ -80,7 +86,7 @@ def gradient_refusal(p: Tensor) -> str | None:
         return ("is a DTensor parameter whose gradient is a plain tensor: native's AdamW "
                 "raises mixing DTensor and Tensor; cotangent.AdamW refuses it before anything "
                 "changes")
-    if g.device_mesh != p.device_mesh or tuple(g.placements) != tuple(p.placements):
+    if not placed_as(g, p):
         return (f"is placed {tuple(p.placements)} on {p.device_mesh} and its gradient "
                 f"{tuple(g.placements)} on {g.device_mesh}: not followed")
     return placement_refusal(g, "gradient")
@@ -88,7 +94,7 @@ def gradient_refusal(p: Tensor) -> str | None:
 
 def clip_mesh_gradient(grads: list[Tensor]) -> Tensor | None:
     """The clip's DTensor gradient that stands for all of them (they share its mesh and
-    placements, which `reduce_stacked` follows), or None when none is a DTensor.
+    placements, which `spread_stack` follows), or None when none is a DTensor.
 
     Raises:
         RuntimeError: DTensor and plain gradients in one clip, or DTensor gradients on other
@@ -104,7 +110,7 @@ def clip_mesh_gradient(grads: list[Tensor]) -> Tensor | None:
                            "clip_grad_norm_ raises mixing DTensor and Tensor; cotangent.AdamW "
                            "refuses it before anything changes")
     for g in spread:
-        if g.device_mesh != first.device_mesh or tuple(g.placements) != tuple(first.placements):
+        if not placed_as(g, first):
             raise RuntimeError(
                 f"the clip meets DTensor gradients placed {tuple(first.placements)} on "
                 f"{first.device_mesh} and {tuple(g.placements)} on {g.device_mesh}: "
@@ -141,5 +147,5 @@ def replicated_local(t: Tensor) -> Tensor:
     return _compat.dtensor_local(t.redistribute(mesh, [Replicate()] * mesh.ndim))
 
 
-__all__ = ["clip_mesh_gradient", "gradient_refusal", "is_dtensor", "local", "placement_refusal",
-           "replicated_local", "spread_stack"]
+__all__ = ["clip_mesh_gradient", "gradient_refusal", "is_dtensor", "local", "placed_as",
+           "placement_refusal", "replicated_local", "spread_stack"]
