@@ -34,9 +34,9 @@ def test_verify_names_the_first_difference_when_the_update_is_broken(monkeypatch
         coef = real(total, max_norm)
         return torch.nextafter(coef, torch.zeros_like(coef))
 
-    import cotangent.adamw as adamw
+    import cotangent.clip as clip
 
-    monkeypatch.setattr(adamw, "clip_coefficient", off_by_one_ulp)
+    monkeypatch.setattr(clip, "clip_coefficient", off_by_one_ulp)
     report = cotangent.verify(suite_model("transformer-small", False), lm_loss, _batches(),
                               max_norm=0.1, lr=1e-3, fused=True)
     assert not report.passed and report.steps == 1
@@ -76,10 +76,10 @@ def test_cli_verify_writes_a_report_and_fails_on_injection(tmp_path, monkeypatch
     assert report["passed"] and report["steps"] == 7 and len(report["cases"]) == 7
     assert [c["model"] for c in report["cases"] if c["compiled"]] == ["transformer-small"]
     assert "7/7 cases identical, 7 update steps" in capsys.readouterr().out
-    import cotangent.adamw as adamw
+    import cotangent.clip as clip
     from cotangent.harness.packed import clipping
 
-    for module in (adamw, clipping):  # cotangent.AdamW's clip and PackedAdamW's
+    for module in (clip, clipping):  # cotangent.AdamW's clip and PackedAdamW's
         monkeypatch.setattr(module, "clip_coefficient",
                             lambda t, m: torch.nextafter(norms.clip_coefficient(t, m),
                                                          torch.tensor(0.0)))

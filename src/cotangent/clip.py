@@ -1,4 +1,5 @@
-"""`cotangent.clip_grad_norm_`: drop-in for `torch.nn.utils.clip_grad_norm_` with batched norms.
+"""Clipping: `cotangent.clip_grad_norm_`, a drop-in for `torch.nn.utils.clip_grad_norm_` with
+batched norms, and the clip of a `cotangent.AdamW` step (`clip_norm`, `fold_rule`).
 
 Same signature, return value, warnings and errors as the native function (torch 2.4-2.13,
 torch/nn/utils/clip_grad.py). Gradients that already sit as equally spaced, equal-length,
@@ -7,25 +8,39 @@ reduced with one 2-D norm per run wherever `cotangent.norms.bucket_norm_is_exact
 call bitwise equal to native per-tensor norms; every other gradient takes the native per-tensor
 call. The clip multiply is native's (`_foreach_mul_` / `mul_`), skipped on CPU when the
 coefficient is exactly 1.0 (x * 1.0 == x bit for bit, and reading a CPU scalar costs no sync).
+
+A `cotangent.AdamW` step clips with `clip_norm` (the same total norm and coefficient, from one
+C call of per-tensor norms where its probe proved ATen's bits, reduced across ranks for FSDP2's
+DTensor gradients as native's DTensor ops reduce them); `fold_rule` is the one rule for where
+its multiply runs: inside a single pass, or natively before the update.
 """
 
 from __future__ import annotations
 
 import types
 import warnings
-from collections.abc import Iterable
+import weakref
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from cotangent import _compat, dtensor
+from cotangent import _compat, dtensor, sharding, singlepass
 from cotangent.norms import (
     bucket_norm_is_exact,
     check_finite,
     clip_coefficient,
+    multiply_is_identity,
     native_tensor_norms,
     total_norm,
 )
+from cotangent.spans import is_dense_non_overlapping
+
+if TYPE_CHECKING:
+    from cotangent.adamw import AdamW
 
 
 def _row_runs(grads: list[Tensor]) -> list[tuple[int, int, int]]:
@@ -173,3 +188,133 @@ def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float,
     total = get_total_norm(grads, norm_type, error_if_nonfinite, foreach)
     clip_grads_with_norm_(parameters, max_norm, total, foreach)
     return total
+
+
+# ---------------------------------------------------------------- the clip of a cotangent.AdamW step
+
+@dataclass(slots=True)
+class StepClip:
+    """A step's clip: the total norm, the coefficient (0-dim tensors, native's) and its value
+    where the single pass may fold the multiply (None: every multiply runs natively)."""
+
+    grads: list[Tensor]  # clip order
+    ids: set[int]  # id() of each of them
+    total: Tensor
+    coef: Tensor
+    value: float | None
+    identity: bool  # the multiply by this coefficient changes no gradient (skipped)
+
+
+def clip_norm(opt: AdamW, grads: list[Tensor], *, fold: bool,
+              prepared: singlepass.Prepared | None = None,
+              team: Callable[[], tuple] | None = None,
+              spread: Tensor | None = None) -> StepClip:
+    """`clip_grad_norm_`'s total norm and clip coefficient over `grads`, with `opt`'s
+    ``norm_type``, ``max_norm`` and ``error_if_nonfinite`` (raising before anything is
+    modified); modifies nothing.
+
+    Args:
+        grads: the clip order's gradients (plain tensors; FSDP2: their local shards).
+        fold: the single pass may do the multiply (no GradScaler state): the coefficient's
+            value is read where it is a CPU float that is not NaN.
+        prepared: a call's checked lists whose gradients are `grads`
+            (`cotangent.update.prepare_early`): the norms read the addresses from it.
+        team: this step's `singlepass.team` (asked once per step).
+        spread: `grads` are the local shards of DTensor gradients placed as this one
+            (`dtensor.clip_mesh_gradient`): the stack of their norms becomes the DTensor
+            native's stack is (`dtensor.spread_stack`), so that the total norm (the DTensor
+            native's clip returns) and the coefficient reduce across ranks in DTensor's own
+            code (a collective); the multiply uses the coefficient's replicated local value.
+    """
+    norm_type = opt.norm_type
+    shares = opt._shares
+    across = None if spread is None else (
+        lambda stacked: dtensor.spread_stack(stacked, spread, norm_type))
+    if shares is not None and shares.zero.norms == "share":
+        share_of = {id(p.grad): s for p, s in zip(shares.params, shares.shares)
+                    if p.grad is not None}
+        total = sharding.share_total_norm(
+            grads, [share_of.get(id(g), -1) for g in grads], shares.zero, norm_type,
+            lambda part: tensor_norms(part, norm_type, team))
+    elif norm_type == 2.0 and (prepared is not None or plain_cpu_float32(grads)) and (
+            singlepass.norms_proven(team)):
+        # every per-tensor norm in one C call, with ATen's bits (proven by its probe)
+        norms = (singlepass.tensor_norms(grads) if prepared is None else
+                 singlepass.gradient_norms(prepared))
+        total = total_norm(norms, norm_type, across)
+    elif opt.batched_norms and spread is None and all(
+            g.device.type == "cpu" for g in grads[:1]):
+        # (on CUDA a (B, K) row norm and `_foreach_norm` reduce in other trees: issue 29;
+        # no batched-norm probe runs there until a measurement shows it can win)
+        total = get_total_norm(grads, norm_type)
+    else:
+        norms = []
+        first = grads[0].device if grads else None
+        for _, _, idx in _compat.group_by_device_and_dtype(grads):
+            part = native_tensor_norms([grads[i] for i in idx], norm_type, None)
+            norms.extend(n.to(first) for n in part)
+        total = total_norm([torch.stack(norms)] if norms else [], norm_type, across)
+    if opt.error_if_nonfinite:
+        check_finite(total, norm_type)
+    coef = dtensor.replicated_local(clip_coefficient(total, opt.max_norm))
+    # (an expanded or an inference gradient: native's multiply, by 1.0 too, raises; so
+    # must ours)
+    identity = multiply_is_identity(coef, norm_type, singlepass.flushing_now()) and (
+        prepared is not None or (all(map(is_dense_non_overlapping, grads))
+                                 and not any(map(Tensor.is_inference, grads))))
+    ids = set(map(id, grads))
+    value = None
+    if (fold and not identity and len(ids) == len(grads) and coef.device.type == "cpu"
+            and singlepass.switched_on()):  # (a gradient listed twice: native multiplies
+        value = coef.item()                  # it twice)
+        if value != value:
+            value = None  # a NaN coefficient: the multiply runs natively (see singlepass)
+    return StepClip(grads, ids, total, coef, value, identity)
+
+
+def tensor_norms(grads: list[Tensor], norm_type: float, team=None) -> list[Tensor]:
+    """Native's per-tensor norms of `grads` (one device and dtype), from one C call where
+    its probe proved ATen's bits."""
+    if norm_type == 2.0 and plain_cpu_float32(grads) and singlepass.norms_proven(team):
+        return list(singlepass.tensor_norms(grads))
+    return native_tensor_norms(grads, norm_type, None)
+
+
+def fold_rule(cut: StepClip | None, dtype: torch.dtype, grads: list[Tensor]) -> bool:
+    """The one rule for where the clip multiply runs: inside a call's single pass when this step
+    clips with a coefficient the pass may use (`StepClip.value`: a CPU float32 coefficient, not
+    NaN, not an identity multiply, each gradient listed once, no GradScaler state, no step
+    pre-hook between the clip and the update), the call is float32 (bfloat16's multiply is not
+    reproduced) and every gradient of the call is clipped (a parameter outside the clip order
+    is updated unclipped); everywhere else natively, before the update, as `clip_grad_norm_`
+    does. (`cotangent.update.memory_disjoint` must also hold for the whole step.)"""
+    return (cut is not None and cut.value is not None and dtype == torch.float32
+            and all(id(g) in cut.ids for g in grads))
+
+
+def record_clip(opt: AdamW, total: Tensor, grads: list[Tensor]) -> None:
+    """Remember the clip on `opt`: its total norm, and which gradients it left, by weak
+    reference (a gradient is freed by ``zero_grad()`` as with native code) and version
+    counter."""
+    opt._last_clip = (total, list(map(weakref.ref, grads)), list(map(_VERSION, grads)))
+
+
+def clipped_already(opt: AdamW, grads: list[Tensor]) -> bool:
+    """Whether `grads` are exactly the gradients `opt`'s last clip left (same tensors, not
+    written since)."""
+    last = opt._last_clip
+    if last is None or len(last[1]) != len(grads):
+        return False
+    return all(a is b() and a._version == v for a, b, v in zip(grads, last[1], last[2]))
+
+
+def plain_cpu_float32(grads: list[Tensor]) -> bool:
+    """Whether `grads` are all contiguous float32 CPU tensors (no subclasses; no negative-bit
+    view, whose memory holds the negated values; no ZeroTensor, which has none), at least
+    one."""
+    return bool(grads) and all(type(g) is Tensor and g.dtype is torch.float32 and g.is_cpu
+                               and g.is_contiguous() and not g.is_neg()
+                               and not _compat.is_zerotensor(g) for g in grads)
+
+
+_VERSION = attrgetter("_version")

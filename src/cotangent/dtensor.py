@@ -26,6 +26,7 @@ followed; other placements (tensor parallelism) are refused, as are partial grad
 from __future__ import annotations
 
 import sys
+from itertools import repeat
 
 from torch import Tensor
 
@@ -43,6 +44,13 @@ def is_dtensor(t) -> bool:
             return False
         _DTENSOR.append(module.DTensor)
     return isinstance(t, _DTENSOR[0])
+
+
+def any_dtensor(tensors) -> bool:
+    """Whether any of `tensors` is a DTensor (one C-level pass; False without importing
+    torch.distributed when nothing has)."""
+    is_dtensor(None)  # (finds the DTensor class once torch.distributed.tensor is imported)
+    return bool(_DTENSOR) and any(map(isinstance, tensors, repeat(_DTENSOR[0])))
 
 
 def local(t: Tensor) -> Tensor:

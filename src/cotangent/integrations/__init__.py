@@ -11,6 +11,8 @@ def clip_follows(opt, params) -> bool:
     """Whether `cotangent.AdamW` `opt`'s clip takes the parameters that have gradients in the
     order of `params` (an iterable of tensors), as ``clip_grad_norm_(params, ...)`` would, so
     both norms have the same bits. Identity of tensors is compared, not values."""
-    ours = [p for p in opt._clip_order() if p.grad is not None]
+    from cotangent.gather import clip_order
+
+    ours = [p for p in clip_order(opt) if p.grad is not None]
     theirs = [p for p in params if p.grad is not None]
     return len(ours) == len(theirs) and all(map(lambda a, b: a is b, ours, theirs))
