@@ -62,7 +62,51 @@ def _refusal(p: Tensor) -> str | None:
     return refusal
 
 
-class AdamW(torch.optim.AdamW):
+class _ZeroOneMethods:
+    """`cotangent.AdamW`'s ZeRO-1 methods (``shard="zero1"``: `cotangent.sharding`)."""
+
+    @property
+    def consolidate_state_dict(self):
+        """``consolidate_state_dict(to=0)``, ZeRO-1 only: gather every rank's share of the state
+        onto rank `to` of the process group (None: onto every rank), so that `state_dict()` there
+        returns the whole state in `torch.optim.AdamW`'s unsharded format. A collective: call it
+        on every rank (as `torch.distributed.optim.ZeroRedundancyOptimizer.consolidate_state_dict`).
+
+        An optimizer built with ``shard=None`` has no such method (its `state_dict()` is whole
+        already): reading the attribute raises `NotShardedError`, so that checkpointing code that
+        asks ``hasattr(opt, "consolidate_state_dict")`` (pytorch-lightning, lightning-fabric)
+        saves `state_dict()` as for any unsharded optimizer.
+
+        Raises:
+            NotShardedError (an AttributeError and a RuntimeError): ``shard=None``.
+            ValueError (from the call): `to` is neither a rank of the group nor None.
+        """
+        live = _live(self)
+        if live._shares is None:
+            raise NotShardedError("consolidate_state_dict() is for shard='zero1'; this "
+                                  "optimizer is not sharded")
+        return live._consolidate_state_dict
+
+    def _consolidate_state_dict(self, to: int | None = 0) -> None:
+        self._shares.refresh(self.param_groups, self.state)
+        self._shares.consolidate(self.state, to)
+
+    def share_of(self, p: Tensor) -> int:
+        """ZeRO-1: the rank (in the process group) that holds `p`'s state and updates it.
+
+        Raises:
+            NotShardedError: ``shard=None``.
+            KeyError: `p` is not one of the optimizer's parameters.
+        """
+        live = _live(self)
+        if live._shares is None:
+            raise NotShardedError("share_of() is for shard='zero1'; this optimizer is not "
+                                  "sharded")
+        live._shares.refresh(live.param_groups, live.state)
+        return live._shares.share_of[id(p)]
+
+
+class AdamW(_ZeroOneMethods, torch.optim.AdamW):
     r"""``clip_grad_norm_`` followed by `torch.optim.AdamW`, bitwise equal, in one update.
 
     Drop-in for ``torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type,
@@ -78,15 +122,11 @@ class AdamW(torch.optim.AdamW):
     creates them), `zero_grad()` is native's. Edits between steps (param groups, state,
     hyperparameters, ``p.data``) are simply what the next step reads.
 
-    Where it is faster: for-loop, foreach and fused AdamW on float32 CPU parameters (and
-    for-loop / foreach on bfloat16) run as one pass over each (param group, dtype) list
-    (`cotangent.singlepass`: a C++ kernel compiled on first use, used where its probe proved
-    native's bytes for these settings), with the clip multiply in the same pass for float32
-    (`_fold_rule`), and with ``norm_type=2`` the per-tensor norms of contiguous float32 CPU
-    gradients come from one C call where its probe proved ATen's norms; a clip coefficient of
-    exactly 1.0 multiplies nothing (``g * 1.0 == g`` there, proven per step by
-    `cotangent.norms.multiply_is_identity`).
-    ``COTANGENT_SINGLE_PASS=0`` keeps native's op sequence; `update_path()` says what ran.
+    Where it is faster: float32 CPU calls (and bfloat16 for-loop / foreach ones) run as one
+    pass over each (param group, dtype) list with the clip multiply folded in, and the
+    per-tensor 2-norms come from one C call, each where its probe proved native's bytes
+    (`cotangent.singlepass`, docs/single-pass.md). ``COTANGENT_SINGLE_PASS=0`` keeps native's
+    op sequence; `update_path()` says what ran.
 
     Args:
         params: iterable of parameters or of param-group dicts, as for `torch.optim.AdamW`.
@@ -101,35 +141,26 @@ class AdamW(torch.optim.AdamW):
         norm_type: p of the global p-norm (``float('inf')`` for the max norm), as `clip_grad_norm_`.
         error_if_nonfinite: raise before any tensor is modified when the total norm is inf or NaN,
             as `clip_grad_norm_`.
-        clip_order: what you would pass to `clip_grad_norm_`; its order decides the bits of the
-            total norm. A module (``clip_order=model``: its ``parameters()`` are read afresh at
-            every clip), a zero-argument callable returning parameters, a fixed iterable of them,
-            or ``"param_groups"`` (the optimizer's parameters, param groups concatenated, as
-            Lightning's ``gradient_clip_val`` clips). Default (None): the optimizer's order when
-            one param group holds parameters; with two or more and ``max_norm`` set it is
-            required (a ValueError names it), since native loops clip ``model.parameters()`` or
-            the param groups and the optimizer cannot see the model. As with native code,
-            optimizer parameters missing from the order are updated unclipped, and others in it
-            are clipped too.
+        clip_order: what you would pass to `clip_grad_norm_` (its order decides the total
+            norm's bits): a module (its ``parameters()`` read afresh at every clip), a
+            zero-argument callable returning parameters, a fixed iterable of them, or
+            ``"param_groups"`` (param groups concatenated, as Lightning clips). Default: the
+            optimizer's order with one param group holding parameters; with two or more and
+            ``max_norm`` it is required (the optimizer cannot see the model). As natively,
+            parameters missing from it are updated unclipped, others in it clipped too.
         batched_norms: allow one calibrated 2-D norm over CPU gradients that happen to be
             equal, evenly spaced rows of one storage (`cotangent.clip`); ``False``: native
             per-tensor norms only.
         shard: ``None`` (default), or ``"zero1"``: parameter-aligned ZeRO-1 under
-            `torch.distributed` (typically with DistributedDataParallel, whose all-reduce makes
-            every rank's gradients equal; `cotangent.sharding`). Each rank holds and updates
-            the AdamW state of one share of whole parameters (contiguous runs of the parameter
-            list balanced by size; `share_of(p)` says whose); every rank checks and clips every
-            gradient, updates its share where it is, then every parameter is broadcast from its
-            owner. Parameters, gradients, norms and each share's state come out as the
-            unsharded native loop's. ``state`` holds this rank's share only;
-            `consolidate_state_dict()` then `state_dict()` give the whole state in native
-            format. Every rank must make the same calls (step, zero_grad, param-group edits)
-            in the same order: they are collectives.
-        shard_norms: with ``shard="zero1"``, ``"all"`` (default): each rank computes every
-            per-tensor norm; ``"share"``: the norms of its share only, all-gathered (as bytes)
-            into native order. Both give `clip_grad_norm_`'s bits.
-        process_group: with ``shard="zero1"``, the group to shard over (default: the default
-            group).
+            `torch.distributed` (typically beside DistributedDataParallel; `cotangent.sharding`,
+            docs/distributed.md). Each rank holds and updates the state of one share of whole
+            parameters (`share_of(p)` says whose), clips every gradient, then every parameter
+            is broadcast from its owner: native's bytes everywhere. ``state`` holds this rank's
+            share; `consolidate_state_dict()` then `state_dict()` give the whole native state.
+            Every rank must make the same calls in the same order: they are collectives.
+        shard_norms: with ZeRO-1, ``"all"`` (default: each rank computes every per-tensor norm)
+            or ``"share"`` (its share's, all-gathered as bytes into native order).
+        process_group: with ZeRO-1, the group to shard over (default: the default group).
 
     Attributes:
         last_total_norm: the total gradient norm of the last clip (0-dim tensor, as
@@ -140,26 +171,21 @@ class AdamW(torch.optim.AdamW):
             never the previous step's norm.
 
     Raises:
-        ValueError / RuntimeError at construction: everything `torch.optim.AdamW` raises; a
-            DTensor parameter placed other than ``Shard(0)`` / ``Replicate`` (or any with
-            ``shard="zero1"``); a wrapper-subclass parameter; non-numeric `max_norm`;
-            ``max_norm`` with two or more param groups holding parameters and no `clip_order`
-            (also from `add_param_group`, `step()` and `zero_grad()` after an edit that makes
-            it so);
-            ``max_norm`` without `clip_order` (or with ``"param_groups"``) inside
-            `torch.distributed.optim.ZeroRedundancyOptimizer` (each rank's optimizer holds one
-            shard: its clip would norm that shard alone); a bad `clip_order`; an unknown
-            `shard` or `shard_norms`; ``shard="zero1"`` without an initialised process group,
-            or with parameters on two devices or sharing memory (also from `add_param_group`
-            and `step()` after an edit that makes it so).
-        NotImplementedError: ``capturable=True`` or ``differentiable=True`` (also when set on a
-            group later).
+        ValueError / RuntimeError at construction: what `torch.optim.AdamW` raises; a DTensor
+            parameter placed other than ``Shard(0)`` / ``Replicate`` (any, with ZeRO-1); a
+            wrapper-subclass parameter; a non-numeric `max_norm`; a bad `clip_order`; no
+            `clip_order` with ``max_norm`` and two or more param groups holding parameters, or
+            inside `torch.distributed.optim.ZeroRedundancyOptimizer` (its clip would norm one
+            shard); an unknown `shard` or `shard_norms`; ZeRO-1 without a process group, or
+            over parameters on two devices or sharing memory. (`add_param_group`, `step()` and
+            `zero_grad()` raise the same after an edit that makes it so.)
+        NotImplementedError: ``capturable=True`` or ``differentiable=True`` (also set later).
         RuntimeError from `step()` and `clip_grad_norm_()`, before anything is modified: a
             sparse gradient; a gradient whose shape, dtype or device differs from its
-            parameter's; a ``state[p]`` that lacks an entry native AdamW reads or holds a tensor
+            parameter's; a ``state[p]`` lacking an entry native AdamW reads or holding a tensor
             of another shape, dtype or device; a non-finite total norm with
-            ``error_if_nonfinite``; a tensor ``lr`` with ``foreach=True``; the call happening
-            inside ``torch.compile``; and what native AdamW raises itself.
+            ``error_if_nonfinite``; a tensor ``lr`` with ``foreach=True``; a call inside
+            ``torch.compile``; and what native AdamW raises itself.
 
     Example::
 
@@ -208,11 +234,10 @@ class AdamW(torch.optim.AdamW):
         self._reset_records()
 
     def _reset_records(self) -> None:
-        self._last_clip: tuple | None = None  # (total norm, weakrefs to the clipped grads,
-        # their versions): `_record_clip`
+        self._last_clip: tuple | None = None  # `clip.record_clip`
         self._path = update.Path()  # the last step's (`update_path`)
         self._direct_fused: dict = {}
-        self._checked: dict = {}  # id(p) -> what `_check_param` last accepted (weakly)
+        self._checked: dict = {}  # id(p) -> what `gather.check_param` accepted
 
     # ------------------------------------------------------------------ the update
 
@@ -245,7 +270,6 @@ class AdamW(torch.optim.AdamW):
             self, lambda closure=None: update.update(self, closure, clip), args, {})
 
     _compat.mark_step_hooked(step)  # torch must not wrap it again: it runs the hooks itself
-
 
     @torch.no_grad()
     def clip_grad_norm_(self) -> Tensor:
@@ -392,46 +416,6 @@ class AdamW(torch.optim.AdamW):
         # and deepcopy never see one, `__getstate__` refuses them)
         self.__dict__.setdefault("_shares", None)
         self._reset_records()
-
-    @property
-    def consolidate_state_dict(self):
-        """``consolidate_state_dict(to=0)``, ZeRO-1 only: gather every rank's share of the state
-        onto rank `to` of the process group (None: onto every rank), so that `state_dict()` there
-        returns the whole state in `torch.optim.AdamW`'s unsharded format. A collective: call it
-        on every rank (as `torch.distributed.optim.ZeroRedundancyOptimizer.consolidate_state_dict`).
-
-        An optimizer built with ``shard=None`` has no such method (its `state_dict()` is whole
-        already): reading the attribute raises `NotShardedError`, so that checkpointing code that
-        asks ``hasattr(opt, "consolidate_state_dict")`` (pytorch-lightning, lightning-fabric)
-        saves `state_dict()` as for any unsharded optimizer.
-
-        Raises:
-            NotShardedError (an AttributeError and a RuntimeError): ``shard=None``.
-            ValueError (from the call): `to` is neither a rank of the group nor None.
-        """
-        live = _live(self)
-        if live._shares is None:
-            raise NotShardedError("consolidate_state_dict() is for shard='zero1'; this "
-                                  "optimizer is not sharded")
-        return live._consolidate_state_dict
-
-    def _consolidate_state_dict(self, to: int | None = 0) -> None:
-        self._shares.refresh(self.param_groups, self.state)
-        self._shares.consolidate(self.state, to)
-
-    def share_of(self, p: Tensor) -> int:
-        """ZeRO-1: the rank (in the process group) that holds `p`'s state and updates it.
-
-        Raises:
-            NotShardedError: ``shard=None``.
-            KeyError: `p` is not one of the optimizer's parameters.
-        """
-        live = _live(self)
-        if live._shares is None:
-            raise NotShardedError("share_of() is for shard='zero1'; this optimizer is not "
-                                  "sharded")
-        live._shares.refresh(live.param_groups, live.state)
-        return live._shares.share_of[id(p)]
 
     # ------------------------------------------------------------------ introspection
 
