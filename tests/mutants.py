@@ -28,9 +28,9 @@ def use_mutant(monkeypatch, *names: str) -> int:
     mask = 0
     for name in names:
         bit = MUTANTS[name]
-        assert f"MUTANT({bit})" in sp._SOURCE, f"the kernel has no switch for {name}"
+        assert f"MUTANT({bit})" in sp.kernel._SOURCE, f"the kernel has no switch for {name}"
         mask |= 1 << bit
-    monkeypatch.setattr(sp, "_MUTANT", mask)
+    monkeypatch.setattr(sp.kernel, "_MUTANT", mask)
     for attr in ("_LIB", "_BUILD", "_FAILURE"):
-        monkeypatch.setattr(sp, attr, None)
+        monkeypatch.setattr(sp.kernel, attr, None)
     return mask

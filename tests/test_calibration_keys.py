@@ -156,7 +156,7 @@ def test_fingerprints_are_the_same_in_every_process(tmp_path, monkeypatch):
     import shutil
 
     code = ("from cotangent import calibration, singlepass, norms; "
-            "print(calibration.probe_fingerprint(singlepass._probe_code()), "
+            "print(calibration.probe_fingerprint(singlepass.probes._probe_code()), "
             "calibration.probe_fingerprint((norms.bucket_norm_is_exact, norms._probe_values)))")
     copy = tmp_path / "elsewhere"
     shutil.copytree(Path(calibration.__file__).parent, copy / "cotangent",
@@ -170,12 +170,12 @@ def test_fingerprints_are_the_same_in_every_process(tmp_path, monkeypatch):
                                 check=True, env=env, cwd=tmp_path).stdout)
     assert len(runs) == 1
     # as after probes ran: counters, timers and the square root chosen (`sqrt_kind`)
-    monkeypatch.setattr(singlepass, "_PROBES", singlepass._PROBES + 7)
-    monkeypatch.setattr(singlepass, "_PROBE_S", singlepass._PROBE_S + 1.25)
-    monkeypatch.setattr(singlepass, "_SQRT_CHOSEN", "a kind chosen in this process")
+    monkeypatch.setattr(singlepass.verdicts, "_PROBES", singlepass.verdicts._PROBES + 7)
+    monkeypatch.setattr(singlepass.verdicts, "_PROBE_S", singlepass.verdicts._PROBE_S + 1.25)
+    monkeypatch.setattr(singlepass.kernel, "_SQRT_CHOSEN", "a kind chosen in this process")
     calibration.probe_fingerprint.cache_clear()
     try:
-        here = (f"{calibration.probe_fingerprint(singlepass._probe_code())} "
+        here = (f"{calibration.probe_fingerprint(singlepass.probes._probe_code())} "
                 f"{calibration.probe_fingerprint((norms.bucket_norm_is_exact, norms._probe_values))}")
     finally:
         monkeypatch.undo()

@@ -266,6 +266,7 @@ def _zero_config(rank: int, world: int, cfg: dict) -> list[str]:
     # every norm computed here
     if cfg["norms"] == "share":
         from cotangent import sharding
+        from cotangent.clip import tensor_norms
 
         torch.manual_seed(rank)  # gradients that differ per rank would show in the result
         grads = [torch.randn(q.shape) for q in m3.parameters()]
@@ -273,7 +274,7 @@ def _zero_config(rank: int, world: int, cfg: dict) -> list[str]:
             torch.distributed.broadcast(g, 0)
         shares = [o3.share_of(q) for q in m3.parameters()]
         got = sharding.share_total_norm(grads, shares, o3._shares.zero, 2.0,
-                                        lambda part: o3._tensor_norms(part))
+                                        lambda part: tensor_norms(part, 2.0))
         want = torch.nn.utils.get_total_norm(grads, 2.0)
         if (d := first_difference(want, got)) is not None:
             problems.append(f"{label}: total norm from gathered per-tensor norms: {d}")

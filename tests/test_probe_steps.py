@@ -51,7 +51,7 @@ def _single_pass():
 
 CASES = {
     # (module holding the probed function, its name, the tensor to break, the probe)
-    "single-pass": (sp, "single_pass_adamw_lists_", lambda *a: a[0][0], _single_pass),
+    "single-pass": (sp.passes, "single_pass_adamw_lists_", lambda *a: a[0][0], _single_pass),
     "merged-call": (merge, "run_native_adamw",
                     lambda *a: a[1][0] if len(a[1]) == 1 else None,  # the merged call only
                     lambda: merge.merge_is_exact("for-loop", torch.device("cpu"),

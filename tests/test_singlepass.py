@@ -154,7 +154,7 @@ def test_hardware_square_root_is_not_torch_sqrt(monkeypatch):
               weight_decay=0.01, maximize=False, amsgrad=False, lengths=(1000, 40000), steps=3)
     with threads(2):
         assert sp.matches_native(**kw)
-        monkeypatch.setattr(sp, "sqrt_kind", lambda: "hardware")
+        monkeypatch.setattr(sp.kernel, "sqrt_kind", lambda: "hardware")
         assert not sp.matches_native(**kw)
 
 
@@ -178,7 +178,7 @@ def _edge_patterns() -> torch.Tensor:
 
 def _emulated_sqrt(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
-    sp._lib().cot_singlepass_sqrt(x.numel(), x.data_ptr(), out.data_ptr(),
+    sp.kernel._lib().cot_singlepass_sqrt(x.numel(), x.data_ptr(), out.data_ptr(),
                                   sp.emulated_sqrt_address(), sp.MKL_SQRT_MODE)
     return out
 
@@ -226,7 +226,7 @@ def test_emulation_gate_keeps_the_mkl_call_when_a_pattern_differs(monkeypatch, t
         assert sp.emulation_matches(address, patterns=span, chunk=1 << 14)
     assert not sp.emulation_matches(address, off_by_one_bit, patterns=span, chunk=1 << 14)
     monkeypatch.setenv("COTANGENT_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(sp, "emulation_matches", lambda address: False)
+    monkeypatch.setattr(sp.kernel, "emulation_matches", lambda address: False)
     sp.sqrt_kind.cache_clear()
     try:
         assert sp.sqrt_kind() == "mkl"
@@ -310,7 +310,7 @@ def test_build_is_cached_and_a_missing_compiler_is_a_clear_error(tmp_path, monke
     monkeypatch.setattr(_build, "compiler", lambda: None)
     monkeypatch.setattr(tensorlists, "_STATE", {})  # (the reader too: restored afterwards)
     with pytest.raises(sp.SinglePassUnavailable, match="no C\\+\\+ compiler"):
-        sp._build_locked()
+        sp.kernel._build_locked()
 
 
 def test_native_pieces_follow_aten_thread_split():
@@ -421,9 +421,9 @@ def fresh_verdicts(tmp_path, monkeypatch):
     monkeypatch.setenv("COTANGENT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibration, "_MEMORY", without_single_pass(calibration._MEMORY))
     monkeypatch.setattr(calibration, "_LOADED", set())
-    monkeypatch.setattr(sp, "_VERDICTS", {})
-    monkeypatch.setattr(sp, "_PROBES", 0)
-    monkeypatch.setattr(sp, "_PROBE_S", 0.0)
+    monkeypatch.setattr(sp.verdicts, "_VERDICTS", {})
+    monkeypatch.setattr(sp.verdicts, "_PROBES", 0)
+    monkeypatch.setattr(sp.verdicts, "_PROBE_S", 0.0)
     monkeypatch.delenv(sp.ENV_SWITCH, raising=False)
     return tmp_path
 
@@ -552,7 +552,7 @@ def test_a_failing_probe_keeps_the_native_path(fresh_verdicts, monkeypatch):
         calls.append(kw)
         return False
 
-    monkeypatch.setattr(sp, "matches_native", wrong_probe)
+    monkeypatch.setattr(sp.probes, "matches_native", wrong_probe)
     with threads(2):
         *_, opt = native_vs_cotangent(foreach=False, max_norm=1.0, path="native")
     # one probe with the clip multiply joined (the coefficient's class), one without (what
@@ -569,7 +569,7 @@ def test_a_wrong_kernel_fails_its_probe_and_native_runs(fresh_verdicts, monkeypa
     optimisation) gives other parameter bytes: forced past the gate it differs from native
     (the control), gated its probe fails and the update keeps native's path and bytes."""
     use_mutant(monkeypatch, "general-div-reciprocal", "register-div-reciprocal")
-    monkeypatch.setattr(sp, "_UNAVAILABLE", sp._NOT_CHECKED)
+    monkeypatch.setattr(sp.verdicts, "_UNAVAILABLE", sp.verdicts._NOT_CHECKED)
     sp.sqrt_kind.cache_clear()
     try:
         with threads(2):
@@ -579,7 +579,7 @@ def test_a_wrong_kernel_fails_its_probe_and_native_runs(fresh_verdicts, monkeypa
                 with pytest.raises(AssertionError):
                     native_vs_cotangent(foreach=False, steps=3)
             *_, opt = native_vs_cotangent(foreach=False, steps=3, path="native")
-        assert sp._PROBES == 1
+        assert sp.verdicts._PROBES == 1
     finally:
         sp.sqrt_kind.cache_clear()
 
@@ -588,9 +588,9 @@ def test_no_compiler_native_path_and_one_warning(fresh_verdicts, monkeypatch):
     monkeypatch.setattr(_build, "compiler", lambda: None)
     monkeypatch.setattr(tensorlists, "_STATE", {})  # (the reader too: restored afterwards)
     for name in ("_LIB", "_BUILD", "_FAILURE"):
-        monkeypatch.setattr(sp, name, None)
-    monkeypatch.setattr(sp, "_UNAVAILABLE", sp._NOT_CHECKED)
-    monkeypatch.setattr(sp, "_WARNED", False)
+        monkeypatch.setattr(sp.kernel, name, None)
+    monkeypatch.setattr(sp.verdicts, "_UNAVAILABLE", sp.verdicts._NOT_CHECKED)
+    monkeypatch.setattr(sp.verdicts, "_WARNED", False)
     sp.sqrt_kind.cache_clear()
     try:
         with warnings.catch_warnings(record=True) as caught, threads(2):
@@ -620,7 +620,7 @@ def test_spans_disjoint_gives_the_same_answer_without_the_library(monkeypatch):
     answers = [sp.spans_disjoint(a, b) for a, b in cases]
     assert answers[:4] == [True, False, True, True] and False in answers[4:]
     assert answers == [overlapping_pair(a, b) is None for a, b in cases]
-    monkeypatch.setattr(sp, "_lib", lambda: (_ for _ in ()).throw(
+    monkeypatch.setattr(sp.kernel, "_lib", lambda: (_ for _ in ()).throw(
         sp.SinglePassUnavailable("no C++ compiler found (a test)")))
     assert [sp.spans_disjoint(a, b) for a, b in cases] == answers
 
@@ -632,8 +632,8 @@ def test_zero1_without_a_compiler_steps_with_natives_bits(fresh_verdicts, monkey
     monkeypatch.setattr(_build, "compiler", lambda: None)
     monkeypatch.setattr(tensorlists, "_STATE", {})
     for name in ("_LIB", "_BUILD", "_FAILURE"):
-        monkeypatch.setattr(sp, name, None)
-    monkeypatch.setattr(sp, "_UNAVAILABLE", sp._NOT_CHECKED)
+        monkeypatch.setattr(sp.kernel, name, None)
+    monkeypatch.setattr(sp.verdicts, "_UNAVAILABLE", sp.verdicts._NOT_CHECKED)
     sp.sqrt_kind.cache_clear()
     try:
         with warnings.catch_warnings():
@@ -668,7 +668,7 @@ def test_switched_off_by_the_environment_then_on(fresh_verdicts, monkeypatch):
         warnings.simplefilter("error", sp.SinglePassWarning)
         *_, opt = native_vs_cotangent(foreach=True, edit=edit, max_norm=1.0,
                                       path=lambda step: "native" if step < 2 else "single-pass")
-    assert sp._PROBES == 1
+    assert sp.verdicts._PROBES == 1
     # the one-off costs, reported apart from step times (cotangent bench prints them)
     report = sp.process_report()
     assert report["unavailable_reason"] is None and report["probes"] == 1
@@ -696,20 +696,20 @@ def test_hyperparameter_edits_probe_again_only_when_the_key_changes(fresh_verdic
             g["maximize"] = True
         if step == 5:
             g["eps"] = 0.0
-        probes[step] = sp._PROBES
+        probes[step] = sp.verdicts._PROBES
 
     with threads(2):
         native_vs_cotangent(foreach=False, steps=7, edit=edit, max_norm=1.0)
     # probes[k] is read before step k: step 0 probes once, steps 2, 3, 4, 5 once each
-    assert [probes[k] for k in range(7)] == [0, 1, 1, 2, 3, 4, 5] and sp._PROBES == 5
+    assert [probes[k] for k in range(7)] == [0, 1, 1, 2, 3, 4, 5] and sp.verdicts._PROBES == 5
     with threads(2):
         native_vs_cotangent(foreach=False, steps=2, max_norm=1.0)
-        assert sp._PROBES == 5
-        sp._VERDICTS.clear()
+        assert sp.verdicts._PROBES == 5
+        sp.verdicts._VERDICTS.clear()
         calibration._MEMORY = without_single_pass(calibration._MEMORY)
         calibration._LOADED.clear()
         native_vs_cotangent(foreach=False, steps=2, max_norm=1.0)
-        assert sp._PROBES == 5  # read from the calibration file
+        assert sp.verdicts._PROBES == 5  # read from the calibration file
     rows = [r for r in calibration.table() if r["kind"] == sp.PROBE_KIND]
     assert len(rows) == 5 and all(r["verdict"] for r in rows)
 
@@ -949,7 +949,7 @@ def test_bfloat16_amsgrad_runs_natively_and_the_scalar_rounding_is_what_the_prob
         *_, opt = native_vs_cotangent(foreach=False, models=_bf16_models(), amsgrad=True,
                                       path="native")
         assert any("amsgrad" in n for n in opt.update_path()["single_pass_notes"])
-        monkeypatch.setattr(sp, "_bf16_value", lambda x: x)
+        monkeypatch.setattr(sp.probes, "_bf16_value", lambda x: x)
         with monkeypatch.context() as forced:
             forced.setattr(sp, "decide",
                                lambda kind, group, clip_coef=None, dtype=None, team_now=None: None)
@@ -1039,7 +1039,7 @@ def test_fused_bits_equal_native_on_both_copies_of_its_loop(setting, nthreads):
                     sp.single_pass_adamw_lists_(params, g, m, v, [], steps, **dict(
                         kw, amsgrad=False, maximize=True, clip_coef=None))
                 else:
-                    sp._native_adamw("fused", params, g, m, v, [], steps, **{
+                    sp.probes._native_adamw("fused", params, g, m, v, [], steps, **{
                         k: kw[k] for k in ("lr", "beta1", "beta2", "eps", "weight_decay")},
                         maximize=True, amsgrad=False)
                 out += params + m + v
@@ -1205,15 +1205,15 @@ def test_kernel_sources_are_package_files_in_the_code_hash(tmp_path, monkeypatch
 
     import cotangent.harness.records as records
 
-    csrc = Path(sp.__file__).with_name("csrc")
-    assert sp._SOURCE == (csrc / "singlepass.cpp").read_text()
+    csrc = Path(sp.__file__).parent.parent / "csrc"
+    assert sp.kernel._SOURCE == (csrc / "singlepass.cpp").read_text()
     assert tensorlists.SOURCE_PATH == csrc / "tensorlists.cpp" and tensorlists.SOURCE_PATH.exists()
     copy = tmp_path / "cotangent"
     shutil.copytree(Path(cotangent.__file__).parent, copy,
                     ignore=shutil.ignore_patterns("__pycache__"))
     monkeypatch.setattr(cotangent, "__file__", str(copy / "__init__.py"))
     before = records.source_sha256()
-    (copy / "csrc" / "singlepass.cpp").write_text(sp._SOURCE + "// edited\n")
+    (copy / "csrc" / "singlepass.cpp").write_text(sp.kernel._SOURCE + "// edited\n")
     assert records.source_sha256() != before
 
 
@@ -1225,7 +1225,7 @@ def test_a_compiler_that_writes_nothing_is_a_clear_build_failure(tmp_path, monke
     with pytest.raises(_build.BuildFailed, match="left no library"):
         _build.compile_cached("nothing", "int x;", ("-shared",))
     with pytest.raises(sp.SinglePassUnavailable, match="left no library"):
-        sp._build_locked()
+        sp.kernel._build_locked()
 
 
 @pytest.mark.parametrize("make", [

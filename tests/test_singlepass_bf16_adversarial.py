@@ -82,7 +82,7 @@ def kernel_vs_native(implementation: str, lengths, *, lr, beta1, beta2, eps, wei
         g = special_data(total, seed + 10 + k, scales[2])
         errors = []
         try:
-            sp._native_adamw(implementation, native[0], [t.clone() for t in views(g)],
+            sp.probes._native_adamw(implementation, native[0], [t.clone() for t in views(g)],
                              native[1], native[2], [], native_steps,
                              lr=lr.clone() if torch.is_tensor(lr) else lr, beta1=beta1,
                              beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
@@ -180,7 +180,7 @@ def test_kernel_matches_native_on_bf16_boundaries():
 def test_kernel_control_a_scalar_left_unrounded_is_caught(monkeypatch):
     """Control: a single pass that keeps eps / the foreach decay and beta2 in float (where ATen
     rounds them to bfloat16) gives other bytes in this comparison."""
-    monkeypatch.setattr(sp, "_bf16_value", lambda x: x)
+    monkeypatch.setattr(sp.probes, "_bf16_value", lambda x: x)
     for impl in sp.IMPLEMENTATIONS:
         d = kernel_vs_native(impl, LENGTHS, lr=0.1, beta1=0.9, beta2=0.95, eps=1e-3,
                              weight_decay=0.5, scales=(1.0, 1e-6, 1e-3))  # roots near eps

@@ -128,7 +128,7 @@ def step_both(segments, size, make, *, implementation, steps=2, lr=1e-3, beta1=0
         if coef is not None:
             for t in native_grads:
                 t.mul_(coef)  # clip_grad_norm_'s multiply
-        sp._native_adamw(implementation, native["param"], native_grads, native["exp_avg"],
+        sp.probes._native_adamw(implementation, native["param"], native_grads, native["exp_avg"],
                          native["exp_avg_sq"], native["max_exp_avg_sq"] if amsgrad else [],
                          native_steps, lr=lr.clone() if torch.is_tensor(lr) else lr,
                          beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,

@@ -54,7 +54,7 @@ def rounding(mode: int):
 def _hw_sqrt(x: torch.Tensor) -> torch.Tensor:
     """The kernel's hardware square root (correctly rounded in the current rounding mode)."""
     out = torch.empty_like(x)
-    sp._lib().cot_singlepass_sqrt(x.numel(), x.data_ptr(), out.data_ptr(), None,
+    sp.kernel._lib().cot_singlepass_sqrt(x.numel(), x.data_ptr(), out.data_ptr(), None,
                                   sp.MKL_SQRT_MODE)
     return out
 

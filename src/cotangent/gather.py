@@ -189,7 +189,7 @@ def on_local_shards(opt: AdamW, call: Call) -> Call:
     Raises (before anything is modified):
         RuntimeError: a gradient that is not a DTensor placed as its parameter; a plain
             parameter beside DTensors in a foreach or fused call (native's list ops raise
-            there, after incrementing the steps); the checks of `_check_param`.
+            there, after incrementing the steps); the checks of `check_param`.
     """
     if not dtensor.any_dtensor(call.params):
         return call
