@@ -20,6 +20,7 @@ from torch import nn
 
 import cotangent
 import cotangent.muon as cm
+import cotangent.muon_batched as cmb
 from bitwise import assert_same_bits, assert_same_update, same_bits
 from cotangent import _compat, native_bugs
 from cotangent.calibration import sprinkle_special_values
@@ -201,7 +202,7 @@ def test_batched_step_overwrites_like_native():
         views = [list(values[0].clone()), list(values[1].clone()), values[2].clone()]
         lerped = [b.clone().lerp_(gr, 1 - 0.9) for b, gr in zip(native[2], native[1])]
         _compat.muon_single_tensor(*native, lr=0.02, **hyper)
-        cm.batched_muon_step(*views, lr=0.02, **hyper)
+        cmb.batched_muon_step(*views, lr=0.02, **hyper)
         for i in range(n):
             assert_same_bits(views[2][i], native[2][i], f"buffer {i} of ({n}, {rows}, {cols})")
             assert not same_bits(native[2][i], lerped[i])  # the overwrite happened
@@ -251,7 +252,7 @@ def test_fixed_torch_is_followed_too(fixed_torch):
     views = [list(values[0].clone()), list(values[1].clone()), values[2].clone()]
     lerped = [b.clone().lerp_(gr, 1 - 0.9) for b, gr in zip(native[2], native[1])]
     _compat.muon_single_tensor(*native, lr=0.02, **hyper)
-    cm.batched_muon_step(*views, lr=0.02, **hyper)
+    cmb.batched_muon_step(*views, lr=0.02, **hyper)
     for i in range(2):
         assert_same_bits(native[2][i], lerped[i], f"native buffer {i}")
         assert_same_bits(views[2][i], lerped[i], f"batched buffer {i}")

@@ -8,7 +8,7 @@ naming the configuration and the upstream fix.
 Whether the running torch still has a bug is decided by a probe of native behaviour, not by a
 list of versions: a few-element call of native's own function, run the first time the question
 is asked and cached in memory for the process (`present`). A torch that has the fix gets no
-warning, and Cotangent follows it (see `cotangent.muon.newton_schulz_batched`).
+warning, and Cotangent follows it (see `cotangent.muon_batched.newton_schulz_batched`).
 
 "Once" is kept here, in `_WARNED`, not left to Python's warning filters: the first call of
 `warn_once` that gets past `warnings.warn` records the bug, and later calls return without
