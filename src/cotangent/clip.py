@@ -190,7 +190,7 @@ def clip_grad_norm_(parameters: Iterable[Tensor] | Tensor, max_norm: float,
     return total
 
 
-# ---------------------------------------------------------------- the clip of a cotangent.AdamW step
+# ------------------------------------------------------------ the clip of a cotangent.AdamW step
 
 @dataclass(slots=True)
 class StepClip:

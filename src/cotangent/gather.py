@@ -121,7 +121,7 @@ def gather_calls(opt: AdamW, shares: sharding.Shares | None
             call = by.get(key)
             if call is None:
                 call = by[key] = Call(group, kind, [], [])
-                # a call the single pass may take is checked by it (`cotangent.update.plan_kernel`), and
+                # a call the single pass may take is checked by it (`update.plan_kernel`), and
                 # natively where it does not take it, before anything is modified
                 call.checked = singlepass.static_refusal(kind, p.device, p.dtype,
                                                          group) is not None

@@ -209,8 +209,8 @@ def emulation_matches(address: int, reference=torch.sqrt, *, patterns=EMULATION_
     bytes (``reference(x, out=...)``; `torch.sqrt`, float32, CPU) for every float32 bit pattern
     of the int32 ranges `patterns` (default `EMULATION_PATTERNS`: all 2**31 non-negative
     patterns and 25.3M negative ones), called in blocks as the kernel calls it. The verdict for
-    the defaults is cached in the calibration file under the CPU model (`calibration.cpu_model`) and the
-    kernel build, so a machine pays the check once.
+    the defaults is cached in the calibration file under the CPU model
+    (`calibration.cpu_model`) and the kernel build, so a machine pays the check once.
 
     Raises `SinglePassUnavailable` where the kernel cannot be built."""
     lib = _lib()

@@ -190,8 +190,8 @@ def norms_at(addresses: list[int], numels) -> Tensor:
     which reads them from its table)."""
     ptrs, lengths = _int64s(addresses), _int64s(list(numels))
     out = torch.empty(len(ptrs))
-    kernel._lib().cot_singlepass_norms(_address(ptrs), _address(lengths), len(ptrs), out.data_ptr(),
-                                torch.get_num_threads())
+    kernel._lib().cot_singlepass_norms(_address(ptrs), _address(lengths), len(ptrs),
+                                       out.data_ptr(), torch.get_num_threads())
     return out
 
 
@@ -218,8 +218,8 @@ def launch(prepared: lists.Prepared, *, implementation: str, lr, beta1: float, b
     _launch(prepared.dtype, [prepared.row(r) for r in range(prepared.kinds)],
             prepared.numels, prepared.steps, step_row=prepared.row(prepared.kinds),
             float32_steps=prepared.float32_steps, implementation=implementation, lr=lr,
-            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize, amsgrad=amsgrad, threads=threads,
-            clip_coef=clip_coef)
+            beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay, maximize=maximize,
+            amsgrad=amsgrad, threads=threads, clip_coef=clip_coef)
 
 
 def _int64s(values: list[int]) -> array.array:
@@ -282,7 +282,8 @@ def _launch(dtype: torch.dtype, rows: list[int | None], numels: tuple[int, ...],
         raise kernel.SinglePassUnavailable("no square root here reproduces torch.sqrt's bits")
     unit = work.fused_vector_unit() if fused else work.aten_vector_unit(dtype)
     if unit is None:
-        raise kernel.SinglePassUnavailable("ATen's vector body / scalar tail split is unknown here")
+        raise kernel.SinglePassUnavailable(
+            "ATen's vector body / scalar tail split is unknown here")
     decay = 1 - lr * weight_decay if weight_decay != 0 else 1.0
     scalars = [_scalar(decay), 1 - beta1, beta2, 1 - beta2, eps]
     if any(s != s for s in scalars):
@@ -325,10 +326,10 @@ def _launch(dtype: torch.dtype, rows: list[int | None], numels: tuple[int, ...],
     if threads is None:
         threads = kernel.team()[0]
         if threads < 1:
-            raise kernel.SinglePassUnavailable("OpenMP may resize thread teams (OMP_DYNAMIC): ATen's "
-                                        "chunks are unknown")
-    pieces = work._fused_pieces(numels, threads, unit) if fused else work._pieces(numels, threads, unit,
-                                                                         True)
+            raise kernel.SinglePassUnavailable(
+                "OpenMP may resize thread teams (OMP_DYNAMIC): ATen's chunks are unknown")
+    pieces = (work._fused_pieces(numels, threads, unit) if fused
+              else work._pieces(numels, threads, unit, True))
     if not numels:
         return
     flags = (1 if weight_decay != 0 else 0) | (2 if maximize else 0) | (4 if amsgrad else 0)

@@ -54,8 +54,8 @@ def norms_match_native(seed: int = 0) -> bool:
     return _bytes_equal(ours, torch.stack(native_tensor_norms(tensors, 2.0, None)))
 
 
-PROBE_LENGTHS = (1, 7, 15, 16, 17, 33, 100, 1000, 2047, 2049, kernel.GRAIN_SIZE, kernel.GRAIN_SIZE + 1,
-                 2 * kernel.GRAIN_SIZE + 17)
+PROBE_LENGTHS = (1, 7, 15, 16, 17, 33, 100, 1000, 2047, 2049, kernel.GRAIN_SIZE,
+                 kernel.GRAIN_SIZE + 1, 2 * kernel.GRAIN_SIZE + 17)
 _ALL_ONES = object()  # stands for the NaN whose bits are all ones (0xFFFFFFFF)
 
 
@@ -193,7 +193,8 @@ def _native_adamw(implementation: str, params, grads, exp_avgs, exp_avg_sqs, max
 
     functional_adam(params, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps,
                     foreach=implementation == "foreach",
-                    fused=implementation == "fused" or None, capturable=False, differentiable=False, grad_scale=None, found_inf=None, has_complex=False,
+                    fused=implementation == "fused" or None, capturable=False,
+                    differentiable=False, grad_scale=None, found_inf=None, has_complex=False,
                     decoupled_weight_decay=True, amsgrad=amsgrad, beta1=beta1, beta2=beta2,
                     lr=lr, weight_decay=weight_decay, eps=eps, maximize=maximize)
 
@@ -209,10 +210,10 @@ def matches_native(*, implementation: str, lr, beta1: float, beta2: float, eps: 
     decay) on one separately allocated tensor per segment of `probe_data` (random lengths with
     special values sprinkled in every buffer, and the `special_grid` of special-value
     combinations in ATen's vector body and in its scalar tail; per-segment step counts differ).
-    Single pass: `single_pass_adamw_lists_` on the same segments as views of flat buffers. With `clip_coef`, native first multiplies
-    each segment's gradient by it as `clip_grad_norm_` does on the CPU (``g.mul_(coef)`` with
-    a 0-d float32 tensor) and the single pass gets it as `clip_coef`; the clipped gradients are
-    compared too. `dtype` bfloat16: every buffer holds the top 16 bits of the float32 probe
+    Single pass: `single_pass_adamw_lists_` on the same segments as views of flat buffers. With
+    `clip_coef`, native first multiplies each segment's gradient by it as `clip_grad_norm_`
+    does on the CPU (``g.mul_(coef)`` with a 0-d float32 tensor) and the single pass gets it
+    as `clip_coef`; the clipped gradients are compared too. `dtype` bfloat16: every buffer holds the top 16 bits of the float32 probe
     values (so NaN payloads, subnormals and signs carry over), spread over many magnitudes; with
     `stress` the probe runs a second time with lr 0.1, eps 1e-3, beta2 0.95 and weight decay 0.5
     (where decay is on), values at which each scalar's own rounding to bfloat16 or float32 shows
@@ -225,9 +226,11 @@ def matches_native(*, implementation: str, lr, beta1: float, beta2: float, eps: 
     """
     try:
         kernel.build()
-        if implementation == "fused" and (dtype != torch.float32 or work.fused_vector_unit() is None):
+        if implementation == "fused" and (dtype != torch.float32
+                                          or work.fused_vector_unit() is None):
             return False
-        if implementation != "fused" and (kernel.sqrt_kind() is None or work.aten_vector_unit(dtype) is None):
+        if implementation != "fused" and (kernel.sqrt_kind() is None
+                                          or work.aten_vector_unit(dtype) is None):
             return False
         if amsgrad and kernel.mxcsr() & kernel.MXCSR_DAZ:
             return False  # see AMSGRAD_DAZ: and this probe's subnormals are flushed under it

@@ -46,7 +46,8 @@ def norms_proven(team_now=None) -> bool:
             _PROBE_S += time.perf_counter() - t0
             calibration.record(key, verdict)
             if not verdict:
-                kernel._log.info("the kernel's norms differ from native's for %s: native norms", key)
+                kernel._log.info("the kernel's norms differ from native's for %s: native norms",
+                                 key)
         _VERDICTS[memo] = verdict
     return verdict
 

@@ -66,7 +66,8 @@ def thread_chunks(numel: int, threads: int) -> list[tuple[int, int]]:
     with GRAIN_SIZE, `at::internal::invoke_parallel` on OpenMP)."""
     if numel <= 0:
         return []
-    if threads <= 1 or numel <= kernel.GRAIN_SIZE:  # for_each: serial below; parallel_for: not above
+    # for_each: serial below the grain; parallel_for: not above it
+    if threads <= 1 or numel <= kernel.GRAIN_SIZE:
         return [(0, numel)]
     nt = min(threads, -(-numel // kernel.GRAIN_SIZE))
     chunk = -(-numel // nt)
