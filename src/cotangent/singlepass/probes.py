@@ -212,16 +212,16 @@ def matches_native(*, implementation: str, lr, beta1: float, beta2: float, eps: 
     combinations in ATen's vector body and in its scalar tail; per-segment step counts differ).
     Single pass: `single_pass_adamw_lists_` on the same segments as views of flat buffers. With
     `clip_coef`, native first multiplies each segment's gradient by it as `clip_grad_norm_`
-    does on the CPU (``g.mul_(coef)`` with a 0-d float32 tensor) and the single pass gets it
-    as `clip_coef`; the clipped gradients are compared too. `dtype` bfloat16: every buffer holds the top 16 bits of the float32 probe
-    values (so NaN payloads, subnormals and signs carry over), spread over many magnitudes; with
-    `stress` the probe runs a second time with lr 0.1, eps 1e-3, beta2 0.95 and weight decay 0.5
-    (where decay is on), values at which each scalar's own rounding to bfloat16 or float32 shows
-    in the results (with the defaults such a difference can hide: measured). `steps` steps;
-    parameters, moments and step counts compared byte for byte after every step. Returns False
-    (never raises) when the kernel cannot run here, and for amsgrad under denormals-are-zero
-    in the calling thread (`AMSGRAD_DAZ`).
-    Runs under the current `torch.get_num_threads()`: a verdict holds for that thread count (it
+    does on the CPU (``g.mul_(coef)`` with a 0-d float32 tensor) and the single pass gets it as
+    `clip_coef`; the clipped gradients are compared too. `dtype` bfloat16: every buffer holds
+    the top 16 bits of the float32 probe values (so NaN payloads, subnormals and signs carry
+    over), spread over many magnitudes; with `stress` the probe runs a second time with lr 0.1,
+    eps 1e-3, beta2 0.95 and weight decay 0.5 (where decay is on), values at which each
+    scalar's own rounding to bfloat16 or float32 shows in the results (with the defaults such a
+    difference can hide: measured). `steps` steps; parameters, moments and step counts compared
+    byte for byte after every step. Returns False (never raises) when the kernel cannot run
+    here, and for amsgrad under denormals-are-zero in the calling thread (`AMSGRAD_DAZ`). Runs
+    under the current `torch.get_num_threads()`: a verdict holds for that thread count (it
     decides where native's scalar tails are), this CPU ISA and this torch build.
     """
     try:
