@@ -20,7 +20,7 @@ run stopped by its deadline keeps what it measured:
   timing   per implementation: update phase (clip + step + zero_grad) and loop (backward +
            update) medians, arms interleaved; kernel launches per update (profiler); host time
            of `step()`; peak memory.
-`--dry-run` runs the same plumbing on the CPU with small sizes (CI runs it: tests/test_device_script.py).
+`--dry-run` runs the same plumbing on the CPU with small sizes (CI runs it: tests/test_project.py).
 A fresh calibration cache (a temporary directory) is used, so every verdict is probed here.
 """
 

@@ -1,6 +1,17 @@
-"""Behaviour that is not a training scenario of the case table: checkpoints, hooks, zero_grad
+"""Behaviour against native: the parity table, properties (hypothesis), and single behaviours.
+
+From test_behaviour.py: Behaviour that is not a training scenario of the case table: checkpoints, hooks, zero_grad
 variants, errors, copies and caches, each compared byte for byte with the native oracle
 (`cotangent.ReferenceUpdate`) through `cotangent.verify.first_difference`. CPU, torch 2.13.0.
+
+From test_behaviour.py: `cotangent.AdamW` vs `clip_grad_norm_` + `torch.optim.AdamW` over the case table, byte for byte.
+
+Holds for: CPU (x86-64), the installed torch (2.13.0 in CI), float32 weights with FP32 or BF16
+autocast, plus bfloat16 / float16 parameters where a case says so; each native AdamW
+implementation (fused, foreach, for-loop) with `clip_grad_norm_(foreach=None)`.
+
+From test_behaviour.py: Property tests (hypothesis): random parameter lists, dtypes, lengths and hyperparameters,
+cotangent vs native compared byte for byte (CPU).
 """
 
 from __future__ import annotations
@@ -8,14 +19,15 @@ from __future__ import annotations
 import copy
 import io
 
+import cotangent
 import pytest
 import torch
 import torch.nn as nn
-
-import cotangent
 from cotangent.harness.packed import PackedAdamW
+from hypothesis import given, settings, strategies as st
+
 from bitwise import assert_same_bits, assert_same_update, same_bits
-from cases import HP, lockstep, mlp
+from cases import CASES, HP, lockstep, mlp, OBSERVATIONS, run_case, SINGLE_PASS_OBSERVATIONS
 
 
 def compare(m1, o1, m2, o2, what):
@@ -431,7 +443,6 @@ def test_meta_parameters_are_refused_clearly_by_packing():
     cotangent.AdamW([nn.Parameter(torch.empty(3, device="meta"))])
 
 
-
 def test_negative_zero_gradients_keep_their_sign():
     """A fresh gradient of -0.0 must come out as -0.0, as with native `set_to_none=True`."""
     p_native = torch.nn.Parameter(torch.ones(6))
@@ -505,7 +516,6 @@ def test_nonfinite_norm_raises_before_modifying_anything():
         assert_same_bits(p, b, "param after refused step")
         assert_same_bits(p.grad, g, "grad after refused step")
     assert not opt.state
-
 
 
 def test_saved_state_has_only_plain_containers():
@@ -628,3 +638,80 @@ def test_safetensors_saves_a_packed_model(tmp_path, packer):
     safetensors_torch.load_model(restored, str(tmp_path / "packed.safetensors"))
     for a, b in zip(restored.parameters(), packed.parameters()):
         assert_same_bits(a, b, "restored parameter")
+
+
+@pytest.mark.filterwarnings("ignore:Detected call of")
+@pytest.mark.parametrize("case,impl", [(c, i) for c in CASES for i in c.impls],
+                         ids=lambda v: str(v).replace(" ", "_"))
+def test_case_is_bitwise_equal_to_native(case, impl):
+    assert case.expect <= OBSERVATIONS, case.expect - OBSERVATIONS
+    seen = run_case(case, impl)
+    # The case must exercise what it claims (clipping on every step or none, a skipped
+    # parameter, the single pass and the clip multiply inside it; for PackedAdamW a merged AdamW
+    # range, batched norms).
+    expect = case.expect - SINGLE_PASS_OBSERVATIONS if impl == "fused" else case.expect
+    assert expect <= seen, f"{case} ({impl}) did not show {sorted(expect - seen)}"
+
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+shapes = st.lists(st.one_of(st.tuples(st.integers(0, 70)),
+                            st.tuples(st.integers(1, 9), st.integers(1, 9))),
+                  min_size=1, max_size=12)
+
+
+@settings(max_examples=60, deadline=None)
+@given(shapes=shapes, dtype_ids=st.lists(st.integers(0, 2), min_size=12, max_size=12),
+       max_norm=st.floats(-2.0, 5.0), norm_type=st.sampled_from([1.0, 2.0, 3.0, float("inf")]),
+       seed=st.integers(0, 2**16))
+def test_clip_grad_norm_matches_native(shapes, dtype_ids, max_norm, norm_type, seed):
+    gen = torch.Generator().manual_seed(seed)
+    if norm_type == float("inf"):
+        shapes = [s for s in shapes if all(s)] or [(3,)]  # native raises on empty + inf
+    ps, qs = [], []
+    for shape, d in zip(shapes, dtype_ids):
+        dtype = DTYPES[d]
+        g = torch.randn(shape, generator=gen).to(dtype)
+        p, q = torch.nn.Parameter(torch.zeros(shape, dtype=dtype)), torch.nn.Parameter(
+            torch.zeros(shape, dtype=dtype))
+        p.grad, q.grad = g.clone(), g.clone()
+        ps.append(p)
+        qs.append(q)
+    t1 = torch.nn.utils.clip_grad_norm_(ps, max_norm, norm_type)
+    t2 = cotangent.clip_grad_norm_(qs, max_norm, norm_type)
+    assert_same_bits(t1, t2, "total")
+    for p, q in zip(ps, qs):
+        assert_same_bits(p.grad, q.grad, "grad")
+
+
+@settings(max_examples=25, deadline=None)
+@given(lengths=st.lists(st.integers(1, 300), min_size=1, max_size=10),
+       impl=st.sampled_from(["fused", "foreach", "for-loop"]),
+       amsgrad=st.booleans(), maximize=st.booleans(),
+       weight_decay=st.sampled_from([0.0, 0.01, 0.3]), max_norm=st.sampled_from([None, 0.1, 10.0]),
+       absent=st.lists(st.booleans(), min_size=10, max_size=10), seed=st.integers(0, 2**16))
+def test_adamw_matches_native(lengths, impl, amsgrad, maximize, weight_decay, max_norm, absent,
+                              seed):
+    flags = {"fused": dict(fused=True), "foreach": dict(foreach=True),
+             "for-loop": dict(foreach=False)}[impl]
+    kw = dict(lr=1e-2, amsgrad=amsgrad, maximize=maximize, weight_decay=weight_decay, **flags)
+    gen = torch.Generator().manual_seed(seed)
+    init = [torch.randn(n, generator=gen) for n in lengths]
+    ps = [torch.nn.Parameter(t.clone()) for t in init]
+    qs = [torch.nn.Parameter(t.clone()) for t in init]
+    native = cotangent.ReferenceUpdate(ps, max_norm=max_norm, **kw)
+    ours = cotangent.AdamW(qs, max_norm=max_norm, **kw)
+    for step in range(4):
+        native.zero_grad()
+        ours.zero_grad()
+        grads = [torch.randn(n, generator=gen) for n in lengths]
+        used = [not a or step == 0 or i == 0 for i, a in enumerate(absent[:len(lengths)])]
+        for params in (ps, qs):
+            loss = sum((p * g).sum() for p, g, u in zip(params, grads, used) if u)
+            loss.backward()
+        total = native.step()
+        ours.step()
+        if max_norm is not None:
+            assert_same_bits(total, ours.last_total_norm, f"step {step} total")
+        assert_same_update(ps, native.optimizer.state, qs, ours.state, f"step {step}")

@@ -1,14 +1,23 @@
-"""Command-line truths: `calibrate` lists the model's own verdicts, help texts match behaviour."""
+"""The command line and the settings schema.
+
+From test_cli.py: Command-line truths: `calibrate` lists the model's own verdicts, help texts match behaviour.
+
+From test_cli.py: The one description of settings (`cotangent.harness.schema`): types from annotations,
+bounds and choices from the field, one-line errors; TrainConfig and Protocol use it.
+"""
 
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 
 import pytest
-
 from cotangent import calibration
+from cotangent.harness import cli, schema
+from cotangent.harness.campaign import Protocol
+from cotangent.harness.schema import setting
+from cotangent.harness.train import TrainConfig
 from cotangent.norms import bucket_norm_is_exact
-from cotangent.harness import cli
 
 
 def _calibrate(model: str, capsys) -> tuple[list[str], list[dict]]:
@@ -85,3 +94,100 @@ def test_command_without_the_harness_extra_names_it_in_one_line():
         "cotangent: the command needs the harness extra (numpy is not installed): "
         "pip install 'cotangent[harness]'")
     assert "Traceback" not in out.stderr
+
+
+@dataclass(frozen=True, kw_only=True)
+class Example:
+    name: str = setting("a name", pattern=r"[a-z]+")
+    count: int = setting("how many", 1, low=1, high=10)
+    rate: float = setting("a rate", 0.5, low=0.0, high=1.0, high_open=True)
+    scale: float = setting("a scale", 1.0, low=0.0, low_open=True)
+    flag: bool = setting("on or off", False)
+    kind: str = setting("which", "a", choices=("a", "b", "c"))
+    pair: tuple[float, float] = setting("two numbers", (0.1, 0.2), low=0.0)
+    names: tuple[str, ...] = setting("some names", ("a",), choices=("a", "b", "c"),
+                                     min_items=1, distinct=True)
+    target: float | dict[str, float] = setting("one or per key", 1.0, low=0.0, low_open=True)
+
+
+def _error(values: dict, **kw) -> str:
+    with pytest.raises(ValueError) as info:
+        schema.check(Example, values, **kw)
+    message = str(info.value)
+    assert "\n" not in message
+    return message
+
+
+def test_values_are_converted_to_what_the_fields_hold():
+    got = schema.check(Example, {"name": "x", "rate": 0, "pair": [1, 2.5], "names": ["b", "a"],
+                                 "target": {"p": 2}, "scale": 3})
+    assert got == {"name": "x", "rate": 0.0, "pair": (1.0, 2.5), "names": ("b", "a"),
+                   "target": {"p": 2.0}, "scale": 3.0}
+    assert type(got["rate"]) is float and type(got["target"]["p"]) is float
+    assert schema.check(Example, {"target": 4})["target"] == 4.0
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"count": 0}, "count must be an integer from 1 to 10, got 0"),
+    ({"count": 2.0}, "count must be an integer from 1 to 10, got 2.0"),
+    ({"count": True}, "count must be an integer from 1 to 10, got True"),
+    ({"rate": 1.0}, "rate must be a number in [0, 1), got 1.0"),
+    ({"rate": float("nan")}, "rate must be a number in [0, 1), got nan"),
+    ({"scale": 0}, "scale must be a finite number > 0, got 0"),
+    ({"scale": float("inf")}, "scale must be a finite number > 0, got inf"),
+    ({"scale": 10**400}, "scale must be a finite number > 0, got 1000"),
+    ({"flag": 1}, "flag must be true or false, got 1"),
+    ({"kind": "d"}, "kind must be a, b or c, got 'd'"),
+    ({"name": "A"}, "name must be a string matching [a-z]+, got 'A'"),
+    ({"pair": [0.1]}, "pair must be a list of two numbers >= 0, got [0.1]"),
+    ({"pair": "0.1,0.2"}, "pair must be a list of two numbers >= 0, got '0.1,0.2'"),
+    ({"names": []}, "names must be a non-empty list of distinct names from a, b or c, got []"),
+    ({"names": ["a", "a"]}, "names must be a non-empty list of distinct names"),
+    ({"names": ["a", "z"]}, "names must be a non-empty list of distinct names"),
+    ({"target": {"p": -1.0}}, "target must be a finite number > 0, or a table of numbers > 0"),
+    ({"target": "x"}, "target must be a finite number > 0, or a table of numbers > 0, got 'x'"),
+])
+def test_bad_values_are_one_line_errors_naming_the_field(values, message):
+    assert message in _error(values, where="f.toml: ")
+    assert _error(values, where="f.toml: ").startswith("f.toml: ")
+
+
+def test_unknown_missing_and_disallowed_keys():
+    assert _error({"nope": 1, "count": 2}) == (
+        "unknown setting(s) nope; known: name, count, rate, scale, flag, kind, pair, names, "
+        "target")
+    assert _error({"count": 2}, complete=True, noun="key") == "missing key(s) name"
+    assert _error({"kind": "a"}, allowed=["count"]) == "unknown setting(s) kind; known: count"
+
+
+def test_every_field_of_the_real_settings_is_described():
+    for cls in (TrainConfig, Protocol):
+        for name, spec in schema.specs(cls).items():
+            assert spec.doc and spec.kinds, (cls.__name__, name)
+    assert schema.required(Protocol) == ["name", "models", "arms", "seeds", "steps",
+                                          "eval_every", "target_bpb", "level", "margin_bpb"]
+    # the defaults pass their own descriptions
+    defaults = TrainConfig()
+    values = {name: getattr(defaults, name) for name in schema.specs(TrainConfig)}
+    assert schema.check(TrainConfig, values) == values
+
+
+def test_a_field_without_a_description_is_refused():
+    @dataclass
+    class Bare:
+        x: int = 0
+
+    with pytest.raises(TypeError, match="Bare.x is not declared with schema.setting"):
+        schema.specs(Bare)
+
+
+def test_train_help_comes_from_the_field_descriptions(capsys):
+    from cotangent.harness import cli
+
+    with pytest.raises(SystemExit):
+        cli.main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    specs = schema.specs(TrainConfig)
+    for name in cli.TRAIN_FLAGS:
+        assert " ".join(specs[name].doc.split()) in text, name
+    assert "--batch-size BATCH_SIZE" in text and "{cpu,cuda,mps}" in text

@@ -1,4 +1,6 @@
-"""Training-loop patterns from public code, native vs Cotangent in lockstep, compared on bytes.
+"""Training-loop patterns from public code, and torch.compile, against native byte for byte.
+
+From test_patterns.py: Training-loop patterns from public code, native vs Cotangent in lockstep, compared on bytes.
 
 Each pattern is written once, as a generator over one "side" (a model plus the optimizers the
 pattern builds), the way its public source writes it: Hugging Face no-decay and BEiT layer-wise
@@ -25,6 +27,12 @@ parameters, two packed optimizers sharing a parameter, a `clip_order` snapshot m
 parameters) must fail with a message naming the cause, while native runs them to the end.
 
 Holds for: CPU, torch 2.13.0, float32 (plus one bfloat16 model), for-loop / foreach / fused.
+
+From test_patterns.py: A `torch.compile`d model trained with cotangent.AdamW equals the compiled model with native
+clip + AdamW (CPU, FP32, inductor), byte for byte.
+
+Deterministic algorithms are on: without them inductor's CPU embedding backward accumulates in a
+thread-dependent order, and two compiled copies of the same *native* model already differ.
 """
 
 from __future__ import annotations
@@ -32,19 +40,25 @@ from __future__ import annotations
 import copy
 import math
 
+import cotangent
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from cotangent.harness.model import build_model
 from torch.optim import lr_scheduler
-from torch.optim.swa_utils import SWALR, AveragedModel, get_ema_multi_avg_fn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn, SWALR
 from torch.utils.checkpoint import checkpoint
 
-import cotangent
 from bitwise import assert_same_bits, assert_same_update, same_bits
 
+
 HP = dict(lr=5e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
 IMPLS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
+
+
 ALL = list(IMPLS)
 
 
@@ -182,8 +196,6 @@ def live_order(model: nn.Module, how: str):
     return model if how == "module" else model.parameters
 
 
-# ---------------------------------------------------------------- 1. lr edits, groups, schedules
-
 def llrd_groups(model: nn.Sequential, base_lr: float, decay: float = 0.5) -> list[dict]:
     """Layer-wise lr decay (BEiT / ELECTRA fine-tuning) with Hugging Face's no-decay split:
     groups from the top layer down, each with an extra `lr_scale` key, biases and norms
@@ -315,8 +327,6 @@ def plateau(side):
 def test_reduce_lr_on_plateau(impl):
     lockstep(plateau, impl, "ReduceLROnPlateau")
 
-
-# ---------------------------------------------------------------- 2. freezing and unfreezing
 
 def frozen_then_unfrozen(side, set_to_none):
     """The backbone is frozen before the optimizer is built over all parameters (the optimizer
@@ -535,8 +545,6 @@ def test_magnitude_pruning_mid_run(impl, clip):
     lockstep(pruned_mid_run, impl, "pruning", clip=clip)
 
 
-# ---------------------------------------------------------------- 3. averaged and wrapped models
-
 def ema(side):
     """`AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))` updated after each step
     (its `_foreach_lerp_` reads the packed parameters)."""
@@ -736,8 +744,6 @@ def test_lookahead_slow_weights_in_optimizer_state(impl):
     lockstep(lookahead, impl, "Lookahead")
 
 
-# ---------------------------------------------------------------- 4. copies, saves, rollbacks
-
 def build(side, groups):
     """The optimizer over all parameters: one group, or LLRD groups with a snapshot
     `clip_order=model.parameters()`, the live `clip_order=model` or `clip_order=
@@ -873,8 +879,6 @@ def optimizer_rebuilt(side):
 def test_optimizer_rebuilt_mid_run_while_the_old_one_lives(impl):
     lockstep(optimizer_rebuilt, impl, "optimizer rebuilt")
 
-
-# ---------------------------------------------------------------- 5. gradients made differently
 
 class CheckpointedNet(nn.Module):
     def __init__(self, use_reentrant: bool) -> None:
@@ -1128,8 +1132,6 @@ def test_head_reset_with_moments_zeroed_in_place(impl):
     lockstep(head_reset, impl, "head reset")
 
 
-# ---------------------------------------------------------------- 6. several optimizers, DDP
-
 class GAN(nn.Module):
     def __init__(self) -> None:
         super().__init__()
@@ -1256,8 +1258,6 @@ def test_ddp_single_rank_with_no_sync(impl, bucket_view, single_rank_group):
     lockstep(ddp, impl, "DDP", bucket_view=bucket_view)
 
 
-# ---------------------------------------------------------------- 7. old habits, bugs, processes
-
 def zeroing_habits(side, how):
     """How real loops reset (or forget to reset) gradients: "detach_ + zero_" is torch < 1.7's
     own `Optimizer.zero_grad`, still copied into user code (`for p in model.parameters(): if
@@ -1346,8 +1346,6 @@ def test_hogwild_shared_memory_workers(impl):
     native, _ = lockstep(hogwild, impl, "Hogwild")
     assert len(native.norms) == 6 and all(float(n) > MAX_NORM for n in native.norms)
 
-
-# ---------------------------------------------------------------- 8. more structure changes
 
 def maml(side):
     """MAML with `torch.func.functional_call`: an inner step on fast weights built with
@@ -1600,3 +1598,82 @@ def step_in_backward(side):
 @pytest.mark.parametrize("impl", ALL)
 def test_optimizer_step_in_backward_hooks(impl):
     lockstep(step_in_backward, impl, "step in backward")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("impl", ["fused", "for-loop"])
+@pytest.mark.slow
+def test_compiled_model_matches_native(impl):
+    torch._dynamo.reset()
+    previous = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        _compiled_run(impl)
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+def _compiled_run(impl):
+    kw = dict(lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1,
+              **({"fused": True} if impl == "fused" else {"foreach": False}))
+    m1, m2 = build_model("tiny-transformer", 9), build_model("tiny-transformer", 9)
+    native = cotangent.ReferenceUpdate(m1.parameters(), max_norm=0.05, **kw)
+    ours = cotangent.AdamW(m2.parameters(), max_norm=0.05, **kw)  # pack before compiling
+    c1, c2 = torch.compile(m1), torch.compile(m2)
+    gen = torch.Generator().manual_seed(0)
+    for step in range(3):
+        batch = torch.randint(0, 256, (8, 33), generator=gen)
+        losses = []
+        for model, opt in ((c1, native), (c2, ours)):
+            opt.zero_grad()
+            logits = model(batch[:, :-1])  # (B, T, 256)
+            loss = F.cross_entropy(logits.reshape(-1, 256), batch[:, 1:].reshape(-1))
+            loss.backward()
+            losses.append(loss)
+        assert_same_bits(losses[0], losses[1], f"step {step} loss")
+        assert_same_bits(native.step(), (ours.step(), ours.last_total_norm)[1], "total norm")
+        for (name, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
+            assert_same_bits(p1, p2, f"step {step} {name}")
+            for key in native.optimizer.state[p1]:
+                assert_same_bits(native.optimizer.state[p1][key], ours.state[p2][key], key)
+
+
+@pytest.mark.slow
+@pytest.mark.slow
+def test_backward_under_compiled_autograd_matches_native():
+    """A backward traced by compiled autograd (``compiled_autograd._enable(torch.compile(...))``,
+    not fullgraph): the optimizer's gradient hooks run eagerly (`torch.compiler.disable`d twins),
+    as native trains; it failed inside the hook (an end-of-backward callback queued while
+    dynamo traced it). fullgraph=True is not supported (the hooks graph-break). For-loop with
+    the clip, foreach without, fused with: gradients after each backward (two micro-batches at
+    step 1), parameters and state after each step, byte for byte (CPU, float32). One test,
+    so that dynamo compiles the backward graphs once."""
+    from torch._dynamo import compiled_autograd
+
+    from bitwise import assert_same_update
+
+    torch._dynamo.reset()
+    compiler = torch.compile(backend="eager")
+    for impl, flags, max_norm in (("for-loop", dict(foreach=False), 0.05),
+                                  ("foreach", dict(foreach=True), None),
+                                  ("fused", dict(fused=True), 0.05)):
+        torch.manual_seed(0)
+        m1 = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16),
+                                 torch.nn.GELU(), torch.nn.Linear(16, 4))
+        m2 = copy.deepcopy(m1)
+        native = cotangent.ReferenceUpdate(m1.parameters(), max_norm=max_norm, lr=1e-2, **flags)
+        ours = cotangent.AdamW(m2.parameters(), max_norm=max_norm, lr=1e-2, **flags)
+        for step in range(4):
+            x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+            for model, opt in ((m1, native), (m2, ours)):
+                opt.zero_grad()
+                for scale in ((1.0, 2.0) if step == 1 else (1.0,)):
+                    loss = model(x * scale).square().mean()
+                    with compiled_autograd._enable(compiler):
+                        loss.backward()
+            for a, b in zip(m1.parameters(), m2.parameters()):
+                assert_same_bits(a.grad, b.grad, f"{impl} gradient, step {step}")
+            native.step()
+            ours.step()
+            assert_same_update(m1.parameters(), native.optimizer.state, m2.parameters(),
+                               ours.state, f"{impl} max_norm={max_norm} step {step}")

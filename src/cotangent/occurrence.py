@@ -36,7 +36,7 @@ so that within one backward the replicas' gradients are summed in arrival order 
 occurrence first, ``(g_k + g_(k-1)) + ... + g_1`` for a block applied k times in sequence, as
 the engine sums the inputs of a shared leaf - and the sums of successive backwards (gradient
 accumulation) are added to the running total, as a shared leaf's ``.grad`` accumulates them.
-Measured (CPU, float32, torch 2.13, tests/test_muon_adamw.py): the pooled mode then gives a
+Measured (CPU, float32, torch 2.13, tests/test_muon.py): the pooled mode then gives a
 natively shared module's bits, parameters and state, step after step, on both MuonAdamW paths,
 with one or several backwards per step; an adversarial review found the same for parallel
 branches, residual reuse, activation checkpointing, retain_graph double backward and
