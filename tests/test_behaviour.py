@@ -1,16 +1,16 @@
 """Behaviour against native: the parity table, properties (hypothesis), and single behaviours.
 
-From test_behaviour.py: Behaviour that is not a training scenario of the case table: checkpoints, hooks, zero_grad
+Behaviour that is not a training scenario of the case table: checkpoints, hooks, zero_grad
 variants, errors, copies and caches, each compared byte for byte with the native oracle
 (`cotangent.ReferenceUpdate`) through `cotangent.verify.first_difference`. CPU, torch 2.13.0.
 
-From test_behaviour.py: `cotangent.AdamW` vs `clip_grad_norm_` + `torch.optim.AdamW` over the case table, byte for byte.
+`cotangent.AdamW` vs `clip_grad_norm_` + `torch.optim.AdamW` over the case table, byte for byte.
 
 Holds for: CPU (x86-64), the installed torch (2.13.0 in CI), float32 weights with FP32 or BF16
 autocast, plus bfloat16 / float16 parameters where a case says so; each native AdamW
 implementation (fused, foreach, for-loop) with `clip_grad_norm_(foreach=None)`.
 
-From test_behaviour.py: Property tests (hypothesis): random parameter lists, dtypes, lengths and hyperparameters,
+Property tests (hypothesis): random parameter lists, dtypes, lengths and hyperparameters,
 cotangent vs native compared byte for byte (CPU).
 """
 

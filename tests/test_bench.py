@@ -1,10 +1,10 @@
 """cotangent bench: the AdamW update-phase benchmark and the Muon rows, at tiny sizes.
 
-From test_bench.py: `cotangent bench`: both gradient methods run, are bitwise and say which one ran; the default
+`cotangent bench`: both gradient methods run, are bitwise and say which one ran; the default
 is the training loop's (real forward + backward); every required field is reported (speed is
 not asserted: benchmarks are measured, not tested).
 
-From test_bench.py: `cotangent bench --muon` (harness/bench_muon.py) at tiny sizes: every Muon row bitwise and
+`cotangent bench --muon` (harness/bench_muon.py) at tiny sizes: every Muon row bitwise and
 complete, the table formats, and the byte comparison catches one arm perturbed by one ULP (after
 the run, and inside cotangent.Muon's step). Speed is measured, not tested.
 """

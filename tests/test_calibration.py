@@ -1,10 +1,10 @@
 """Calibration: verdict keys, the cache, and probes that see a difference a later step overwrites.
 
-From test_calibration.py: Calibration verdicts are keyed by the probe's own code, Cotangent's version and the CPU model:
+Calibration verdicts are keyed by the probe's own code, Cotangent's version and the CPU model:
 a changed probe, another release or another CPU of the same ISA class probes again instead of
 reusing an old verdict (`cotangent.calibration.full_key`).
 
-From test_calibration.py: Every calibration probe that runs several steps compares after each step, not only after the
+Every calibration probe that runs several steps compares after each step, not only after the
 last: a path that differs at one step and agrees again later (its difference overwritten, as a
 -0.0 maximum is by the next step's positive one) differs for a user who reads the state at
 that step, so the probe must fail it. Each case breaks the probed path exactly so: after its

@@ -1,8 +1,8 @@
 """The command line and the settings schema.
 
-From test_cli.py: Command-line truths: `calibrate` lists the model's own verdicts, help texts match behaviour.
+Command-line truths: `calibrate` lists the model's own verdicts, help texts match behaviour.
 
-From test_cli.py: The one description of settings (`cotangent.harness.schema`): types from annotations,
+The one description of settings (`cotangent.harness.schema`): types from annotations,
 bounds and choices from the field, one-line errors; TrainConfig and Protocol use it.
 """
 

@@ -1,10 +1,10 @@
 """Clipping: the clip_grad_norm_ drop-ins, the per-tensor and batched norms and their probes, the clip order.
 
-From test_clip.py: `cotangent.clip_grad_norm_` vs `torch.nn.utils.clip_grad_norm_`, byte for byte (CPU).
+`cotangent.clip_grad_norm_` vs `torch.nn.utils.clip_grad_norm_`, byte for byte (CPU).
 
-From test_clip.py: Calibrated batched norms and the clip coefficient against native, byte for byte (CPU).
+Calibrated batched norms and the clip coefficient against native, byte for byte (CPU).
 
-From test_clip.py: The clip order with param groups: native's bits, or a clear error, never a silent choice.
+The clip order with param groups: native's bits, or a clear error, never a silent choice.
 
 A native loop with decay / no-decay groups clips ``clip_grad_norm_(model.parameters(), M)``; the
 total norm's bits depend on that order. `cotangent.AdamW(groups, max_norm=M)` cannot see the

@@ -1,8 +1,8 @@
 """The harness models, including the recurrent one.
 
-From test_model.py: 
 
-From test_model.py: The recurrent model family (untied / shared / replicated core) and the occurrence-aggregation
+
+The recurrent model family (untied / shared / replicated core) and the occurrence-aggregation
 study arms of `cotangent train` (U, S, P, A, AP, PA). Bitwise comparisons are byte comparisons
 (tests/bitwise.py).
 """

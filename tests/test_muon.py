@@ -1,12 +1,12 @@
 """cotangent.Muon and cotangent.MuonAdamW against their native references, byte for byte.
 
-From test_muon.py: `cotangent.Muon` against `torch.optim.Muon`, byte for byte (CPU, float32 parameters,
+`cotangent.Muon` against `torch.optim.Muon`, byte for byte (CPU, float32 parameters,
 bfloat16 Newton-Schulz, torch 2.13's for-loop Muon, the only implementation it has).
 
 Every comparison goes through tests/bitwise.py (`cotangent.verify.first_difference`: dtype,
 shape and every byte), over parameters, gradients and every state entry, after each step.
 
-From test_muon.py: `cotangent.MuonAdamW` (nanochat's published step, one path): gradients read in place,
+`cotangent.MuonAdamW` (nanochat's published step, one path): gradients read in place,
 parameters left where they are, the grouping, errors, resumes, and the occurrence modes on top
 (CPU, float32 parameters, torch 2.13; eager here, compiled in the e2e tests). Width 64: a
 full-width Muon step takes tens of seconds on CPU. (The packed path these tests once compared

@@ -1,6 +1,6 @@
 """Training-loop patterns from public code, and torch.compile, against native byte for byte.
 
-From test_patterns.py: Training-loop patterns from public code, native vs Cotangent in lockstep, compared on bytes.
+Training-loop patterns from public code, native vs Cotangent in lockstep, compared on bytes.
 
 Each pattern is written once, as a generator over one "side" (a model plus the optimizers the
 pattern builds), the way its public source writes it: Hugging Face no-decay and BEiT layer-wise
@@ -28,7 +28,7 @@ parameters) must fail with a message naming the cause, while native runs them to
 
 Holds for: CPU, torch 2.13.0, float32 (plus one bfloat16 model), for-loop / foreach / fused.
 
-From test_patterns.py: A `torch.compile`d model trained with cotangent.AdamW equals the compiled model with native
+A `torch.compile`d model trained with cotangent.AdamW equals the compiled model with native
 clip + AdamW (CPU, FP32, inductor), byte for byte.
 
 Deterministic algorithms are on: without them inductor's CPU embedding backward accumulates in a

@@ -1,8 +1,8 @@
 """The project itself: README commands, docs links, CI entry, packaging, and the device check scripts.
 
-From test_project.py: Project invariants: library layering, and the README and CI running the same test command.
+Project invariants: library layering, and the README and CI running the same test command.
 
-From test_project.py: `scripts/device_adamw_check.py --dry-run`: the device script's plumbing on the CPU (every
+`scripts/device_adamw_check.py --dry-run`: the device script's plumbing on the CPU (every
 section, the JSON written after each case, the deadline), so that the run on a GPU machine, which
 CI does not have, is not its first.
 """

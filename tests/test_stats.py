@@ -1,8 +1,8 @@
 """Statistics and machine-contention measurement.
 
-From test_stats.py: Paired statistics against hand-computed cases and scipy.
+Paired statistics against hand-computed cases and scipy.
 
-From test_stats.py: Machine-load records and timing-flag rules (cotangent.harness.contention), and the audit's
+Machine-load records and timing-flag rules (cotangent.harness.contention), and the audit's
 standard-library copy of the rules.
 """
 

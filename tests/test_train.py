@@ -1,8 +1,8 @@
 """cotangent train: single-process and distributed arms, records, hashes.
 
-From test_train.py: End-to-end `cotangent train` on the tiny model: both arms must end bit-identical.
+End-to-end `cotangent train` on the tiny model: both arms must end bit-identical.
 
-From test_train.py: Data-parallel `cotangent train`: `--nproc N` (torch's elastic launcher) and torchrun.
+Data-parallel `cotangent train`: `--nproc N` (torch's elastic launcher) and torchrun.
 
 Every rank trains every arm wrapped in DistributedDataParallel (gloo, CPU) on its own windows;
 the final model SHA-256 must be identical between the arms and between the ranks. Runs go
@@ -86,8 +86,15 @@ def test_all_four_arms_end_identical(model, tmp_path, capsys):
 def test_unknown_arm_is_a_clear_error(capsys):
     assert cli.main(["train", "--model", "tiny", "--arms", "native,fast"]) == 2
     assert "arms must be a non-empty list of distinct names from native, cotangent, " \
-        "batched-norms-only, packing-only, packed, cotangent-zero1, U, S, P, A, AP or PA, got " \
-        "['native', 'fast']" in capsys.readouterr().err
+        "batched-norms-only, packing-only, packed, cotangent-zero1, native-fsdp2, " \
+        "cotangent-fsdp2, U, S, P, A, AP or PA, got ['native', 'fast']" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arm", ["native-fsdp2", "cotangent-fsdp2"])
+def test_fsdp2_arms_need_data_parallel(arm, capsys):
+    assert cli.main(["train", "--model", "tiny", "--arms", f"native,{arm}"]) == 2
+    assert (f"the {arm} arm shards the model over ranks (fully_shard): run it data-parallel "
+            "(--nproc N or torchrun)") in capsys.readouterr().err
 
 
 def _run_dirs(root):
@@ -386,6 +393,35 @@ def test_two_ranks_end_identical_across_arms_and_ranks(tmp_path):
     meta = json.loads((_arm_dirs(tmp_path / "torchrun")[0] / "metadata.json").read_text())
     assert meta["data_parallel"]["threads_from"] == "OMP_NUM_THREADS"
     print(f"--nproc 2: {nproc_s:.1f} s, torchrun: {torchrun_s:.1f} s")
+
+
+@pytest.mark.e2e
+def test_two_ranks_fsdp2_arms_end_with_native_hashes(tmp_path):
+    """`--arms native-fsdp2,cotangent-fsdp2 --nproc 2`: the model fully_shard'ed per block and
+    at the root on 2 gloo ranks, native's clip_grad_norm_ + fused AdamW on the DTensor
+    parameters against cotangent.AdamW; the full final model (gathered from both ranks) has
+    the same SHA-256 in both arms and on both ranks, training moved it, and every curve row
+    and BPB agrees between the arms."""
+    code, out, err = _run(_cli(*_tiny_args(tmp_path, "--nproc", "2", "--arms",
+                                           "native-fsdp2,cotangent-fsdp2")), _clean_env())
+    assert code == 0, err[-3000:]
+    result = json.loads(out.strip().splitlines()[-1])
+    assert result["identical_final_hash"] is True and result["ranks_agree"] is True
+    final = result["native-fsdp2"]["final_model_sha256"]
+    assert result["cotangent-fsdp2"]["final_model_sha256"] == final
+    assert result["native-fsdp2"]["val_bpb"] == result["cotangent-fsdp2"]["val_bpb"]
+    curves = {}
+    for run_dir in _arm_dirs(tmp_path):
+        meta = json.loads((run_dir / "metadata.json").read_text())
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["data_parallel"]["rank_final_model_sha256"] == [final, final]
+        assert meta["init_model_sha256"] != final  # training moved the model
+        curves[run_dir.name] = [
+            {k: v for k, v in json.loads(line).items() if not k.endswith("_s")}
+            for line in (run_dir / "curve.jsonl").read_text().splitlines()]
+    assert sorted(curves) == ["cotangent-fsdp2", "native-fsdp2"]
+    assert curves["native-fsdp2"] == curves["cotangent-fsdp2"]  # losses, norms, lrs, probes
+    assert len([r for r in curves["native-fsdp2"] if "loss_bpb" in r]) == 6
 
 
 SITECUSTOMIZE = '''\

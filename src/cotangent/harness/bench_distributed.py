@@ -43,6 +43,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 import cotangent
 from cotangent import sharding
 from cotangent.harness.bench import BENCH_ADAMW_ARGS, IMPLS, _same_bytes, bench_model
+from cotangent.harness.model import shard_fsdp2
 from cotangent.harness.records import environment
 from cotangent.harness.train import end_rank_process
 from cotangent.harness.packed import PackedAdamW
@@ -131,20 +132,6 @@ def _rank_row(shape: str, impl: str, *, repeats: int, warmup: int, max_norm: flo
 
 
 FSDP2_ARMS = ("native-fsdp2", "cotangent-fsdp2")
-
-
-def shard_fsdp2(model: nn.Module) -> nn.Module:
-    """`fully_shard` as torchtitan applies it: each block of the model (each element of its
-    `nn.ModuleList`s; each layer with parameters of an `nn.Sequential`), then the root."""
-    from torch.distributed.fsdp import fully_shard
-
-    if isinstance(model, nn.Sequential):
-        blocks = [m for m in model if any(True for _ in m.parameters())]
-    else:
-        blocks = [b for m in model.children() if isinstance(m, nn.ModuleList) for b in m]
-    for block in blocks:
-        fully_shard(block)
-    return fully_shard(model)
 
 
 def _rank_row_fsdp2(shape: str, impl: str, *, repeats: int, warmup: int,

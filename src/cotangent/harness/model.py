@@ -479,3 +479,17 @@ def build_model(name: str, seed: int, sharing: str | None = None) -> nn.Module:
     if cfg.family == "recurrent":
         return RecurrentGPT(cfg, sharing or "untied")
     return Transformer(cfg)
+
+
+def shard_fsdp2(model: nn.Module) -> nn.Module:
+    """`fully_shard` as torchtitan applies it: each block of the model (each element of its
+    `nn.ModuleList`s; each layer with parameters of an `nn.Sequential`), then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    if isinstance(model, nn.Sequential):
+        blocks = [m for m in model if any(True for _ in m.parameters())]
+    else:
+        blocks = [b for m in model.children() if isinstance(m, nn.ModuleList) for b in m]
+    for block in blocks:
+        fully_shard(block)
+    return fully_shard(model)

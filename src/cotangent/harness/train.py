@@ -70,12 +70,15 @@ from cotangent.harness.data import (
     eval_windows,
 )
 from cotangent.harness.factorial import BatchedNormsOnly
-from cotangent.harness.model import MODEL_CONFIGS, build_model
+from cotangent.harness.model import MODEL_CONFIGS, build_model, shard_fsdp2
 from cotangent.harness.schema import setting
 from cotangent.harness.packed import PackedAdamW
 
 BITWISE_ARMS = ("native", "cotangent", "batched-norms-only", "packing-only", "packed",
-                "cotangent-zero1")
+                "cotangent-zero1", "native-fsdp2", "cotangent-fsdp2")
+# FSDP2 arms: the model `fully_shard`ed (`shard_fsdp2`), native's clip + fused AdamW or
+# cotangent.AdamW on the DTensor parameters; data-parallel only
+FSDP2_ARMS = ("native-fsdp2", "cotangent-fsdp2")
 # Study arm -> (the recurrent model's sharing, the OccurrenceAggregator mode or None).
 STUDY_ARMS: dict[str, tuple[str, str | None]] = {
     "U": ("untied", None), "S": ("shared", None), "P": ("replicated", "pooled"),
@@ -383,8 +386,15 @@ class Arm:
         if name == "cotangent-zero1" and data_parallel is None:
             raise ValueError("the cotangent-zero1 arm shards the optimizer state over ranks: "
                              "run it data-parallel (--nproc N or torchrun)")
+        if name in FSDP2_ARMS and data_parallel is None:
+            raise ValueError(f"the {name} arm shards the model over ranks (fully_shard): run "
+                             "it data-parallel (--nproc N or torchrun)")
+        if name in FSDP2_ARMS and cfg.compile:
+            raise ValueError(f"the {name} arm does not run under torch.compile here: leave "
+                             "compile off")
         check_study_arms([name], cfg.model)
         self.name = name
+        self.fsdp2 = False
         self.update = None
         self.aggregator = None
         self.occurrence: dict | None = None
@@ -399,11 +409,15 @@ class Arm:
                 self.forward = torch.compile(self.forward)
             return
         self.model = build_model(cfg.model, cfg.seed).to(device)
+        self.init_sha256 = records.model_sha256(self.model)
+        self.fsdp2 = name in FSDP2_ARMS
+        if self.fsdp2:  # every parameter a DTensor, this rank's shard local
+            shard_fsdp2(self.model)
         params = list(self.model.parameters())
         self.forward = self.model
         kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
                   fused=True)
-        if name == "native":
+        if name in ("native", "native-fsdp2"):
             self.update = cotangent.ReferenceUpdate(params, max_norm=cfg.max_norm, **kw)
             self.optimizer = self.update.optimizer
         elif name == "batched-norms-only":
@@ -421,7 +435,7 @@ class Arm:
                     shard="zero1" if name == "cotangent-zero1" else None, **kw)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, cfg.steps))
-        if data_parallel is not None:  # gradients averaged over the ranks in backward
+        if data_parallel is not None and not self.fsdp2:  # gradients averaged in backward
             self.forward = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[device.index] if device.type == "cuda" else None)
         if cfg.compile:  # after packing: PackedAdamW moves parameter storage
@@ -433,6 +447,7 @@ class Arm:
 
         sharing, mode = STUDY_ARMS[name]
         self.model = build_model(cfg.model, cfg.seed, sharing=sharing).to(device)
+        self.init_sha256 = records.model_sha256(self.model)
         muon_params = self.model.matrix_parameters()
         if mode is not None:  # its pooled leaves join the optimizer
             self.aggregator = OccurrenceAggregator(self.model.occurrence_groups(), mode)
@@ -450,6 +465,22 @@ class Arm:
         # every group's lr: its own peak (initial_lr) * lr_factor, as for the bitwise arms
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: lr_factor(s, cfg.steps))
+
+    def eval_parallel(self, dp: DataParallel | None) -> DataParallel | None:
+        """What `evaluate_bpb` gets as `data_parallel` for this arm: `dp`, except for an FSDP2
+        arm, whose sharded forward (its all-gathers) must run alike on every rank: there every
+        rank evaluates every window (None)."""
+        return None if self.fsdp2 else dp
+
+    def state_sha256(self) -> str:
+        """The model's SHA-256 now (`records.model_sha256`); an FSDP2 arm's over its full
+        parameters, each gathered from every rank (a collective: every rank calls it)."""
+        if not self.fsdp2:
+            return records.model_sha256(self.model)
+        from cotangent import dtensor
+
+        return records.state_sha256({k: v.full_tensor() if dtensor.is_dtensor(v) else v
+                                     for k, v in self.model.state_dict().items()})
 
     def study_record(self) -> dict | None:
         """metadata.json's `study` entry (None for a bitwise arm)."""
@@ -797,7 +828,7 @@ def _start_records(run: _Run, arms: dict[str, Arm], corpus: Corpus, env: dict, p
             "native_path": None if name in STUDY_ARMS else NATIVE_PATH,
             "parameters": n_params,
             "tensors": n_tensors,
-            "init_model_sha256": records.model_sha256(arm.model),
+            "init_model_sha256": arm.init_sha256,
             "schedule_sha256": schedule_sha256(cfg, name),
             "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
             "command": sys.argv,
@@ -943,7 +974,7 @@ def _train_loop(run: _Run, arms: dict[str, Arm], samplers: dict[str, WindowSampl
             if probe is not None and (step + 1) % cfg.eval_every == 0:
                 bpb, _ = evaluate_bpb(arms[name].model, probe, batch=cfg.eval_batch,
                                       device=run.device, autocast=run.autocast,
-                                      data_parallel=run.data_parallel)
+                                      data_parallel=arms[name].eval_parallel(run.data_parallel))
                 curves.add(name, {"probe": len(curves.probes[name]), "step": step + 1,
                                   "probe_bpb": bpb, "training_s": curves.trained_s[name],
                                   "elapsed_s": time.perf_counter() - run.t_start})
@@ -1022,9 +1053,11 @@ def _summarize_arm(run: _Run, name: str, arm: Arm, curves: _Curves, windows: dic
     columns."""
     cfg, device, dp = run.cfg, run.device, run.data_parallel
     val_bpb, val_targets = evaluate_bpb(arm.model, windows["valid"], batch=cfg.eval_batch,
-                                        device=device, autocast=run.autocast, data_parallel=dp)
+                                        device=device, autocast=run.autocast,
+                                        data_parallel=arm.eval_parallel(dp))
     test_bpb, test_targets = evaluate_bpb(arm.model, windows["test"], batch=cfg.eval_batch,
-                                          device=device, autocast=run.autocast, data_parallel=dp)
+                                          device=device, autocast=run.autocast,
+                                          data_parallel=arm.eval_parallel(dp))
     steps = [r for r in curves.rows[name] if "loss_bpb" in r]
     step_s = [r["step_s"] for r in steps]
     update_s = [r["update_s"] for r in steps]
@@ -1061,7 +1094,7 @@ def _summarize_arm(run: _Run, name: str, arm: Arm, curves: _Curves, windows: dic
         "val_targets": val_targets,
         "test_bpb": test_bpb,
         "test_targets": test_targets,
-        "final_model_sha256": records.model_sha256(arm.model),
+        "final_model_sha256": arm.state_sha256(),
         "peak_rss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,
         "run_dir": str(run.root / name),
         # machine load while the steps were timed, and the timing flags (contention.py)
