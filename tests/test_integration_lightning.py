@@ -595,3 +595,89 @@ def test_param_groups_need_the_clip_order_lightning_uses(mixin):
               gradient_clip_val=1.0 if mixin else None)
     assert_same_run(reference, run, "param groups, clip_order='param_groups'")
     assert_norms_match(reference, run, "param groups, clip_order='param_groups'")
+
+
+MODEL_PARALLEL_SCRIPT = '''\
+import hashlib, sys, warnings
+warnings.filterwarnings("ignore")
+import torch
+import pytorch_lightning as pl
+from pytorch_lightning.strategies import ModelParallelStrategy
+from torch.distributed.fsdp import fully_shard
+import cotangent
+from cotangent.integrations.lightning import CotangentClipping
+
+optimizer, clip = sys.argv[1], float(sys.argv[2])
+
+
+class Model(CotangentClipping, pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = torch.nn.Sequential(torch.nn.Linear(16, 33), torch.nn.GELU(),
+                                       torch.nn.Linear(33, 8))
+
+    def configure_model(self):  # FSDP2 over the strategy's data-parallel mesh, per layer + root
+        mesh = self.device_mesh["data_parallel"]
+        for layer in self.net:
+            if any(True for _ in layer.parameters()):
+                fully_shard(layer, mesh=mesh)
+        fully_shard(self.net, mesh=mesh)
+
+    def training_step(self, batch, i):
+        return self.net(batch).square().mean()
+
+    def configure_optimizers(self):
+        if optimizer == "native":
+            return torch.optim.AdamW(self.parameters(), lr=1e-2, fused=True)
+        return cotangent.AdamW(self.parameters(), lr=1e-2, fused=True, max_norm=clip)
+
+
+data = torch.utils.data.DataLoader(torch.randn(48, 16, generator=torch.Generator().manual_seed(1)),
+                                   batch_size=4)
+trainer = pl.Trainer(accelerator="cpu", devices=2, max_steps=5, gradient_clip_val=clip or None,
+                     strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False)
+model = Model()
+trainer.fit(model, data)
+h = hashlib.sha256()
+for name, t in model.net.state_dict().items():
+    assert type(t).__name__ == "DTensor", (name, type(t))
+    h.update(t.full_tensor().detach().contiguous().view(torch.uint8).numpy().tobytes())
+print("HASH", trainer.global_rank, h.hexdigest())
+'''
+
+
+def _model_parallel_hashes(tmp_path, optimizer: str, clip: float) -> list[str]:
+    """Each rank's SHA-256 of the full final parameters of a 2-rank ModelParallelStrategy fit
+    (torchrun, gloo), in a subprocess that a hung rank cannot outlive."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "model_parallel.py"
+    script.write_text(MODEL_PARALLEL_SCRIPT)
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                        "MASTER_PORT")}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           "--nproc-per-node", "2", str(script), optimizer, str(clip)],
+                          env=env, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = sorted(line.split() for line in proc.stdout.splitlines() if line.startswith("HASH"))
+    assert [rank for _, rank, _ in lines] == ["0", "1"], proc.stdout
+    return [h for _, _, h in lines]
+
+
+@pytest.mark.slow
+def test_model_parallel_strategy_fsdp2_is_native(tmp_path):
+    """Lightning's `ModelParallelStrategy` (2 CPU ranks, gloo, FSDP2 applied in
+    `configure_model`): `cotangent.AdamW(max_norm=c)` with ``gradient_clip_val=c`` (the
+    `CotangentClipping` mixin) ends with the full parameters of native fused
+    `torch.optim.AdamW` under Lightning's own clip, on both ranks; without the clip native
+    ends elsewhere (the clip is active, so the comparison can fail)."""
+    native = _model_parallel_hashes(tmp_path, "native", 0.05)
+    ours = _model_parallel_hashes(tmp_path, "cotangent", 0.05)
+    unclipped = _model_parallel_hashes(tmp_path, "native", 0.0)
+    assert native[0] == native[1] and ours == native
+    assert unclipped[0] != native[0]
