@@ -54,14 +54,20 @@ def recorded(monkeypatch):
     return keys
 
 
-def _variant(module, name: str, old: str, new: str):
+def _variant(module, name: str, old: str, new: str, body: str | None = None):
     """`module.name` recompiled from its source with `old` replaced by `new` (a strengthened
     probe, as a new release would ship it), in a copy of the module's namespace so that the
-    function names itself as its probe."""
-    source = textwrap.dedent(inspect.getsource(getattr(module, name)))
-    assert old in source
+    function names itself as its probe. `body`: the function holding the probe's code, which
+    `name` runs through `calibration.verdict`; it gets the edit, and `name` is recompiled
+    beside it so that it runs (and names) the edited one."""
     namespace = dict(vars(module))
-    exec(compile(source.replace(old, new), inspect.getfile(module), "exec"), namespace)
+    edited = body or name
+    for fn in ([edited, name] if body else [name]):
+        source = textwrap.dedent(inspect.getsource(getattr(module, fn)))
+        if fn == edited:
+            assert old in source
+            source = source.replace(old, new)
+        exec(compile(source, inspect.getfile(module), "exec"), namespace)
     return namespace[name]
 
 
@@ -108,8 +114,10 @@ def test_a_probe_changed_in_a_value_it_feeds_runs_again(fresh_cache, recorded, m
 
 
 @pytest.mark.parametrize("probe, old, new", [
-    (("merge", "direct_fused_is_exact"), "manual_seed(7)", "manual_seed(8)"),
-    (("norms", "flat_multiply_is_exact"), "manual_seed(99)", "manual_seed(98)"),
+    (("merge", "direct_fused_is_exact", "_direct_fused_probe"), "manual_seed(7)",
+     "manual_seed(8)"),
+    (("norms", "flat_multiply_is_exact", "_flat_multiply_probe"), "manual_seed(99)",
+     "manual_seed(98)"),
 ])
 def test_every_kind_of_probe_key_follows_its_code(probe, old, new, fresh_cache, recorded):
     module = {"merge": merge, "norms": norms}[probe[0]]
@@ -119,7 +127,7 @@ def test_every_kind_of_probe_key_follows_its_code(probe, old, new, fresh_cache, 
     getattr(module, probe[1])(*args)
     getattr(module, probe[1])(*args)
     assert len(recorded) == 1
-    _variant(module, probe[1], old, new)(*args)
+    _variant(module, probe[1], old, new, body=probe[2])(*args)
     assert len(recorded) == 2 and recorded[0] != recorded[1]
 
 

@@ -1,8 +1,9 @@
 """Calibration verdicts: cached in memory and in a user cache file, and the probes' test values.
 
-Every probe verdict (`cotangent.norms`, `cotangent.merge`, `cotangent.muon`,
-`cotangent.singlepass`, the harness's `packed.tracking`) is keyed by everything its bits depend on and
-everything that decides what the probe checks (`full_key`): the probe kind and its own arguments
+Every probe (`cotangent.norms`, `cotangent.merge`, `cotangent.muon_batched`,
+`cotangent.singlepass`, the harness's `packed.tracking`) runs through `verdict` (the cached
+verdict, else the probe's, recorded) and compares with `same_bytes`. Each verdict is keyed by
+everything its bits depend on and everything that decides what the probe checks (`full_key`): the probe kind and its own arguments
 (device type, dtype, lengths, ...); the machine (CPU vector ISA class and the CPU model: vendor,
 family, model, stepping and microcode, `cpu_model`; or the CUDA device name and compute
 capability); the torch version, Cotangent's version and the ATen thread count; and a hash of the
@@ -28,6 +29,7 @@ import struct
 import sys
 import tempfile
 import types
+from collections.abc import Callable
 from functools import cache
 from pathlib import Path
 
@@ -307,6 +309,30 @@ def record(key: str, verdict: bool) -> None:
         os.replace(tmp, path)
     except OSError:
         pass  # a read-only home directory: verdicts stay in memory
+
+
+def verdict(key: str, run: Callable[[], bool | None]) -> bool:
+    """The one way a probe runs: the verdict cached for `key` (a `full_key`), else `run()`'s,
+    recorded in memory and in the cache file (`record`). `run` compares native against the
+    candidate on the probe's data (bytes, `same_bytes`) and returns True or False; None means
+    the probe could not run here: False is returned and nothing is recorded, so a later process
+    probes again."""
+    cached = lookup(key)
+    if cached is not None:
+        return cached
+    found = run()
+    if found is None:
+        return False
+    record(key, found)
+    return bool(found)
+
+
+def same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` have the same dtype, shape and bytes (a NaN's payload and a zero's
+    sign included): the probes' one comparison."""
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and torch.equal(a.reshape(-1).contiguous().view(torch.uint8),
+                            b.reshape(-1).contiguous().view(torch.uint8)))
 
 
 def table() -> list[dict]:

@@ -95,7 +95,7 @@ def merge_key(kind: str, device: torch.device, dtype: torch.dtype, numel: int,
         kind, dtype, numel, "amsgrad" if group["amsgrad"] else "-",
         "maximize" if group["maximize"] else "-", decay_kind(group),
         "tensor_lr" if torch.is_tensor(group["lr"]) else "float_lr"),
-        probe=(merge_is_exact, run_native_adamw))
+        probe=(merge_is_exact, _merge_probe, run_native_adamw))
 
 
 def decay_kind(group: dict) -> str:
@@ -129,10 +129,12 @@ def merge_is_exact(kind: str, device: torch.device, dtype: torch.dtype, numel: i
     """
     if has_nan_scalar(group):
         return False
-    key = merge_key(kind, device, dtype, numel, group)
-    cached = calibration.lookup(key)
-    if cached is not None:
-        return cached
+    return calibration.verdict(merge_key(kind, device, dtype, numel, group),
+                               lambda: _merge_probe(kind, device, dtype, numel, group))
+
+
+def _merge_probe(kind: str, device: torch.device, dtype: torch.dtype, numel: int,
+                 group: dict) -> bool:
     limit = max_range_elements(kind)
     align = align_elements(dtype)
     row = -(-numel // align) * align
@@ -140,7 +142,6 @@ def merge_is_exact(kind: str, device: torch.device, dtype: torch.dtype, numel: i
     if limit is not None:
         rows = min(rows, (limit - align) // (row + align))
     if numel == 0 or rows < 2:
-        calibration.record(key, False)
         return False
     # rows at alternating offsets: odd rows get one extra alignment unit before them
     offsets, size = [], 0
@@ -176,11 +177,10 @@ def merge_is_exact(kind: str, device: torch.device, dtype: torch.dtype, numel: i
                 g = g0.clone()
                 run_native_adamw(kind, views(p), views(g), views(m), views(v),
                                  views(vmax) if group["amsgrad"] else [], steps, group=probe_group)
-                snapshots += [torch.cat([t[o:o + numel] for o in offsets]) for t in (p, m, v, vmax)]
+                snapshots += [torch.cat([t[o:o + numel] for o in offsets])
+                              for t in (p, m, v, vmax)]
             results.append(snapshots)
-        verdict = verdict and all(
-            torch.equal(a.view(torch.uint8), b.view(torch.uint8)) for a, b in zip(*results))
-    calibration.record(key, verdict)
+        verdict = verdict and all(map(calibration.same_bytes, *results))
     return verdict
 
 
@@ -208,10 +208,11 @@ def direct_fused_is_exact(device: torch.device, dtype: torch.dtype, group: dict)
         dtype, "amsgrad" if group["amsgrad"] else "-", "maximize" if group["maximize"] else "-",
         decay_kind(group),
         "tensor_lr" if torch.is_tensor(group["lr"]) else "float_lr"),
-        probe=(direct_fused_is_exact, run_direct_fused, run_native_adamw))
-    cached = calibration.lookup(key)
-    if cached is not None:
-        return cached
+        probe=(direct_fused_is_exact, _direct_fused_probe, run_direct_fused, run_native_adamw))
+    return calibration.verdict(key, lambda: _direct_fused_probe(device, dtype, group))
+
+
+def _direct_fused_probe(device: torch.device, dtype: torch.dtype, group: dict) -> bool:
     lengths = list(range(1, 41)) + [63, 64, 65, 1000]
     gen = torch.Generator().manual_seed(7)
     start = [torch.randn(n, generator=gen).to(dtype).to(device) for n in lengths]
@@ -236,7 +237,4 @@ def direct_fused_is_exact(device: torch.device, dtype: torch.dtype, group: dict)
                 run_native_adamw("fused", *args, group=probe_group)
             snapshots += [t.clone() for t in p + m + v + vmax + steps]
         results.append(snapshots)
-    verdict = all(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
-                  for a, b in zip(*results))
-    calibration.record(key, verdict)
-    return verdict
+    return all(map(calibration.same_bytes, *results))

@@ -127,12 +127,8 @@ def batched_step_is_exact(device: torch.device, dtype: torch.dtype, n: int, rows
     the group's lr and a second lr; bytes of parameters, momentum buffers and gradients
     compared. Cached (`cotangent.calibration`, key kind "muon-batched-v4")."""
     hyper = hyper_of(group)
-    key = batched_key(device, dtype, n, rows, cols, hyper)
-    verdict = calibration.lookup(key)
-    if verdict is None:
-        verdict = _probe(device, dtype, n, rows, cols, group["lr"], hyper)
-        calibration.record(key, verdict)
-    return verdict
+    return calibration.verdict(batched_key(device, dtype, n, rows, cols, hyper),
+                               lambda: _probe(device, dtype, n, rows, cols, group["lr"], hyper))
 
 
 def batched_key(device: torch.device, dtype: torch.dtype, n: int, rows: int, cols: int,

@@ -61,12 +61,7 @@ def _probe_values(count: int, dtype: torch.dtype, trial: int) -> Tensor:
 SPECIAL_TRIAL = _PROBE_TRIALS - 1  # the trial whose rows also hold inf, NaN and signed zeros
 
 
-def _bytes_equal(a: Tensor, b: Tensor) -> bool:
-    """Bitwise equality (never `torch.equal`, which calls -0.0 == +0.0 and NaN != NaN)."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        return False
-    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8),
-                       b.reshape(-1).contiguous().view(torch.uint8))  # (0-dim tensors too)
+_bytes_equal = calibration.same_bytes  # (not `torch.equal` on values: -0.0 == 0.0, NaN != NaN)
 
 
 def bucket_norm_is_exact(
@@ -80,13 +75,14 @@ def bucket_norm_is_exact(
 ) -> bool:
     """Whether one 2-D row-norm call equals native per-tensor norms for this bucket shape.
 
-    The probe lays out `rows` tensors of `numel` elements `row_stride` apart in a fresh buffer on
-    `device` (64-byte aligned, like the flat buffers) and compares, byte for byte, the rows of
-    `torch.linalg.vector_norm(matrix, norm_type, dim=1)` with native per-tensor norms of separately
-    allocated copies, on four probe distributions (the last with inf, -inf, NaN, signed zeros and
-a subnormal sprinkled over the rows, so that NaN payloads are compared too). It also checks that native norms of the views
-    equal those of the copies (the per-tensor fallback relies on it). The verdict is cached per
-    (device type, dtype, numel, rows, row_stride, norm_type, native path) and the environment
+    The probe lays out `rows` tensors of `numel` elements `row_stride` apart in a fresh buffer
+    on `device` (64-byte aligned, like the flat buffers) and compares, byte for byte, the rows
+    of `torch.linalg.vector_norm(matrix, norm_type, dim=1)` with native per-tensor norms of
+    separately allocated copies, on four probe distributions (the last with inf, -inf, NaN,
+    signed zeros and a subnormal sprinkled over the rows, so that NaN payloads are compared
+    too). It also checks that native norms of the views equal those of the copies (the
+    per-tensor fallback relies on it). The verdict is cached per (device type, dtype, numel,
+    rows, row_stride, norm_type, native path) and the environment
     (`cotangent.calibration.full_key`).
 
     Raises:
@@ -101,10 +97,13 @@ a subnormal sprinkled over the rows, so that NaN payloads are compared too). It 
     key = calibration.full_key("bucket_norm", device.type, (
         dtype, numel, rows, row_stride, float(norm_type),
         "_foreach_norm" if native_path else "vector_norm"),
-        probe=(bucket_norm_is_exact, _probe_values, native_tensor_norms))
-    cached = calibration.lookup(key)
-    if cached is not None:
-        return cached
+        probe=(bucket_norm_is_exact, _bucket_norm_probe, _probe_values,
+               native_tensor_norms))
+    return calibration.verdict(key, lambda: _bucket_norm_probe(
+        device, dtype, numel, rows, row_stride, norm_type, foreach))
+
+
+def _bucket_norm_probe(device, dtype, numel, rows, row_stride, norm_type, foreach) -> bool:
     verdict = True
     for trial in range(_PROBE_TRIALS):
         flat = _probe_values(rows * row_stride, dtype, trial).to(device)
@@ -117,13 +116,12 @@ a subnormal sprinkled over the rows, so that NaN payloads are compared too). It 
         on_views = torch.stack(native_tensor_norms(views, norm_type, foreach))
         if not _bytes_equal(native, on_views):
             raise RuntimeError(
-                f"native norms of views into a flat buffer differ from norms of separate tensors on "
-                f"{device.type} {dtype} (numel {numel}); packing cannot be bitwise equal here"
+                f"native norms of views into a flat buffer differ from norms of separate tensors "
+                f"on {device.type} {dtype} (numel {numel}); packing cannot be bitwise equal here"
             )
         if verdict:
             batched = torch.linalg.vector_norm(matrix, norm_type, dim=1)
             verdict = _bytes_equal(batched, native)
-    calibration.record(key, verdict)
     return verdict
 
 
@@ -144,10 +142,12 @@ def flat_multiply_is_exact(device: torch.device, dtype: torch.dtype, coef_dtype:
     """
     key = calibration.full_key("flat_clip_multiply", device.type,
                                (dtype, coef_dtype, "finite" if finite else "nonfinite"),
-                               probe=(flat_multiply_is_exact, _probe_values))
-    cached = calibration.lookup(key)
-    if cached is not None:
-        return cached
+                               probe=(flat_multiply_is_exact, _flat_multiply_probe, _probe_values))
+    return calibration.verdict(
+        key, lambda: _flat_multiply_probe(device, dtype, coef_dtype, finite))
+
+
+def _flat_multiply_probe(device, dtype, coef_dtype, finite) -> bool:
     align = align_elements(dtype)
     lengths = list(range(1, 41)) + [63, 64, 65, 127, 128, 129, 1000]
     offsets, total = [], 0
@@ -174,7 +174,6 @@ def flat_multiply_is_exact(device: torch.device, dtype: torch.dtype, coef_dtype:
         if not all(_bytes_equal(flat[o:o + n], t) for o, n, t in zip(offsets, lengths, copies)):
             verdict = False
             break
-    calibration.record(key, verdict)
     return verdict
 
 

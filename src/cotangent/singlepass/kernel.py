@@ -213,14 +213,25 @@ def emulation_matches(address: int, reference=torch.sqrt, *, patterns=EMULATION_
     (`calibration.cpu_model`) and the kernel build, so a machine pays the check once.
 
     Raises `SinglePassUnavailable` where the kernel cannot be built."""
+    if not (patterns is EMULATION_PATTERNS and reference is torch.sqrt):
+        return _emulation_check(address, reference, patterns, chunk)
+    key = calibration.full_key(EMULATION_KIND, "cpu", (build().key,),
+                               probe=(emulation_matches, _emulation_check, EMULATION_PATTERNS))
+
+    def timed() -> bool:
+        global _SQRT_CHECK_S
+        t0 = time.perf_counter()
+        try:
+            return _emulation_check(address, reference, patterns, chunk)
+        finally:
+            _SQRT_CHECK_S += time.perf_counter() - t0
+
+    return calibration.verdict(key, timed)
+
+
+def _emulation_check(address: int, reference, patterns, chunk: int) -> bool:
+    """`emulation_matches`' comparison itself, uncached."""
     lib = _lib()
-    key = None
-    if patterns is EMULATION_PATTERNS and reference is torch.sqrt:
-        key = calibration.full_key(EMULATION_KIND, "cpu", (build().key,),
-                                   probe=(emulation_matches, EMULATION_PATTERNS))
-        cached = calibration.lookup(key)
-        if cached is not None:
-            return cached
     t0 = time.perf_counter()
     verdict, count = True, 0
     offsets = torch.arange(chunk, dtype=torch.int32)
@@ -239,13 +250,9 @@ def emulation_matches(address: int, reference=torch.sqrt, *, patterns=EMULATION_
                 break
         if not verdict:
             break
-    seconds = time.perf_counter() - t0
     _log.info("emulated MKL square root against torch.sqrt over %s float32 inputs: %s "
-              "(%.2f s)", f"{count:,}", "same bits" if verdict else "differs", seconds)
-    if key is not None:
-        global _SQRT_CHECK_S
-        _SQRT_CHECK_S += seconds
-        calibration.record(key, verdict)
+              "(%.2f s)", f"{count:,}", "same bits" if verdict else "differs",
+              time.perf_counter() - t0)
     return verdict
 
 

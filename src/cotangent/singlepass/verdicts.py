@@ -26,7 +26,6 @@ def norms_proven(team_now=None) -> bool:
     switched on and available, the OpenMP team computes under one set of float modes with
     exceptions masked, and a `norms_match_native` probe passed for this build, float modes
     and thread count (cached in memory and in the calibration file like every probe)."""
-    global _PROBES, _PROBE_S
     if not switched_on() or unavailable_reason() is not None:
         return False
     size, modes = (team_now or kernel.team)()
@@ -38,16 +37,9 @@ def norms_proven(team_now=None) -> bool:
         parts = (f"build-{kernel.build().key}", f"mxcsr{modes[0]:#x}", f"team{size}")
         key = calibration.full_key(NORM_PROBE_KIND, "cpu", parts,
                                    probe=(probes.norms_match_native, probes.norm_probe_tensors))
-        verdict = calibration.lookup(key)
-        if verdict is None:
-            _PROBES += 1
-            t0 = time.perf_counter()
-            verdict = probes.norms_match_native()
-            _PROBE_S += time.perf_counter() - t0
-            calibration.record(key, verdict)
-            if not verdict:
-                kernel._log.info("the kernel's norms differ from native's for %s: native norms",
-                                 key)
+        verdict = _run_probe(key, probes.norms_match_native)
+        if not verdict:
+            kernel._log.info("the kernel's norms differ from native's for %s: native norms", key)
         _VERDICTS[memo] = verdict
     return verdict
 
@@ -244,34 +236,40 @@ def proven(kind: str, group: dict, parts: tuple, clip_coef: float | None = None,
     and `clip_coef` (about 50 ms
     on a 2-core CPU), recorded like every other probe. A probe that raises gives False (kept
     in memory only)."""
-    global _PROBES, _PROBE_S
     memo = parts + (torch.get_num_threads(),)
     verdict = _VERDICTS.get(memo)
     if verdict is not None:
         return verdict
     key = calibration.full_key(PROBE_KIND, "cpu", parts, probe=probes._probe_code())
-    verdict = calibration.lookup(key)
-    if verdict is None:
-        beta1, beta2 = group["betas"]
-        lr = group["lr"]
+    beta1, beta2 = group["betas"]
+    lr = group["lr"]
+    verdict = _run_probe(key, lambda: probes.matches_native(
+        implementation=kind, lr=lr.clone() if isinstance(lr, Tensor) else lr,
+        beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+        maximize=bool(group["maximize"]), amsgrad=bool(group["amsgrad"]),
+        clip_coef=clip_coef, dtype=dtype))
+    if not verdict:
+        kernel._log.info("single-pass AdamW does not match native for %s: native path", key)
+    _VERDICTS[memo] = verdict
+    return verdict
+
+
+def _run_probe(key: str, run) -> bool:
+    """`calibration.verdict(key, run)`, the probe counted in `_PROBES` and timed in `_PROBE_S`
+    when it runs; a probe that raises proves nothing: False, kept in memory only (logged)."""
+    def counted() -> bool | None:
+        global _PROBES, _PROBE_S
         _PROBES += 1
         t0 = time.perf_counter()
         try:
-            verdict = probes.matches_native(
-                implementation=kind, lr=lr.clone() if isinstance(lr, Tensor) else lr,
-                beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-                maximize=bool(group["maximize"]), amsgrad=bool(group["amsgrad"]),
-                clip_coef=clip_coef, dtype=dtype)
-            calibration.record(key, verdict)
+            return run()
         except Exception as e:  # noqa: BLE001 - a probe that cannot run proves nothing
             kernel._log.info("single-pass probe raised for %s: %r", key, e)
-            verdict = False
+            return None
         finally:
             _PROBE_S += time.perf_counter() - t0
-        if not verdict:
-            kernel._log.info("single-pass AdamW does not match native for %s: native path", key)
-    _VERDICTS[memo] = verdict
-    return verdict
+
+    return calibration.verdict(key, counted)
 
 
 def forget_verdicts() -> None:

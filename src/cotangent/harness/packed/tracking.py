@@ -482,15 +482,14 @@ def accumulate_into_negative_zero_is_exact(device: torch.device, dtype: torch.dt
     values (`calibration.sprinkle_special_values`) into -0.0, bytes compared; cached."""
     key = calibration.full_key("accumulate_into_negative_zero", device.type, (dtype,),
                                probe=accumulate_into_negative_zero_is_exact)
-    cached = calibration.lookup(key)
-    if cached is not None:
-        return cached
-    gen = torch.Generator().manual_seed(5)
-    values = torch.randn(64, 67, generator=gen).to(dtype)
-    sprinkle_special_values(list(values.unbind(0)))
-    values = values.to(device)
-    buf = torch.full_like(values, -0.0)
-    buf.add_(values)  # AccumulateGrad's in-place `grad += new_grad`
-    verdict = torch.equal(buf.view(torch.uint8), values.view(torch.uint8))
-    calibration.record(key, verdict)
-    return verdict
+
+    def probe() -> bool:
+        gen = torch.Generator().manual_seed(5)
+        values = torch.randn(64, 67, generator=gen).to(dtype)
+        sprinkle_special_values(list(values.unbind(0)))
+        values = values.to(device)
+        buf = torch.full_like(values, -0.0)
+        buf.add_(values)  # AccumulateGrad's in-place `grad += new_grad`
+        return calibration.same_bytes(buf, values)
+
+    return calibration.verdict(key, probe)
