@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import pytest
 from cotangent import calibration
 from cotangent.harness import cli, schema
+from cotangent.harness.commands import calibrate
+from cotangent.harness.commands import train as commands_train
 from cotangent.harness.campaign import Protocol
 from cotangent.harness.schema import setting
 from cotangent.harness.train import TrainConfig
@@ -33,24 +35,24 @@ def test_calibrate_lists_only_the_verdicts_of_that_models_layout(tmp_path, monke
     foreign = calibration.full_key("bucket_norm", "cpu", ("torch.float32", 123457, 3, 2.0),
                                    probe=bucket_norm_is_exact)
     calibration.record(foreign, True)
-    assert foreign in {cli.calibration_key(r) for r in calibration.table()}
+    assert foreign in {calibrate.calibration_key(r) for r in calibration.table()}
 
     lines, rows = _calibrate("tiny-transformer", capsys)
-    keys = {cli.calibration_key(r) for r in rows}
+    keys = {calibrate.calibration_key(r) for r in rows}
     assert rows and foreign not in keys
     assert not any("123457" in line for line in lines)
     assert f"{len(rows)} verdicts used by tiny-transformer" in "\n".join(lines)
-    every = {cli.calibration_key(r) for r in calibration.table()}
+    every = {calibrate.calibration_key(r) for r in calibration.table()}
     assert keys < every  # a strict subset: the cache holds more than this model uses
 
     _, conv_rows = _calibrate("tiny-causal-conv", capsys)
-    conv_keys = {cli.calibration_key(r) for r in conv_rows}
+    conv_keys = {calibrate.calibration_key(r) for r in conv_rows}
     assert conv_keys and foreign not in conv_keys
     # cotangent.AdamW packs nothing: its verdicts follow the settings, not the model's layout
     assert conv_keys == keys
     # run again from the cache: the same verdicts, none dropped, none added
     _, again = _calibrate("tiny-transformer", capsys)
-    assert {cli.calibration_key(r) for r in again} == keys
+    assert {calibrate.calibration_key(r) for r in again} == keys
 
 
 @pytest.mark.e2e
@@ -188,6 +190,6 @@ def test_train_help_comes_from_the_field_descriptions(capsys):
         cli.main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
     specs = schema.specs(TrainConfig)
-    for name in cli.TRAIN_FLAGS:
+    for name in commands_train.TRAIN_FLAGS:
         assert " ".join(specs[name].doc.split()) in text, name
     assert "--batch-size BATCH_SIZE" in text and "{cpu,cuda,mps}" in text
