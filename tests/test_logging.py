@@ -173,7 +173,7 @@ def test_event_files_are_closed_when_the_run_stops(tmp_path, monkeypatch, closes
         calls.append(arm)
         return real_step(run, arm, sampler, step, host)
 
-    monkeypatch.setattr(train, "_train_step", stopping_step)
+    monkeypatch.setattr(train.loop, "_train_step", stopping_step)
     cfg = TrainConfig(model="tiny", steps=4, val_bytes=512, eval_batch=16,
                       out=str(tmp_path / "runs"))
     with pytest.raises(stop):
@@ -199,7 +199,7 @@ def test_ctrl_c_through_the_command_keeps_the_event_files(tmp_path, data, monkey
             raise KeyboardInterrupt
         return real_step(run, arm, sampler, step, host)
 
-    monkeypatch.setattr(train, "_train_step", interrupted)
+    monkeypatch.setattr(train.loop, "_train_step", interrupted)
     assert cli.main(["train", *TINY, *data, "--steps", "4", "--out", str(tmp_path / "runs"),
                      "--tensorboard", str(tmp_path / "tb")]) == 130
     assert "interrupted" in capsys.readouterr().err

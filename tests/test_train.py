@@ -609,7 +609,7 @@ def test_ranks_that_disagree_fail_the_comparison(monkeypatch):
         out[0] = obj
         out[1] = {**obj, "cotangent": "0" * 64}
 
-    monkeypatch.setattr(train.dist, "all_gather_object", gather)
+    monkeypatch.setattr(torch.distributed, "all_gather_object", gather)
     result = {"native": {"final_model_sha256": "a" * 64},
               "cotangent": {"final_model_sha256": "a" * 64}}
     train._compare_ranks(result, ("native", "cotangent"), dp)

@@ -1,0 +1,191 @@
+"""What a `cotangent train` run is: its arms, settings (`TrainConfig`), their checks, the
+learning-rate schedule."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+from cotangent.harness import schema
+from cotangent.harness.model import MODEL_CONFIGS
+from cotangent.harness.schema import setting
+
+
+BITWISE_ARMS = ("native", "cotangent", "batched-norms-only", "packing-only", "packed",
+                "cotangent-zero1", "native-fsdp2", "cotangent-fsdp2")
+
+
+# FSDP2 arms: the model `fully_shard`ed (`shard_fsdp2`), native's clip + fused AdamW or
+# cotangent.AdamW on the DTensor parameters; data-parallel only
+FSDP2_ARMS = ("native-fsdp2", "cotangent-fsdp2")
+
+
+# Study arm -> (the recurrent model's sharing, the OccurrenceAggregator mode or None).
+STUDY_ARMS: dict[str, tuple[str, str | None]] = {
+    "U": ("untied", None), "S": ("shared", None), "P": ("replicated", "pooled"),
+    "A": ("replicated", "averaged"), "AP": ("replicated", "ap"), "PA": ("replicated", "pa")}
+
+
+TRAIN_ARMS = BITWISE_ARMS + tuple(STUDY_ARMS)
+
+
+DEFAULT_ARMS = ("native", "cotangent")
+
+
+OCCURRENCE_KEYS = ("pooled_norm", "averaged_norm", "target_norm", "realized_norm",
+                   "relative_norm_mismatch", "cosine", "sync_error", "autograd_order")
+
+
+NATIVE_PATH = "clip_grad_norm_(foreach=None) + torch.optim.AdamW(fused=True)"
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class TrainConfig:
+    """One `cotangent train` run (all its arms). Each field's type, bounds or choices and
+    meaning are declared once (`cotangent.harness.schema`): `validate_config`, the CLI's flags
+    and a campaign protocol's `[train]` table are all checked against them."""
+
+    model: str = setting("byte-level model (cotangent.harness.model)", "transformer-small",
+                         choices=tuple(sorted(MODEL_CONFIGS)))
+    steps: int = setting("optimizer updates per arm", 300, low=1)
+    seed: int = setting("model init: torch.manual_seed(seed); windows: "
+                        "default_rng(seed + 100000 + rank * 2**63), rank 0 in a single "
+                        "process", 0, low=0, high=2**63 - 100_000,
+                        high_open=True, want="an integer in [0, 2**63 - 100000)")
+    batch_size: int = setting("windows per step, each context + 1 bytes", 8, low=1)
+    lr: float = setting("peak learning rate", 1e-3, low=0.0)
+    betas: tuple[float, float] = setting("AdamW betas", (0.9, 0.95), low=0.0, high=1.0,
+                                         high_open=True)
+    eps: float = setting("AdamW eps", 1e-8, low=0.0)
+    weight_decay: float = setting("AdamW decoupled weight decay", 0.1, low=0.0)
+    max_norm: float = setting("gradient clipping threshold (global L2 norm)", 1.0, low=0.0)
+    device: str = setting("device type", "cpu", choices=("cpu", "cuda", "mps"))
+    precision: str = setting("auto: fp32 on CPU, bf16 autocast (fp32 weights) on cuda/mps",
+                             "auto", choices=("auto", "fp32", "bf16"))
+    val_bytes: int = setting("final valid and test BPB on the first this many bytes; 0 = all",
+                             131_072, low=0)
+    eval_every: int = setting("probe BPB on the held-out last 5% of train every this many "
+                              "steps; 0 = never", 0, low=0)
+    probe_bytes: int = setting("bytes of that held-out tail each probe evaluates", 65_536,
+                               low=1)
+    eval_batch: int = setting("windows per evaluation forward pass", 16, low=1)
+    compile: bool = setting("torch.compile the model (the update phase stays outside it)",
+                            False)
+    out: str = setting("parent directory of run directories", "runs")
+    arms: tuple[str, ...] = setting("which arms, trained interleaved; the first is the "
+                                    "baseline", DEFAULT_ARMS, choices=TRAIN_ARMS, min_items=1,
+                                    distinct=True)
+    # The study arms (U, S, P, A, AP, PA): cotangent.MuonAdamW settings (nanochat's defaults,
+    # without its (width / 768) ** -0.5 scaling of the AdamW lrs); lr, betas, eps,
+    # weight_decay and max_norm above are the bitwise arms' and do not apply to them.
+    muon_lr: float = setting("study arms: peak Muon lr (block matrices)", 0.02, low=0.0)
+    muon_momentum: float = setting("study arms: Muon Nesterov momentum", 0.95, low=0.0,
+                                   high=1.0, high_open=True)
+    muon_ns_steps: int = setting("study arms: Polar Express iterations", 5, low=1, high=5)
+    muon_beta2: float = setting("study arms: Muon (NorMuon) second-moment decay", 0.95, low=0.0,
+                                high=1.0, high_open=True)
+    muon_weight_decay: float = setting("study arms: Muon cautious weight decay", 0.0, low=0.0)
+    muon_embedding_lr: float = setting("study arms: peak AdamW lr of the token embedding", 0.2,
+                                       low=0.0)
+    muon_head_lr: float = setting("study arms: peak AdamW lr of the head", 0.004, low=0.0)
+    muon_adamw_betas: tuple[float, float] = setting("study arms: AdamW betas (embedding, head)",
+                                                    (0.8, 0.95), low=0.0, high=1.0,
+                                                    high_open=True)
+    muon_adamw_eps: float = setting("study arms: AdamW eps", 1e-10, low=0.0)
+    muon_adamw_weight_decay: float = setting("study arms: AdamW decoupled weight decay", 0.0,
+                                             low=0.0)
+    muon_compile: bool = setting("study arms: torch.compile MuonAdamW's step functions", False)
+
+    def resolved_precision(self) -> str:
+        """fp32 or bf16: `precision`, with auto resolved for `device`."""
+        if self.precision == "auto":
+            return "fp32" if self.device == "cpu" else "bf16"
+        if self.precision not in ("fp32", "bf16"):
+            raise ValueError(f"precision must be auto, fp32 or bf16, not {self.precision!r}")
+        return self.precision
+
+
+def validate_config(cfg: TrainConfig) -> None:
+    """Check every setting of `cfg` before anything is built or written.
+
+    Raises:
+        ValueError: one line naming the first bad setting (a value of the wrong type, outside
+            its bounds or not among its choices, per `TrainConfig`'s field descriptions), or an
+            `out` path that is a file.
+    """
+    schema.check(TrainConfig, {f.name: getattr(cfg, f.name) for f in fields(cfg)})
+    check_study_arms(cfg.arms, cfg.model)
+    if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
+        raise ValueError(f"out {cfg.out} exists and is not a directory")
+
+
+def check_study_arms(arms, model: str) -> None:
+    """Raise ValueError (one line) when a study arm is asked of a model that is not recurrent."""
+    study = [a for a in arms if a in STUDY_ARMS]
+    family = MODEL_CONFIGS[model].family if model in MODEL_CONFIGS else None
+    if study and family != "recurrent":
+        recurrent = sorted(n for n, c in MODEL_CONFIGS.items() if c.family == "recurrent")
+        raise ValueError(f"arm(s) {', '.join(study)} train a recurrent model ("
+                         f"{' or '.join(recurrent)}), not {model}")
+
+
+class OccurrenceSyncError(RuntimeError):
+    """A replicated-core study arm ended a step with replicas that differ (sync_error != 0)."""
+
+
+def check_device(name: str) -> None:
+    """Raise ValueError when this torch build cannot see device type `name`."""
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: this torch build sees no CUDA device")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ValueError("--device mps: this torch build sees no MPS device")
+
+
+def warmup_steps(steps: int) -> int:
+    """Linear warmup length: min(100, max(20, steps // 10))."""
+    return min(100, max(20, steps // 10))
+
+
+def lr_factor(step: int, steps: int) -> float:
+    """Multiplier of the peak lr at update `step` (0-based): linear warmup to 1, then cosine to
+    0.1."""
+    w = warmup_steps(steps)
+    if step < w:
+        return (step + 1) / w
+    progress = (step - w) / max(1, steps - w)
+    return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+
+
+def sync(device: torch.device) -> None:
+    """Wait for queued device work, so wall-clock time covers it."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
+
+
+def schedule_sha256(cfg: TrainConfig, arm: str | None = None) -> str:
+    """SHA-256 of the learning rate of every update (repr of the floats, in order): the
+    curve's `lr` column, `cfg.lr` scaled by `lr_factor`, or `cfg.muon_lr` for a study arm."""
+    peak = cfg.muon_lr if arm in STUDY_ARMS else cfg.lr
+    lrs = [peak * lr_factor(step, cfg.steps) for step in range(cfg.steps)]
+    return hashlib.sha256(repr(lrs).encode()).hexdigest()
+
+
+def format_config(cfg: TrainConfig) -> str:
+    """The resolved config as TOML lines (loadable again with --config)."""
+    lines = []
+    for key, value in asdict(cfg).items():
+        if isinstance(value, bool):
+            text = "true" if value else "false"
+        elif isinstance(value, (tuple, list)):
+            text = json.dumps(list(value))
+        else:
+            text = json.dumps(value)
+        lines.append(f"{key} = {text}")
+    return "\n".join(lines)
