@@ -607,7 +607,7 @@ from torch.distributed.fsdp import fully_shard
 import cotangent
 from cotangent.integrations.lightning import CotangentClipping
 
-optimizer, clip = sys.argv[1], float(sys.argv[2])
+optimizer, clip, out = sys.argv[1], float(sys.argv[2]), sys.argv[3]
 
 
 class Model(CotangentClipping, pl.LightningModule):
@@ -645,7 +645,8 @@ h = hashlib.sha256()
 for name, t in model.net.state_dict().items():
     assert type(t).__name__ == "DTensor", (name, type(t))
     h.update(t.full_tensor().detach().contiguous().view(torch.uint8).numpy().tobytes())
-print("HASH", trainer.global_rank, h.hexdigest())
+with open(f"{out}/rank{trainer.global_rank}.sha256", "w") as f:  # (ranks share stdout)
+    f.write(h.hexdigest())
 '''
 
 
@@ -657,16 +658,17 @@ def _model_parallel_hashes(tmp_path, optimizer: str, clip: float) -> list[str]:
 
     script = tmp_path / "model_parallel.py"
     script.write_text(MODEL_PARALLEL_SCRIPT)
+    out = tmp_path / f"{optimizer}-{clip}"
+    out.mkdir()
     env = {k: v for k, v in os.environ.items()
            if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                         "MASTER_PORT")}
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           "--nproc-per-node", "2", str(script), optimizer, str(clip)],
+                           "--nproc-per-node", "2", str(script), optimizer, str(clip),
+                           str(out)],
                           env=env, capture_output=True, text=True, timeout=240)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    lines = sorted(line.split() for line in proc.stdout.splitlines() if line.startswith("HASH"))
-    assert [rank for _, rank, _ in lines] == ["0", "1"], proc.stdout
-    return [h for _, _, h in lines]
+    return [(out / f"rank{rank}.sha256").read_text() for rank in (0, 1)]
 
 
 @pytest.mark.slow
