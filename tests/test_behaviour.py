@@ -715,3 +715,52 @@ def test_adamw_matches_native(lengths, impl, amsgrad, maximize, weight_decay, ma
         if max_norm is not None:
             assert_same_bits(total, ours.last_total_norm, f"step {step} total")
         assert_same_update(ps, native.optimizer.state, qs, ours.state, f"step {step}")
+
+
+BEHAVIOUR_IMPLS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True),
+                   "fused": dict(fused=True)}
+
+
+@pytest.mark.parametrize("impl", list(BEHAVIOUR_IMPLS))
+def test_a_second_step_on_unchanged_gradients_clips_again_as_native(impl):
+    """A loop that steps twice on one gradient (assigned once, kept: no backward between)
+    clips at every step natively (``clip_grad_norm_`` then ``step()``; the second clip's
+    coefficient is about 1 - 1e-6, which changes bits). Cotangent used to see the tensors
+    its own step had clipped and skip the clip (a review's finding): every step clips."""
+    p, q = (torch.nn.Parameter(torch.linspace(-1, 1, 10)) for _ in range(2))
+    ours = cotangent.AdamW([p], lr=1e-2, max_norm=1.0, **BEHAVIOUR_IMPLS[impl])
+    native = torch.optim.AdamW([q], lr=1e-2, **BEHAVIOUR_IMPLS[impl])
+    p.grad = torch.full((10,), 3.0)
+    q.grad = p.grad.clone()
+    for step in range(3):
+        ours.step()
+        total = torch.nn.utils.clip_grad_norm_([q], 1.0)
+        native.step()
+        assert_same_bits(p.grad, q.grad, f"step {step}: clipped gradient")
+        assert_same_bits(p.detach(), q.detach(), f"step {step}: parameter")
+        assert_same_bits(ours.last_total_norm, total, f"step {step}: total norm")
+
+
+@pytest.mark.parametrize("impl", list(BEHAVIOUR_IMPLS))
+def test_an_explicit_clip_then_an_edit_is_not_clipped_again_by_the_step(impl):
+    """``opt.clip_grad_norm_()``, then an in-place edit of the gradients (noise, a rescale),
+    then ``step()``: native's ``clip_grad_norm_``, edit, ``step()`` clips once, so the step
+    must not clip the edited gradients again (it did: a review's finding); the step after it
+    clips again."""
+    p, q = (torch.nn.Parameter(torch.linspace(-1, 1, 10)) for _ in range(2))
+    ours = cotangent.AdamW([p], lr=1e-2, max_norm=1.0, **BEHAVIOUR_IMPLS[impl])
+    native = torch.optim.AdamW([q], lr=1e-2, **BEHAVIOUR_IMPLS[impl])
+    p.grad = torch.full((10,), 3.0)
+    q.grad = p.grad.clone()
+    assert_same_bits(ours.clip_grad_norm_(), torch.nn.utils.clip_grad_norm_([q], 1.0), "norm")
+    p.grad.mul_(3.0)
+    q.grad.mul_(3.0)
+    ours.step()
+    native.step()
+    assert_same_bits(p.grad, q.grad, "edited gradient, not clipped again")
+    assert_same_bits(p.detach(), q.detach(), "parameter")
+    ours.step()
+    torch.nn.utils.clip_grad_norm_([q], 1.0)
+    native.step()
+    assert_same_bits(p.grad, q.grad, "the next step clips")
+    assert_same_bits(p.detach(), q.detach(), "parameter after the next step")

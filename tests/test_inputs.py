@@ -79,8 +79,9 @@ def test_gradient_with_other_strides_under_clipping(impl, kind, dtype):
 
 @pytest.mark.parametrize("impl", list(IMPLS))
 def test_expanded_gradient(impl):
-    """A stride-0 gradient: native `clip_grad_norm_` raises, so Cotangent raises the same error
-    (nothing modified); without clipping, for-loop and foreach take it as native does."""
+    """A stride-0 gradient: native `clip_grad_norm_` raises, so Cotangent raises, with
+    native's reason and the parameter named (nothing modified); without clipping, for-loop
+    and foreach take it as native does."""
     (ps, qs) = _params([(64, 300)])
     g, _ = _strided_grads("expanded", (64, 300), torch.Generator().manual_seed(0), torch.float32)
     ps[0].grad, qs[0].grad = g, g
@@ -90,7 +91,11 @@ def test_expanded_gradient(impl):
     before = qs[0].detach().clone()
     with pytest.raises(RuntimeError) as our_error:
         opt.step()
-    assert str(our_error.value) == str(native_error.value)
+    reason = "more than one element of the written-to tensor refers to a single memory location"
+    assert reason in str(native_error.value)
+    assert str(our_error.value).startswith("the gradient of parameter 0 (shape (64, 300), "
+                                           "float32) overlaps itself") and reason in str(
+                                               our_error.value)
     assert_same_bits(qs[0], before, "parameter after the refused step")
     if impl == "fused":
         return  # native CPU fused would read a stride-0 gradient in storage order
@@ -892,7 +897,38 @@ def test_an_expanded_gradient_under_an_inactive_clip_raises_as_native(impl):
             opt.step()
         errors.append(str(error.value))
         assert_same_bits(w, before, "nothing updated")
-    assert errors[0] == errors[1]
+    # native's reason, the parameter named, raised before anything is modified
+    assert "more than one element of the written-to tensor refers to a single memory " \
+        "location" in errors[0]
+    assert errors[1].startswith("the gradient of parameter 0 (shape (4, 4), float32) overlaps "
+                                "itself") and "refers to a single memory location" in errors[1]
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("kind", ["expanded", "inference"])
+def test_a_gradient_the_clip_cannot_multiply_is_refused_before_anything_changes(impl, kind):
+    """Native's clip multiplies gradient by gradient and raises at an expanded or an inference
+    gradient, the ones before it multiplied already, and its optimizer never starts. Cotangent
+    refuses it before anything is modified: no gradient multiplied (single pass or not), no
+    state created, no parameter moved; the error names the parameter. (Found by a review:
+    the state was created and the single pass left the first gradient unmultiplied.)"""
+    ps = [torch.nn.Parameter(torch.randn(16)) for _ in range(3)]
+    opt = cotangent.AdamW(ps, max_norm=0.1, **IMPLS[impl])
+    ps[0].grad, ps[2].grad = torch.randn(16), torch.randn(16)
+    if kind == "expanded":
+        ps[1].grad = torch.ones(1).expand(16)
+    else:
+        with torch.inference_mode():
+            ps[1].grad = torch.randn(16)
+    before = [t.detach().clone() for t in (*ps, ps[0].grad, ps[2].grad)]
+    with pytest.raises(RuntimeError, match=r"^the gradient of parameter 1 \(shape \(16,\), "
+                       r"float32\) (overlaps itself|is an inference tensor)"):
+        opt.step()
+    for t, b in zip((*ps, ps[0].grad, ps[2].grad), before):
+        assert_same_bits(t.detach(), b, "nothing modified")
+    assert len(opt.state) == 0
+    with pytest.raises(RuntimeError, match="the gradient of parameter 1"):
+        opt.clip_grad_norm_()  # (the clip on its own too)
 
 
 # ------------------------------------------------------------------ complex parameters
@@ -1020,7 +1056,10 @@ def test_tensors_not_plain_memory_get_natives_bytes_or_natives_error(impl, clip,
     ours, ps, states = _special_tensor_run(cotangent.AdamW, impl, clip, kind, target)
     theirs, ps_native, states_native = _special_tensor_run(torch.optim.AdamW, impl, clip, kind,
                                                            target)
-    assert ours == theirs
+    for mine, native in zip(ours, theirs, strict=True):
+        if mine != native:  # a gradient native's clip multiply raises at: refused up front,
+            assert clip and native.startswith("RuntimeError: ") and mine.startswith(  # named
+                "RuntimeError: the gradient of parameter 1 "), (mine, native)
     for i in range(2):
         assert_same_bits(_values(ps[i].detach()), _values(ps_native[i].detach()), f"param {i}")
         for key in ("exp_avg", "exp_avg_sq", "step"):

@@ -433,3 +433,11 @@ def norm_reduction_placement(norm_type: float):
     from torch.distributed.tensor._ops import _math_ops
 
     return _math_ops.get_placement_from_reduction_op(_math_ops._get_norm_reduction_op(norm_type))
+
+
+def has_internal_overlap(t: torch.Tensor) -> bool:
+    """Whether some elements of `t` share memory (an expanded tensor): what ATen's in-place ops
+    refuse (`at::assert_no_internal_overlap`, MemOverlap::Yes; "too hard" counts as no, as
+    there), through `torch._debug_has_internal_overlap` (torch 2.4-2.13: 0 no, 1 yes, 2 too
+    hard)."""
+    return torch._debug_has_internal_overlap(t) == 1

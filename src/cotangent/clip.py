@@ -22,7 +22,6 @@ import warnings
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from operator import attrgetter
 from typing import TYPE_CHECKING
 
 import torch
@@ -292,20 +291,60 @@ def fold_rule(cut: StepClip | None, dtype: torch.dtype, grads: list[Tensor]) -> 
             and all(id(g) in cut.ids for g in grads))
 
 
-def record_clip(opt: AdamW, total: Tensor, grads: list[Tensor]) -> None:
-    """Remember the clip on `opt`: its total norm, and which gradients it left, by weak
-    reference (a gradient is freed by ``zero_grad()`` as with native code) and version
-    counter."""
-    opt._last_clip = (total, list(map(weakref.ref, grads)), list(map(_VERSION, grads)))
+def record_clip(opt: AdamW, total: Tensor, grads: list[Tensor], *, apart: bool) -> None:
+    """Remember the clip on `opt`: its total norm and which gradients it clipped, by weak
+    reference (a gradient is freed by ``zero_grad()`` as with native code). `apart`: a clip
+    run apart from the update (`AdamW.clip_grad_norm_()`, or before step pre-hooks), which the
+    next `step()` must not repeat (`clipped_already`); a step's own clip is never skipped by
+    the next step (native's loop clips at every step, even on unchanged gradients)."""
+    opt._last_clip = (total, list(map(weakref.ref, grads)), apart)
+
+
+def step_done(opt: AdamW) -> None:
+    """A step has run: a clip apart from it was used up (the next step clips again)."""
+    last = opt._last_clip
+    if last is not None and last[2]:
+        opt._last_clip = (last[0], last[1], False)
 
 
 def clipped_already(opt: AdamW, grads: list[Tensor]) -> bool:
-    """Whether `grads` are exactly the gradients `opt`'s last clip left (same tensors, not
-    written since)."""
+    """Whether a clip apart from the update (`record_clip`) clipped exactly `grads` (the same
+    tensors, in order) since the last step: then native's loop (``clip_grad_norm_(...)``, then
+    ``step()``) does not clip again, whatever was written into them in between (an in-place
+    edit or an accumulating backward: native's step does not clip those either)."""
     last = opt._last_clip
-    if last is None or len(last[1]) != len(grads):
+    if last is None or not last[2] or len(last[1]) != len(grads):
         return False
-    return all(a is b() and a._version == v for a, b, v in zip(grads, last[1], last[2]))
+    return all(a is b() for a, b in zip(grads, last[1]))
+
+
+def refuse_unmultipliable(opt: AdamW, grads: list[Tensor]) -> None:
+    """Raise before anything is modified where native's clip multiply (``g.mul_(coef)``, by
+    1.0 too) raises on a gradient: one that overlaps itself (an expanded tensor) or an
+    inference tensor (written in place outside inference mode).
+
+    Raises:
+        RuntimeError: naming the parameter, with native's reason.
+    """
+    if all(map(Tensor.is_contiguous, grads)) and not any(map(Tensor.is_inference, grads)):
+        return  # (a contiguous tensor does not overlap itself)
+    from cotangent import gather
+
+    for g in grads:
+        if g.is_inference():
+            reason = ("is an inference tensor: native's clip multiply raises (an in-place "
+                      "update to an inference tensor outside InferenceMode is not allowed)")
+        elif not g.is_contiguous() and _compat.has_internal_overlap(g):
+            reason = ("overlaps itself (an expanded tensor?): native's clip multiply raises "
+                      "(more than one element of the written-to tensor refers to a single "
+                      "memory location); give it memory of its own, e.g. .contiguous()")
+        else:
+            continue
+        owner = next((p for p in gather.clip_order(opt) if p.grad is g
+                      or dtensor.local(p.grad) is g), None)
+        name = "a gradient" if owner is None else f"the gradient of {gather.describe(opt, owner)}"
+        raise RuntimeError(f"{name} {reason}; cotangent.AdamW refuses it before anything "
+                           "is modified")
 
 
 def plain_cpu_float32(grads: list[Tensor]) -> bool:
@@ -317,4 +356,3 @@ def plain_cpu_float32(grads: list[Tensor]) -> bool:
                                and not _compat.is_zerotensor(g) for g in grads)
 
 
-_VERSION = attrgetter("_version")

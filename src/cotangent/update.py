@@ -30,7 +30,7 @@ from torch import Tensor
 
 from cotangent import _compat, dtensor, gather, merge, sharding, singlepass
 from cotangent.clip import (StepClip, clip_norm, clipped_already, fold_rule, multiply_grads_,
-                            record_clip)
+                            record_clip, refuse_unmultipliable, step_done)
 from cotangent.gather import Call
 from cotangent.spans import extent, is_dense_non_overlapping
 
@@ -100,6 +100,8 @@ def update(opt: AdamW, closure, clip: bool):
         order = list(map(dtensor.local, order))  # (the clip reduces their norms)
     if order is not None and clipped_already(opt, order):
         order = None  # clip_grad_norm_() clipped these gradients
+    if order is not None:
+        refuse_unmultipliable(opt, order)  # (native's multiply would raise mid-clip)
     if order is not None and grad_scale is not None:
         sharding.finish_agree(agreement)
         agreement = None
@@ -132,7 +134,9 @@ def update(opt: AdamW, closure, clip: bool):
     else:
         path = run_sharded(opt, calls, cut, step, grad_scale, found_inf, later)
     if cut is not None:
-        record_clip(opt, cut.total, cut.grads)
+        record_clip(opt, cut.total, cut.grads, apart=False)
+    else:
+        step_done(opt)  # (a clip apart from this step is used up)
     opt._path = path
     return loss
 
@@ -147,12 +151,13 @@ def clip_apart(opt: AdamW) -> Tensor:
     if clipped_already(opt, grads):
         return opt._last_clip[0]
     sharding.finish_agree(gather.gather(opt)[2])  # a step's checks: nothing modified on bad input
+    refuse_unmultipliable(opt, grads)
     cut = clip_norm(opt, grads, fold=False, spread=spread)
     if cut.identity:
         torch.autograd.graph.increment_version(grads)
     else:
         multiply_grads_(grads, cut.coef)
-    record_clip(opt, cut.total, grads)
+    record_clip(opt, cut.total, grads, apart=True)
     return cut.total
 
 
