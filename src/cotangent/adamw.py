@@ -275,7 +275,8 @@ class AdamW(_ZeroOneMethods, torch.optim.AdamW):
     def clip_grad_norm_(self) -> Tensor:
         """Clip the gradients now, exactly as ``torch.nn.utils.clip_grad_norm_(params, max_norm,
         norm_type, error_if_nonfinite)`` would at this point, and return the total norm;
-        the next `step()` then does not clip them again.
+        the next `step()` then does not clip these gradient tensors again (even if they were
+        written in between, as native's clip, edit, step), the step after it does.
 
         Use it where native code's clip sits apart from `optimizer.step()`: with
         `torch.amp.GradScaler`, ``scaler.unscale_(opt); norm = opt.clip_grad_norm_();
