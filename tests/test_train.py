@@ -90,11 +90,29 @@ def test_unknown_arm_is_a_clear_error(capsys):
         "cotangent-fsdp2, U, S, P, A, AP or PA, got ['native', 'fast']" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("arm", ["native-fsdp2", "cotangent-fsdp2"])
-def test_fsdp2_arms_need_data_parallel(arm, capsys):
-    assert cli.main(["train", "--model", "tiny", "--arms", f"native,{arm}"]) == 2
-    assert (f"the {arm} arm shards the model over ranks (fully_shard): run it data-parallel "
-            "(--nproc N or torchrun)") in capsys.readouterr().err
+@pytest.mark.parametrize("arms, message", [
+    ("native-fsdp2,cotangent-fsdp2", "the native-fsdp2 arm shards the model over ranks "
+     "(fully_shard): run it data-parallel (--nproc N or torchrun)"),
+    ("cotangent-fsdp2", "the cotangent-fsdp2 arm shards the model over ranks"),
+    ("native,cotangent-fsdp2", "the FSDP2 arms (cotangent-fsdp2) and the DDP arms (native) "
+     "reduce gradients differently"),
+])
+def test_fsdp2_arms_need_data_parallel_and_each_other(arms, message, capsys):
+    assert cli.main(["train", "--model", "tiny", "--arms", arms]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_fsdp2_arms_refuse_compile_before_any_rank_starts(capsys, monkeypatch):
+    """Refused while the configuration is checked, before `--nproc` starts a rank (a review
+    saw the refusal come from both ranks, after the launcher had started them)."""
+    from cotangent.harness.commands import train as train_command
+
+    monkeypatch.setattr(train_command, "launch_ranks",
+                        lambda *a: pytest.fail("ranks started before the refusal"))
+    assert cli.main(["train", "--model", "tiny", "--nproc", "2", "--compile", "--arms",
+                     "native-fsdp2,cotangent-fsdp2"]) == 2
+    assert "the native-fsdp2 arm does not run under torch.compile here" in \
+        capsys.readouterr().err
 
 
 def _run_dirs(root):

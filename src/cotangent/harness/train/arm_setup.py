@@ -35,9 +35,6 @@ class Arm:
         if name in config.FSDP2_ARMS and data_parallel is None:
             raise ValueError(f"the {name} arm shards the model over ranks (fully_shard): run "
                              "it data-parallel (--nproc N or torchrun)")
-        if name in config.FSDP2_ARMS and cfg.compile:
-            raise ValueError(f"the {name} arm does not run under torch.compile here: leave "
-                             "compile off")
         config.check_study_arms([name], cfg.model)
         self.name = name
         self.fsdp2 = False

@@ -115,13 +115,38 @@ def validate_config(cfg: TrainConfig) -> None:
 
     Raises:
         ValueError: one line naming the first bad setting (a value of the wrong type, outside
-            its bounds or not among its choices, per `TrainConfig`'s field descriptions), or an
-            `out` path that is a file.
+            its bounds or not among its choices, per `TrainConfig`'s field descriptions), an
+            `out` path that is a file, or FSDP2 arms under ``compile`` or beside arms whose
+            gradients are reduced otherwise (`check_fsdp2_arms`).
     """
     schema.check(TrainConfig, {f.name: getattr(cfg, f.name) for f in fields(cfg)})
     check_study_arms(cfg.arms, cfg.model)
+    check_fsdp2_arms(cfg.arms, cfg.compile)
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise ValueError(f"out {cfg.out} exists and is not a directory")
+
+
+def check_fsdp2_arms(arms, compile: bool) -> None:
+    """FSDP2 arms (`FSDP2_ARMS`) run without torch.compile, and only beside each other: the
+    other bitwise arms' gradients are averaged by DDP's all-reduce, FSDP2's by its
+    reduce-scatter, so their final hashes need not agree (the run compares every bitwise
+    arm's hash).
+
+    Raises:
+        ValueError: before any rank starts.
+    """
+    fsdp2 = [a for a in arms if a in FSDP2_ARMS]
+    if not fsdp2:
+        return
+    if compile:
+        raise ValueError(f"the {fsdp2[0]} arm does not run under torch.compile here: leave "
+                         "compile off")
+    others = [a for a in arms if a not in FSDP2_ARMS and a not in STUDY_ARMS]
+    if others:
+        raise ValueError(f"the FSDP2 arms ({', '.join(fsdp2)}) and the DDP arms "
+                         f"({', '.join(others)}) reduce gradients differently (reduce-scatter, "
+                         "all-reduce): their final hashes are not comparable; train them in "
+                         "separate runs")
 
 
 def check_study_arms(arms, model: str) -> None:
