@@ -1,9 +1,11 @@
 """Map every test id of an earlier checkout to its id now: a test moved into another file or
 renamed keeps its coverage, and nothing may be lost on the way.
 
-Usage (ids from ``pytest --collect-only -q``, one per line)::
+Usage (ids from ``pytest --collect-only -q``, one per line; REV an earlier commit, e.g.
+3c467fd, the last before the test files were merged)::
 
-    git stash -u; pytest --collect-only -q tests/ | grep :: > before.txt; git stash pop
+    git worktree add /tmp/before REV
+    (cd /tmp/before && PYTHONPATH=src pytest --collect-only -q tests/ | grep ::) > before.txt
     pytest --collect-only -q tests/ | grep :: > after.txt
     python scripts/map_test_ids.py before.txt after.txt
 
