@@ -647,6 +647,13 @@ for name, t in model.net.state_dict().items():
     h.update(t.full_tensor().detach().contiguous().view(torch.uint8).numpy().tobytes())
 with open(f"{out}/rank{trainer.global_rank}.sha256", "w") as f:  # (ranks share stdout)
     f.write(h.hexdigest())
+# gloo's worker threads can outlive the interpreter's teardown and abort the process (SIGABRT,
+# "terminate called without an active exception"): skip the teardown, as the harness's ranks
+# do (cotangent.harness.train.end_rank_process)
+import os
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(0)
 '''
 
 
