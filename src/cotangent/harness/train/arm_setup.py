@@ -36,6 +36,7 @@ class Arm:
             raise ValueError(f"the {name} arm shards the model over ranks (fully_shard): run "
                              "it data-parallel (--nproc N or torchrun)")
         config.check_study_arms([name], cfg.model)
+        config.check_fsdp2_arms([name], cfg.compile)  # (also for an Arm built without the CLI)
         self.name = name
         self.fsdp2 = False
         self.update = None
