@@ -36,7 +36,6 @@ from cotangent.norms import (
     native_tensor_norms,
     total_norm,
 )
-from cotangent.spans import is_dense_non_overlapping
 
 if TYPE_CHECKING:
     from cotangent.adamw import AdamW
@@ -212,6 +211,9 @@ def clip_norm(opt: AdamW, grads: list[Tensor], *, fold: bool,
     ``norm_type``, ``max_norm`` and ``error_if_nonfinite`` (raising before anything is
     modified); modifies nothing.
 
+    Its callers have refused, before it, every gradient native's multiply would raise on
+    (`refuse_unmultipliable`), so a multiply by exactly 1.0 may be skipped for any of them.
+
     Args:
         grads: the clip order's gradients (plain tensors; FSDP2: their local shards).
         fold: the single pass may do the multiply (no GradScaler state): the coefficient's
@@ -256,11 +258,9 @@ def clip_norm(opt: AdamW, grads: list[Tensor], *, fold: bool,
     if opt.error_if_nonfinite:
         check_finite(total, norm_type)
     coef = dtensor.replicated_local(clip_coefficient(total, opt.max_norm))
-    # (an expanded or an inference gradient: native's multiply, by 1.0 too, raises; so
-    # must ours)
-    identity = multiply_is_identity(coef, norm_type, singlepass.flushing_now()) and (
-        prepared is not None or (all(map(is_dense_non_overlapping, grads))
-                                 and not any(map(Tensor.is_inference, grads))))
+    # (a gradient native's multiply raises on, by 1.0 too, was refused before this clip:
+    # `refuse_unmultipliable`)
+    identity = multiply_is_identity(coef, norm_type, singlepass.flushing_now())
     ids = set(map(id, grads))
     value = None
     if (fold and not identity and len(ids) == len(grads) and coef.device.type == "cpu"
