@@ -38,10 +38,10 @@ design = "{design}"
 shuffle_seed = 3
 bootstrap_resamples = 500
 
-[train]
-val_bytes = 2048
-probe_bytes = 1024
-eval_batch = 8
+[train]  # its [eval] section's settings (dotted keys: [train.eval] as a table)
+eval.val_bytes = 2048
+eval.probe_bytes = 1024
+eval.batch = 8
 """
 # the seed study's 2x2 factorial (native is neither cell, packed both)
 FACTORIAL = '["native", "packed", "batched-norms-only", "packing-only"]'
@@ -112,12 +112,29 @@ def test_protocol_errors_name_the_key(tmp_path, edit, message):
     ("nonsense = 3", "[train] unknown setting(s) nonsense"),
     ("batch_size = 'x'", "[train] batch_size must be an integer >= 1, got 'x'"),
     ("batch_size = 0", "[train] batch_size must be an integer >= 1, got 0"),
+    ("optimizer.nope = 1", "[train] unknown setting optimizer.nope; known in [optimizer]"),
+    ("val_bytes = 5", "[train] setting val_bytes is given twice"),
+    ("data = 5", "[train] data must be a table of settings ([data])"),
 ])
 def test_protocol_train_table_is_checked(tmp_path, train, message):
     text = write_protocol(tmp_path).read_text() + train + "\n"
     with pytest.raises(ValueError, match=None) as info:
         campaign.parse_protocol(text, "p.toml")
     assert message in str(info.value)
+
+
+def test_protocol_train_sections_reach_every_job(tmp_path):
+    """`[train]` by section (``eval.val_bytes``, ``[train.optimizer]``) or by setting name:
+    stored by setting name, and every job's config holds the values in its sections."""
+    text = write_protocol(tmp_path).read_text() + "lr = 0.002\nmuon.lr = 0.03\n"
+    protocol = campaign.parse_protocol(text, "p.toml")
+    assert protocol.train == {"val_bytes": 2048, "probe_bytes": 1024, "eval_batch": 8,
+                              "lr": 0.002, "muon_lr": 0.03}
+    job = campaign.plan_jobs(protocol)[0]
+    cfg = protocol.job_config(job, str(tmp_path))
+    assert (cfg.eval.val_bytes, cfg.eval.batch, cfg.optimizer.lr, cfg.muon.lr) == (
+        2048, 8, 0.002, 0.03)
+    assert (cfg.model.name, cfg.eval.every, cfg.steps) == ("tiny-transformer", 4, 12)
 
 
 def test_shipped_protocols_parse_and_balance():

@@ -8,6 +8,7 @@ bounds and choices from the field, one-line errors; TrainConfig and Protocol use
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -18,7 +19,7 @@ from cotangent.harness.commands import calibrate
 from cotangent.harness.commands import train as commands_train
 from cotangent.harness.campaign import Protocol
 from cotangent.harness.schema import setting
-from cotangent.harness.train import TrainConfig
+from cotangent.harness.train import TrainConfig, format_config, settings_of, train_config
 from cotangent.norms import bucket_norm_is_exact
 
 
@@ -169,9 +170,10 @@ def test_every_field_of_the_real_settings_is_described():
     assert schema.required(Protocol) == ["name", "models", "arms", "seeds", "steps",
                                           "eval_every", "target_bpb", "level", "margin_bpb"]
     # the defaults pass their own descriptions
-    defaults = TrainConfig()
-    values = {name: getattr(defaults, name) for name in schema.specs(TrainConfig)}
+    values = schema.flatten(TrainConfig())
+    assert list(values) == list(schema.specs(TrainConfig))
     assert schema.check(TrainConfig, values) == values
+    assert schema.build(TrainConfig, values) == TrainConfig()
 
 
 def test_a_field_without_a_description_is_refused():
@@ -179,7 +181,8 @@ def test_a_field_without_a_description_is_refused():
     class Bare:
         x: int = 0
 
-    with pytest.raises(TypeError, match="Bare.x is not declared with schema.setting"):
+    with pytest.raises(TypeError, match="Bare.x is not declared with schema.setting or "
+                                        "schema.section"):
         schema.specs(Bare)
 
 
@@ -193,3 +196,109 @@ def test_train_help_comes_from_the_field_descriptions(capsys):
     for name in commands_train.TRAIN_FLAGS:
         assert " ".join(specs[name].doc.split()) in text, name
     assert "--batch-size BATCH_SIZE" in text and "{cpu,cuda,mps}" in text
+
+
+# --------------------------------------------------------------------------- nested train config
+
+def _resolved(argv: list[str]) -> TrainConfig:
+    """`cotangent train ARGV`'s resolved config, without training."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    commands_train.add_parser(parser.add_subparsers())
+    return commands_train.resolve_train_config(parser.parse_args(["train", *argv]))
+
+
+def test_train_config_is_nested_by_section():
+    cfg = train_config(model="tiny", compile=True, lr=3e-4, betas=[0.8, 0.9], muon_lr=0.05,
+                       muon_compile=True, eval_every=5, eval_batch=4, batch_size=2)
+    assert (cfg.model.name, cfg.model.compile) == ("tiny", True)
+    assert (cfg.optimizer.lr, cfg.optimizer.betas) == (3e-4, (0.8, 0.9))
+    assert (cfg.muon.lr, cfg.muon.compile) == (0.05, True)
+    assert (cfg.eval.every, cfg.eval.batch, cfg.data.batch_size) == (5, 4, 2)
+    assert settings_of(cfg)["muon_lr"] == 0.05 and settings_of(cfg)["eval_every"] == 5
+    # the sections' own defaults, untouched by the others
+    assert cfg.muon.weight_decay == 0.0 and cfg.optimizer.weight_decay == 0.1
+    with pytest.raises(ValueError, match="lr must be a finite number >= 0, got -1"):
+        train_config(lr=-1)
+    with pytest.raises(ValueError, match="unknown setting"):
+        train_config(muon_nope=1)
+
+
+@pytest.mark.parametrize("text", [
+    # the tables a run's config.toml holds
+    '[model]\nname = "tiny"\n[optimizer]\nlr = 0.003\n[muon]\nlr = 0.05\n[eval]\nevery = 7\n',
+    # setting names at the top level (config files written before the sections)
+    'model = "tiny"\nlr = 0.003\nmuon_lr = 0.05\neval_every = 7\n',
+    # dotted keys, TOML's other spelling of the tables
+    'model.name = "tiny"\noptimizer.lr = 0.003\nmuon.lr = 0.05\neval.every = 7\n',
+])
+def test_a_config_file_may_use_sections_or_setting_names(tmp_path, text):
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    cfg = _resolved(["--config", str(path)])
+    assert (cfg.model.name, cfg.optimizer.lr, cfg.muon.lr, cfg.eval.every) == (
+        "tiny", 0.003, 0.05, 7)
+
+
+def test_the_saved_config_loads_back_as_the_same_config(tmp_path):
+    cfg = _resolved(["--model", "tiny", "--steps", "9", "--eval-every", "3", "--set",
+                     "optimizer.betas=[0.5, 0.6]", "--set", "muon_ns_steps=3",
+                     "--arms", "native,cotangent"])
+    assert cfg.optimizer.betas == (0.5, 0.6) and cfg.muon.ns_steps == 3
+    path = tmp_path / "config.toml"
+    path.write_text(format_config(cfg))
+    assert "[optimizer]\nlr = " in path.read_text()
+    assert _resolved(["--config", str(path)]) == cfg
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--set", "optimizer.nope=1"], "unknown setting optimizer.nope; known in [optimizer]: lr, "
+                                    "betas, eps, weight_decay, max_norm"),
+    (["--set", "muon.lr=-1"], "muon_lr must be a finite number >= 0, got -1"),
+    (["--set", "eval=3"], "eval must be a table of settings ([eval])"),
+])
+def test_a_bad_section_setting_is_one_line(argv, message, capsys):
+    assert cli.main(["train", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_one_setting_given_twice_in_a_file_is_refused(tmp_path, capsys):
+    path = tmp_path / "run.toml"
+    path.write_text('lr = 0.1\n[optimizer]\nlr = 0.2\n')
+    assert cli.main(["train", "--config", str(path)]) == 2
+    assert "setting lr is given twice" in capsys.readouterr().err
+
+
+def test_the_audit_finds_every_setting_where_the_config_holds_it():
+    """The stdlib-only audit's copy of the setting paths is `TrainConfig`'s."""
+    from cotangent.harness import audit
+
+    paths = {name: spec.path for name, spec in schema.specs(TrainConfig).items()
+             if len(spec.path) > 1}
+    assert audit.SETTING_PATHS == paths
+    nested = json.loads(json.dumps(dataclasses.asdict(train_config(model="tiny", lr=0.5))))
+    flat = json.loads(json.dumps(settings_of(train_config(model="tiny", lr=0.5))))
+    for name, value in flat.items():
+        assert audit.config_setting(nested, name) == value, name
+        assert audit.config_setting(flat, name) == value, name  # records before the sections
+    assert repr(audit.config_setting(nested, "nope")) == "(missing)"
+    assert audit.train_settings({"optimizer": {"lr": 1.0}, "muon": {"lr": 2.0},
+                                 "val_bytes": 3}) == {"lr": 1.0, "muon_lr": 2.0,
+                                                      "val_bytes": 3}
+
+
+@dataclass(frozen=True)
+class _Inner:
+    lr: float = setting("inner lr", 1.0)
+
+
+@dataclass(frozen=True)
+class _Outer:
+    lr: float = setting("outer lr", 1.0)
+    inner: _Inner = schema.section(_Inner, "inner")
+
+
+def test_a_setting_name_used_twice_is_refused():
+    with pytest.raises(TypeError, match="setting name lr is used twice"):
+        schema.specs(_Outer)

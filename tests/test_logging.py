@@ -19,7 +19,7 @@ import pytest
 
 from cotangent.harness import campaign, cli, train
 from corpora import synthetic_corpus
-from cotangent.harness.train import TrainConfig, run_train
+from cotangent.harness.train import run_train, train_config
 
 # The small --data-dir corpus is not WikiText-2; the harness says so in a warning.
 pytestmark = pytest.mark.filterwarnings("ignore:.*is not a known WikiText-2:UserWarning")
@@ -145,7 +145,7 @@ def test_tensorboard_scalars_are_the_curve_values_in_float32(tmp_path, data, clo
 @needs_tensorboard
 @pytest.mark.e2e
 def test_study_arm_diagnostics_are_scalars_and_booleans_are_left_out(tmp_path):
-    cfg = TrainConfig(model="recurrent-mini", steps=2, batch_size=2, val_bytes=1024,
+    cfg = train_config(model="recurrent-mini", steps=2, batch_size=2, val_bytes=1024,
                       eval_batch=16, out=str(tmp_path / "runs"), arms=("P",))
     result = run_train(cfg, synthetic_corpus(), log=lambda *a: None, tensorboard=tmp_path / "tb")
     run_dir = Path(result["P"]["run_dir"])
@@ -174,7 +174,7 @@ def test_event_files_are_closed_when_the_run_stops(tmp_path, monkeypatch, closes
         return real_step(run, arm, sampler, step, host)
 
     monkeypatch.setattr(train.loop, "_train_step", stopping_step)
-    cfg = TrainConfig(model="tiny", steps=4, val_bytes=512, eval_batch=16,
+    cfg = train_config(model="tiny", steps=4, val_bytes=512, eval_batch=16,
                       out=str(tmp_path / "runs"))
     with pytest.raises(stop):
         run_train(cfg, synthetic_corpus(), log=lambda *a: None, tensorboard=tmp_path / "tb")
@@ -319,7 +319,7 @@ def test_run_train_draws_a_bar_only_on_a_terminal_stderr(tmp_path, monkeypatch, 
     """`run_train`'s default (show_progress None): tqdm's disable=None decides by stderr."""
     err = _Stream(tty)
     monkeypatch.setattr(sys, "stderr", err)
-    cfg = TrainConfig(model="tiny", steps=2, val_bytes=512, eval_batch=16, arms=("native",),
+    cfg = train_config(model="tiny", steps=2, val_bytes=512, eval_batch=16, arms=("native",),
                       out=str(tmp_path))
     run_train(cfg, synthetic_corpus(), log=lambda *a: None)
     assert _has_bar(err.getvalue()) if tty else err.getvalue() == ""

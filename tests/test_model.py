@@ -19,7 +19,7 @@ from cotangent.harness import cli
 from cotangent.harness.model import build_model, model_config, MODEL_CONFIGS, SHARINGS
 from cotangent.harness.train import (
     Arm, DataParallel, format_comparison, OCCURRENCE_KEYS, OccurrenceSyncError, run_train,
-    schedule_sha256, STUDY_ARMS, TrainConfig, validate_config,
+    schedule_sha256, STUDY_ARMS, train_config, validate_config,
 )
 
 from bitwise import assert_same_bits, same_bits
@@ -205,7 +205,7 @@ def _steps(run_dir: Path) -> list[dict]:
 @pytest.mark.e2e
 def test_every_study_arm_trains_with_replicas_in_sync(tmp_path):
     arms = ("native", "cotangent", *STUDY_ARMS)  # bitwise arms train the untied variant
-    cfg = TrainConfig(model=MINI, steps=4, seed=1, batch_size=4, val_bytes=2048,
+    cfg = train_config(model=MINI, steps=4, seed=1, batch_size=4, val_bytes=2048,
                       out=str(tmp_path), arms=arms)
     validate_config(cfg)
     result = run_train(cfg, synthetic_corpus(), log=lambda *a: None)
@@ -238,7 +238,7 @@ def test_every_study_arm_trains_with_replicas_in_sync(tmp_path):
         assert (meta["parameters"], meta["tensors"]) == COUNTS[sharing]
         assert meta["native_path"] is None and meta["study"]["gradient_clipping"] is None
         assert meta["study"]["pooled_leaves"] == (8 if mode in ("ap", "pa") else 0)
-        assert lrs[0] == cfg.muon_lr * (1 / 20)  # warmup over 20 updates
+        assert lrs[0] == cfg.muon.lr * (1 / 20)  # warmup over 20 updates
         assert all(r["grad_norm"] > 0 for r in steps)
         if mode is None:
             assert not any(key in r for r in steps for key in OCCURRENCE_KEYS)
@@ -270,7 +270,7 @@ def test_replicas_out_of_sync_stop_the_run(tmp_path, monkeypatch, capsys):
         return {**diag, "sync_error": self.sync_error()}
 
     monkeypatch.setattr(OccurrenceAggregator, "after_step", desync_after_step)
-    cfg = TrainConfig(model=MINI, steps=3, batch_size=2, val_bytes=2048, out=str(tmp_path),
+    cfg = train_config(model=MINI, steps=3, batch_size=2, val_bytes=2048, out=str(tmp_path),
                       arms=("S", "P"))
     with pytest.raises(OccurrenceSyncError, match=r"arm P: the replicas of the recurrent core "
                        r"differ after update 0 \(sync_error 0\.00"):
@@ -308,13 +308,13 @@ def test_study_arms_with_a_model_that_is_not_recurrent_are_one_line_errors(arms,
 
 
 def test_study_arm_refusals_at_construction():
-    cfg = TrainConfig(model="tiny", arms=("A",))
+    cfg = train_config(model="tiny", arms=("A",))
     with pytest.raises(ValueError, match=r"arm\(s\) A train a recurrent model"):
         Arm("A", cfg, torch.device("cpu"))
     dp = DataParallel(rank=0, world_size=2, local_rank=0, local_world_size=2, backend="gloo",
                       threads=1, threads_from="cores // local ranks")
     with pytest.raises(ValueError, match="study arms .* run in one process, not data-parallel"):
-        Arm("S", TrainConfig(model=MINI, arms=("S",)), torch.device("cpu"), dp)
+        Arm("S", train_config(model=MINI, arms=("S",)), torch.device("cpu"), dp)
 
 
 def test_a_campaign_protocol_of_the_six_study_arms_parses():
@@ -348,7 +348,7 @@ def test_compiled_muon_steps_of_several_arms_get_room_under_the_recompile_limit(
     from cotangent.muon_adamw import recompile_room
 
     before = config.recompile_limit
-    arms = [Arm(name, TrainConfig(model=MINI, arms=(name,), muon_compile=True),
+    arms = [Arm(name, train_config(model=MINI, arms=(name,), muon_compile=True),
                 torch.device("cpu")) for name in ("P", "AP", "PA")]
     for arm in arms:
         assert arm.optimizer.compile

@@ -127,7 +127,8 @@ def test_config_file_flags_and_overrides_resolve_in_order(tmp_path, capsys):
             "--set", "eval_every=3", "--out", str(tmp_path / "runs"), "--json"]
     assert cli.main(args) == 0
     out = capsys.readouterr().out
-    assert "steps = 6" in out and "seed = 5" in out and 'model = "tiny"' in out
+    assert "steps = 6" in out and "seed = 5" in out and '[model]\n  name = "tiny"' in out
+    assert "[eval]\n  val_bytes = 4096\n  every = 3" in out
     for run_dir in _run_dirs(tmp_path / "runs"):
         meta = json.loads((run_dir / "metadata.json").read_text())
         assert meta["config"]["steps"] == 6 and meta["config"]["seed"] == 5

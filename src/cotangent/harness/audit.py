@@ -69,6 +69,60 @@ FLAG_KEYS = ("slow_steps", "slow_excess_fraction", "step_outliers", "others_cpus
              "cpu_demand_ratio", "busy", "flagged")
 LOAD_KEYS = ("cpu_s", "threads", "host_cpus", "host_steal_s", "load_avg_1m_start",
              "load_avg_1m_end")
+# Where a `cotangent train` setting sits in a run's nested config (metadata.json's "config",
+# config.toml): setting name -> (section, field), for those not at the top level; a copy of
+# `cotangent.harness.train.TrainConfig`'s declarations (a test keeps them equal). Records
+# written before the config was nested hold every setting at the top level.
+SETTING_PATHS = {
+    "model": ("model", "name"), "compile": ("model", "compile"),
+    **{k: ("optimizer", k) for k in ("lr", "betas", "eps", "weight_decay", "max_norm")},
+    **{"muon_" + k: ("muon", k) for k in (
+        "lr", "momentum", "ns_steps", "beta2", "weight_decay", "embedding_lr", "head_lr",
+        "adamw_betas", "adamw_eps", "adamw_weight_decay", "compile")},
+    "val_bytes": ("eval", "val_bytes"), "eval_every": ("eval", "every"),
+    "probe_bytes": ("eval", "probe_bytes"), "eval_batch": ("eval", "batch"),
+    "batch_size": ("data", "batch_size"),
+}
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "(missing)"
+
+
+_MISSING = _Missing()
+
+
+def config_setting(cfg: dict, name: str):
+    """Setting `name` of a run's config (nested, or flat in older records), or `_MISSING`."""
+    if name in cfg and not isinstance(cfg[name], dict):
+        return cfg[name]
+    value = cfg
+    for key in SETTING_PATHS.get(name, (name,)):
+        if not isinstance(value, dict) or key not in value:
+            return _MISSING
+        value = value[key]
+    return value
+
+
+def train_settings(table: dict) -> dict:
+    """A protocol's `[train]` table by setting name: section tables (``[train.optimizer]``)
+    turned into setting names through `SETTING_PATHS`; other keys as they are."""
+    by_path = {path: name for name, path in SETTING_PATHS.items()}
+    out = {}
+    for key, value in table.items():
+        if isinstance(value, dict):
+            out.update({by_path.get((key, k), f"{key}.{k}"): v for k, v in value.items()})
+        else:
+            out[key] = value
+    return out
+
+
+def _lists(value):
+    """`value` with every tuple a list, recursively (JSON and TOML hold lists)."""
+    if isinstance(value, dict):
+        return {k: _lists(v) for k, v in value.items()}
+    return [_lists(v) for v in value] if isinstance(value, (tuple, list)) else value
 
 
 # ----------------------------------------------------------------------------- t quantile
@@ -654,10 +708,12 @@ def load_run(a: Audit, job: dict, run_rel: str, protocol: dict, frozen: dict) ->
     cfg = meta.get("config", {})
     for key, want in (("model", job["model"]), ("seed", job["seed"]), ("arms", [job["arm"]]),
                       ("steps", protocol["steps"]), ("eval_every", protocol["eval_every"])):
-        a.check(cfg.get(key) == want, m, f"config {key} = {cfg.get(key)!r}, the job says {want!r}")
-    for key, value in protocol.get("train", {}).items():
-        a.check(cfg.get(key) == value, m, f"config {key} = {cfg.get(key)!r}, the protocol's "
-                                          f"[train] says {value!r}")
+        got = config_setting(cfg, key)
+        a.check(got == want, m, f"config {key} = {got!r}, the job says {want!r}")
+    for key, value in train_settings(protocol.get("train", {})).items():
+        got = config_setting(cfg, key)
+        a.check(got == value, m, f"config {key} = {got!r}, the protocol's [train] says "
+                                 f"{value!r}")
     env = meta.get("environment", {})
     a.check(env.get("code_sha256") == frozen["code"]["cotangent_sha256"], m,
             "code SHA-256 differs from the frozen one")
@@ -668,7 +724,7 @@ def load_run(a: Audit, job: dict, run_rel: str, protocol: dict, frozen: dict) ->
     for key, want in frozen["machine"].items():
         a.check(env.get(key) == want, m, f"ran with {key} {env.get(key)!r}, the campaign was "
                                          f"frozen with {want!r}")
-    cfg_lists = {k: list(v) if isinstance(v, tuple) else v for k, v in cfg.items()}
+    cfg_lists = _lists(cfg)
     for toml_rel in (f"{run_rel}/config.toml", f"{run_rel.rsplit('/', 2)[0]}/job.toml"):
         a.context = toml_rel
         try:

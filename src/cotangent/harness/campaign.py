@@ -76,6 +76,7 @@ from cotangent.harness.train import (
     check_device,
     format_config,
     tensorboard_writer_class,
+    train_config,
     validate_config,
 )
 
@@ -119,7 +120,9 @@ class Protocol:
     shuffle_seed: int = setting("random.Random seed of the block order", 0)
     bootstrap_resamples: int = setting("resamples of every bootstrap interval", 10_000, low=1,
                                        high=10**6)
-    train: dict = setting("further TrainConfig settings shared by every job",
+    train: dict = setting("further TrainConfig settings shared by every job, by setting name "
+                          "or in section tables ([train.optimizer] lr = ...); parse_protocol "
+                          "stores them by setting name",
                           default_factory=dict, want="a table of cotangent train settings")
     decision_rules: tuple = setting(
         "prospective decision rules, evaluated per model by `cotangent analyze` (parse_protocol "
@@ -128,9 +131,9 @@ class Protocol:
 
     def job_config(self, job: dict, out: str) -> TrainConfig:
         """The `cotangent train` configuration of one job (a single arm)."""
-        return TrainConfig(**{**self.train, "model": job["model"], "seed": job["seed"],
-                              "arms": (job["arm"],), "steps": self.steps,
-                              "eval_every": self.eval_every, "out": out})
+        return train_config(**{**self.train, "model": job["model"], "seed": job["seed"],
+                               "arms": (job["arm"],), "steps": self.steps,
+                               "eval_every": self.eval_every, "out": out})
 
 
 def parse_protocol(text: str, source: str = "protocol") -> Protocol:
@@ -180,8 +183,10 @@ def _target_per_model(protocol: Protocol, where: str) -> dict[str, float]:
 
 
 def _check_train_table(train: dict, where: str) -> dict:
-    """The `[train]` table checked against TrainConfig's declarations (lists become tuples);
-    the keys the protocol itself sets (`_JOB_FIELDS`) are refused."""
+    """The `[train]` table by setting name (`schema.nest_values`: section tables such as
+    ``[train.optimizer]`` become setting names), checked against TrainConfig's declarations
+    (lists become tuples); the keys the protocol itself sets (`_JOB_FIELDS`) are refused."""
+    train = schema.nest_values(TrainConfig, train, where=f"{where}[train] ")
     for key in train:
         if key in _JOB_FIELDS:
             raise ValueError(f"{where}[train] may not set {key} (the protocol sets it)")

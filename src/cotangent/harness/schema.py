@@ -14,6 +14,13 @@ element of a tuple or table.
 
 Every error is one line: `{where}{name} must be {what it may be}, got {value}`, or
 `{where}unknown setting(s) ...; known: ...`.
+
+A field declared with `section(cls, doc)` holds a settings dataclass of its own (a TOML table;
+`TrainConfig.optimizer`). Every setting keeps one name of its own, unique across sections (its
+*setting name*: the field's name, with the section's prefix, or the `name` rule): flags,
+``--set``, a protocol's ``[train]`` table and `check` use it. `nest_values` turns tables
+(``[optimizer] lr = ...``) or dotted keys (``optimizer.lr``) into setting names; `build` and
+`flatten` turn setting names into the nested object and back.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ from dataclasses import MISSING, dataclass
 from typing import Any, Iterable, Mapping
 
 SPEC = "cotangent.schema"  # the metadata key of a field's Spec
+SECTION = "cotangent.schema.section"  # the metadata key of a section's (doc, prefix)
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
@@ -44,10 +52,12 @@ class Spec:
     min_items: int = 0  # tuple: at least this many elements
     distinct: bool = False  # tuple: no element twice
     want: str | None = None  # the error's "must be ..." text, when `describe` would say less
+    name: str | None = None  # the setting name, when not the section's prefix + field name
     # Filled in from the annotation by `specs`:
     kinds: tuple[type, ...] = ()  # the accepted container or scalar types, in order of trial
     item: type | None = None  # tuple / dict: the element type (None: anything)
     length: int | None = None  # tuple[X, X]: the exact number of elements
+    path: tuple[str, ...] = ()  # the attribute path from the top dataclass (a section's field)
 
 
 def setting(doc: str, default: Any = MISSING, *, default_factory: Any = MISSING,
@@ -61,17 +71,118 @@ def setting(doc: str, default: Any = MISSING, *, default_factory: Any = MISSING,
                              metadata={SPEC: Spec(doc=doc, **rules)})
 
 
+def section(cls: type, doc: str, *, prefix: str = "") -> Any:
+    """A dataclass field holding settings dataclass `cls` (default: `cls()`), described by
+    `doc`; its settings are named `prefix` + field name (or their own `name` rule).
+
+    Example:
+        muon: MuonSettings = section(MuonSettings, "study arms' MuonAdamW", prefix="muon_")
+    """
+    return dataclasses.field(default_factory=cls, metadata={SECTION: (doc, prefix)})
+
+
+def sections(cls: type) -> dict[str, tuple[type, str]]:
+    """The section fields of dataclass `cls`: field name -> (its dataclass, its doc)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: (hints[f.name], f.metadata[SECTION][0]) for f in dataclasses.fields(cls)
+            if SECTION in f.metadata}
+
+
 @functools.cache
 def specs(cls: type) -> dict[str, Spec]:
-    """Every field of dataclass `cls` with its `Spec`, types filled in from the annotations,
-    in field order. Raises TypeError for a field declared without `setting` or of a type
-    this module does not check."""
+    """Every setting of dataclass `cls` by its setting name, with its `Spec` (types filled in
+    from the annotations, `path` the attribute path), in field order, a section's settings in
+    its place. Raises TypeError for a field declared without `setting` or `section`, of a type
+    this module does not check, or a setting name used twice."""
+    return _specs(cls, (), "")
+
+
+def _specs(cls: type, path: tuple[str, ...], prefix: str) -> dict[str, Spec]:
     hints = typing.get_type_hints(cls)
-    out = {}
+    out: dict[str, Spec] = {}
     for f in dataclasses.fields(cls):
-        if SPEC not in f.metadata:
-            raise TypeError(f"{cls.__name__}.{f.name} is not declared with schema.setting")
-        out[f.name] = _with_types(f.metadata[SPEC], hints[f.name], f"{cls.__name__}.{f.name}")
+        where = f"{cls.__name__}.{f.name}"
+        if SECTION in f.metadata:
+            inner = _specs(hints[f.name], path + (f.name,), f.metadata[SECTION][1])
+        elif SPEC in f.metadata:
+            spec = f.metadata[SPEC]
+            spec = dataclasses.replace(_with_types(spec, hints[f.name], where),
+                                       path=path + (f.name,))
+            inner = {spec.name or prefix + f.name: spec}
+        else:
+            raise TypeError(f"{where} is not declared with schema.setting or schema.section")
+        for name in inner:
+            if name in out:
+                raise TypeError(f"{where}: setting name {name} is used twice")
+        out.update(inner)
+    return out
+
+
+def build(cls: type, values: Mapping[str, Any]) -> Any:
+    """An instance of dataclass `cls` from `values` (setting name -> value, as `check`
+    returns them), defaults for the rest; a section's settings go to its dataclass."""
+    rules = specs(cls)
+    nested: dict = {}
+    for name, value in values.items():
+        *outer, last = rules[name].path
+        table = nested
+        for key in outer:
+            table = table.setdefault(key, {})
+        table[last] = value
+    return _build(cls, nested)
+
+
+def _build(cls: type, nested: dict) -> Any:
+    inner = sections(cls)
+    return cls(**{k: _build(inner[k][0], v) if k in inner else v for k, v in nested.items()})
+
+
+def flatten(obj: Any) -> dict[str, Any]:
+    """Every setting of dataclass instance `obj` by its setting name (the inverse of `build`)."""
+    out = {}
+    for name, spec in specs(type(obj)).items():
+        value = obj
+        for key in spec.path:
+            value = getattr(value, key)
+        out[name] = value
+    return out
+
+
+def nest_values(cls: type, raw: Mapping[str, Any], *, where: str = "") -> dict[str, Any]:
+    """`raw` (a TOML table's keys: setting names, section tables such as ``optimizer = {lr =
+    1e-3}``, or dotted keys such as ``"optimizer.lr"``) by setting names, unchecked.
+
+    Raises:
+        ValueError: one line: an unknown key inside a section, a section that is not a table,
+            or one setting given twice.
+    """
+    rules = specs(cls)
+    by_path = {spec.path: name for name, spec in rules.items()}
+    inner = sections(cls)
+    out: dict[str, Any] = {}
+
+    def put(name: str, value: Any, key: str) -> None:
+        if name in out:
+            raise ValueError(f"{where}setting {name} is given twice (as {key} and before)")
+        out[name] = value
+
+    for key, value in raw.items():
+        head, dot, rest = str(key).partition(".")
+        if head in inner and (dot or isinstance(value, Mapping)):
+            items = {rest: value}.items() if dot else value.items()
+            for field, v in items:
+                name = by_path.get((head, field))
+                if name is None:
+                    known = ", ".join(path[1] for path in by_path
+                                      if len(path) == 2 and path[0] == head)
+                    raise ValueError(f"{where}unknown setting {head}.{field}; known in [{head}]: "
+                                     f"{known}")
+                put(name, v, f"{head}.{field}")
+        elif head in inner and head not in rules:
+            raise ValueError(f"{where}{head} must be a table of settings ([{head}]), got "
+                             f"{value!r}")
+        else:
+            put(key, value, key)
     return out
 
 

@@ -19,6 +19,7 @@ from cotangent.harness.train import (
     process_group,
     result_json,
     run_train,
+    settings_of,
     tensorboard_writer_class,
     validate_config,
 )
@@ -46,14 +47,16 @@ def add_parser(sub) -> None:
                     "clip_grad_norm_ + torch.optim.AdamW fused, and `cotangent` = "
                     "cotangent.AdamW), then compare final model hashes, update-phase and "
                     "whole-step time, and validation/test BPB. Settings come from the defaults, "
-                    "then --config FILE (TOML, keys = the fields below), then the flags, then "
-                    "--set key=value; the resolved config is printed and saved with each run.")
+                    "then --config FILE (TOML: setting names, or tables [model], [optimizer], "
+                    "[muon], [eval], [data] as in a run's config.toml), then the flags, then "
+                    "--set key=value (a setting name or a dotted one, e.g. optimizer.lr); the "
+                    "resolved config is printed and saved with each run.")
     p.add_argument("--config", default=None, help="TOML file of settings")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                    help="override one setting (TOML value syntax; repeatable)")
-    defaults, specs = TrainConfig(), schema.specs(TrainConfig)
+    defaults, specs = settings_of(TrainConfig()), schema.specs(TrainConfig)
     for name in TRAIN_FLAGS:
-        spec, default = specs[name], getattr(defaults, name)
+        spec, default = specs[name], defaults[name]
         flag = "--" + name.replace("_", "-")
         text = spec.doc.replace("%", "%%")
         if spec.kinds == (bool,):
@@ -88,19 +91,22 @@ def add_parser(sub) -> None:
 
 
 def resolve_train_config(args) -> TrainConfig:
-    """Defaults < TOML file < flags < --set overrides, each value checked against its field's
-    description (`TrainConfig`, `cotangent.harness.schema`); a comma-separated string is a list
-    for a list setting (`--arms native,cotangent`).
+    """Defaults < TOML file < flags < --set overrides, each value checked against its
+    setting's description (`TrainConfig`, `cotangent.harness.schema`); the file may use
+    setting names or section tables (`schema.nest_values`), `--set` a setting name or a dotted
+    one (``optimizer.lr``); a comma-separated string is a list for a list setting
+    (`--arms native,cotangent`).
 
     Raises:
-        ValueError: one line: invalid TOML, `--set` without `=`, an unknown setting, or a value
-            of the wrong type, range or choice.
+        ValueError: one line: invalid TOML, `--set` without `=`, an unknown setting, one
+            setting given twice in the file, or a value of the wrong type, range or choice.
     """
     values = {}
     if args.config:
         try:
             with open(args.config, "rb") as f:
-                values.update(tomllib.load(f))
+                values.update(schema.nest_values(TrainConfig, tomllib.load(f),
+                                                 where=f"{args.config}: "))
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"{args.config}: not valid TOML ({exc})") from None
     values.update({name: getattr(args, name) for name in TRAIN_FLAGS
@@ -110,14 +116,15 @@ def resolve_train_config(args) -> TrainConfig:
         if not sep:
             raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
         try:
-            values[key.strip()] = tomllib.loads(f"v = {text}")["v"]
+            value = tomllib.loads(f"v = {text}")["v"]
         except tomllib.TOMLDecodeError:
-            values[key.strip()] = text  # a bare string
+            value = text  # a bare string
+        values.update(schema.nest_values(TrainConfig, {key.strip(): value}, where="--set "))
     specs = schema.specs(TrainConfig)
     for key, value in values.items():
         if key in specs and tuple in specs[key].kinds and isinstance(value, str):
             values[key] = [v.strip() for v in value.split(",") if v.strip()]
-    return TrainConfig(**schema.check(TrainConfig, values))
+    return schema.build(TrainConfig, schema.check(TrainConfig, values))
 
 
 def check_tensorboard_dir(path: str | None) -> None:
@@ -173,7 +180,8 @@ def _train(args, cfg: TrainConfig, *, rank0: bool, data_parallel) -> int:
         corpus = embedded_corpus()
         say(f"data: no WikiText-2 directory given (--data-dir or ${DATA_ENV}); using the "
             f"{corpus.note}")
-    say("config:\n  " + format_config(cfg).replace("\n", "\n  "))
+    say("config:\n" + "\n".join("  " + line if line else ""
+                                 for line in format_config(cfg).splitlines()))
     result = run_train(cfg, corpus, config_toml=format_config(cfg),
                        show_progress=rank0 and interactive and sys.stderr.isatty() and every == 0,
                        progress_every_s=every, log=say, data_parallel=data_parallel,

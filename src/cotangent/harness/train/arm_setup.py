@@ -35,8 +35,8 @@ class Arm:
         if name in config.FSDP2_ARMS and data_parallel is None:
             raise ValueError(f"the {name} arm shards the model over ranks (fully_shard): run "
                              "it data-parallel (--nproc N or torchrun)")
-        config.check_study_arms([name], cfg.model)
-        config.check_fsdp2_arms([name], cfg.compile)  # (also for an Arm built without the CLI)
+        config.check_study_arms([name], cfg.model.name)
+        config.check_fsdp2_arms([name], cfg.model.compile)  # (also for an Arm built without the CLI)
         self.name = name
         self.fsdp2 = False
         self.update = None
@@ -49,40 +49,40 @@ class Arm:
                                  "process, not data-parallel")
             self._build_study(name, cfg, device)
             self.forward = self.model
-            if cfg.compile:  # after packing: MuonAdamW moves the matrices' storage
+            if cfg.model.compile:  # after packing: MuonAdamW moves the matrices' storage
                 self.forward = torch.compile(self.forward)
             return
-        self.model = build_model(cfg.model, cfg.seed).to(device)
+        self.model = build_model(cfg.model.name, cfg.seed).to(device)
         self.init_sha256 = records.model_sha256(self.model)
         self.fsdp2 = name in config.FSDP2_ARMS
         if self.fsdp2:  # every parameter a DTensor, this rank's shard local
             shard_fsdp2(self.model)
         params = list(self.model.parameters())
         self.forward = self.model
-        kw = dict(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                  fused=True)
+        o = cfg.optimizer
+        kw = dict(lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=True)
         if name in ("native", "native-fsdp2"):
-            self.update = cotangent.ReferenceUpdate(params, max_norm=cfg.max_norm, **kw)
+            self.update = cotangent.ReferenceUpdate(params, max_norm=o.max_norm, **kw)
             self.optimizer = self.update.optimizer
         elif name == "batched-norms-only":
-            self.update = BatchedNormsOnly(params, max_norm=cfg.max_norm, **kw)
+            self.update = BatchedNormsOnly(params, max_norm=o.max_norm, **kw)
             self.optimizer = self.update.optimizer
         else:
             # cotangent-zero1: each rank keeps the AdamW state of its share (ZeRO-1);
             # packing-only / packed: the packed design without / with batched norms
             if name in ("packing-only", "packed"):
                 self.optimizer = PackedAdamW(
-                    params, max_norm=cfg.max_norm, batched_norms=name == "packed", **kw)
+                    params, max_norm=o.max_norm, batched_norms=name == "packed", **kw)
             else:
                 self.optimizer = cotangent.AdamW(
-                    params, max_norm=cfg.max_norm,
+                    params, max_norm=o.max_norm,
                     shard="zero1" if name == "cotangent-zero1" else None, **kw)
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(
             self.optimizer, lambda s: config.lr_factor(s, cfg.steps))
         if data_parallel is not None and not self.fsdp2:  # gradients averaged in backward
             self.forward = torch.nn.parallel.DistributedDataParallel(
                 self.model, device_ids=[device.index] if device.type == "cuda" else None)
-        if cfg.compile:  # after packing: PackedAdamW moves parameter storage
+        if cfg.model.compile:  # after packing: PackedAdamW moves parameter storage
             self.forward = torch.compile(self.forward)
 
     def _build_study(self, name: str, cfg: config.TrainConfig, device: torch.device) -> None:
@@ -90,20 +90,20 @@ class Arm:
         from cotangent.occurrence import OccurrenceAggregator
 
         sharing, mode = config.STUDY_ARMS[name]
-        self.model = build_model(cfg.model, cfg.seed, sharing=sharing).to(device)
+        self.model = build_model(cfg.model.name, cfg.seed, sharing=sharing).to(device)
         self.init_sha256 = records.model_sha256(self.model)
         muon_params = self.model.matrix_parameters()
         if mode is not None:  # its pooled leaves join the optimizer
             self.aggregator = OccurrenceAggregator(self.model.occurrence_groups(), mode)
             muon_params += self.aggregator.pooled_leaves()
+        m = cfg.muon
         self.optimizer = cotangent.MuonAdamW(
-            [{"params": [self.model.tok_emb.weight], "lr": cfg.muon_embedding_lr},
-             {"params": [self.model.head.weight], "lr": cfg.muon_head_lr}],
-            muon_params, adamw_betas=cfg.muon_adamw_betas, adamw_eps=cfg.muon_adamw_eps,
-            adamw_weight_decay=cfg.muon_adamw_weight_decay, muon_lr=cfg.muon_lr,
-            muon_momentum=cfg.muon_momentum, muon_ns_steps=cfg.muon_ns_steps,
-            muon_beta2=cfg.muon_beta2, muon_weight_decay=cfg.muon_weight_decay,
-            compile=cfg.muon_compile)
+            [{"params": [self.model.tok_emb.weight], "lr": m.embedding_lr},
+             {"params": [self.model.head.weight], "lr": m.head_lr}],
+            muon_params, adamw_betas=m.adamw_betas, adamw_eps=m.adamw_eps,
+            adamw_weight_decay=m.adamw_weight_decay, muon_lr=m.lr, muon_momentum=m.momentum,
+            muon_ns_steps=m.ns_steps, muon_beta2=m.beta2, muon_weight_decay=m.weight_decay,
+            compile=m.compile)
         self.lr_group = next(i for i, g in enumerate(self.optimizer.param_groups)
                              if g["kind"] == "muon")
         # every group's lr: its own peak (initial_lr) * lr_factor, as for the bitwise arms

@@ -7,13 +7,13 @@ import hashlib
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass
 
 import torch
 
 from cotangent.harness import schema
 from cotangent.harness.model import MODEL_CONFIGS
-from cotangent.harness.schema import setting
+from cotangent.harness.schema import section, setting
 
 
 BITWISE_ARMS = ("native", "cotangent", "batched-norms-only", "packing-only", "packed",
@@ -44,62 +44,104 @@ OCCURRENCE_KEYS = ("pooled_norm", "averaged_norm", "target_norm", "realized_norm
 NATIVE_PATH = "clip_grad_norm_(foreach=None) + torch.optim.AdamW(fused=True)"
 
 
-@dataclass(frozen=True, kw_only=True, slots=True)
-class TrainConfig:
-    """One `cotangent train` run (all its arms). Each field's type, bounds or choices and
-    meaning are declared once (`cotangent.harness.schema`): `validate_config`, the CLI's flags
-    and a campaign protocol's `[train]` table are all checked against them."""
+_SETTINGS = dict(frozen=True, kw_only=True, slots=True)
 
-    model: str = setting("byte-level model (cotangent.harness.model)", "transformer-small",
-                         choices=tuple(sorted(MODEL_CONFIGS)))
-    steps: int = setting("optimizer updates per arm", 300, low=1)
-    seed: int = setting("model init: torch.manual_seed(seed); windows: "
-                        "default_rng(seed + 100000 + rank * 2**63), rank 0 in a single "
-                        "process", 0, low=0, high=2**63 - 100_000,
-                        high_open=True, want="an integer in [0, 2**63 - 100000)")
-    batch_size: int = setting("windows per step, each context + 1 bytes", 8, low=1)
+
+@dataclass(**_SETTINGS)
+class ModelSettings:
+    """Which model is trained (`[model]`)."""
+
+    name: str = setting("byte-level model (cotangent.harness.model)", "transformer-small",
+                        choices=tuple(sorted(MODEL_CONFIGS)), name="model")
+    compile: bool = setting("torch.compile the model (the update phase stays outside it)",
+                            False)
+
+
+@dataclass(**_SETTINGS)
+class OptimizerSettings:
+    """The bitwise arms' clip and AdamW (`[optimizer]`): native's ``clip_grad_norm_`` +
+    ``torch.optim.AdamW`` or `cotangent.AdamW` with these arguments."""
+
     lr: float = setting("peak learning rate", 1e-3, low=0.0)
     betas: tuple[float, float] = setting("AdamW betas", (0.9, 0.95), low=0.0, high=1.0,
                                          high_open=True)
     eps: float = setting("AdamW eps", 1e-8, low=0.0)
     weight_decay: float = setting("AdamW decoupled weight decay", 0.1, low=0.0)
     max_norm: float = setting("gradient clipping threshold (global L2 norm)", 1.0, low=0.0)
-    device: str = setting("device type", "cpu", choices=("cpu", "cuda", "mps"))
-    precision: str = setting("auto: fp32 on CPU, bf16 autocast (fp32 weights) on cuda/mps",
-                             "auto", choices=("auto", "fp32", "bf16"))
+
+
+@dataclass(**_SETTINGS)
+class MuonSettings:
+    """The study arms' (U, S, P, A, AP, PA) `cotangent.MuonAdamW` (`[muon]`; setting names
+    ``muon_*``): nanochat's defaults, without its (width / 768) ** -0.5 scaling of the AdamW
+    lrs. `OptimizerSettings` does not apply to these arms."""
+
+    lr: float = setting("study arms: peak Muon lr (block matrices)", 0.02, low=0.0)
+    momentum: float = setting("study arms: Muon Nesterov momentum", 0.95, low=0.0, high=1.0,
+                              high_open=True)
+    ns_steps: int = setting("study arms: Polar Express iterations", 5, low=1, high=5)
+    beta2: float = setting("study arms: Muon (NorMuon) second-moment decay", 0.95, low=0.0,
+                           high=1.0, high_open=True)
+    weight_decay: float = setting("study arms: Muon cautious weight decay", 0.0, low=0.0)
+    embedding_lr: float = setting("study arms: peak AdamW lr of the token embedding", 0.2,
+                                  low=0.0)
+    head_lr: float = setting("study arms: peak AdamW lr of the head", 0.004, low=0.0)
+    adamw_betas: tuple[float, float] = setting("study arms: AdamW betas (embedding, head)",
+                                               (0.8, 0.95), low=0.0, high=1.0, high_open=True)
+    adamw_eps: float = setting("study arms: AdamW eps", 1e-10, low=0.0)
+    adamw_weight_decay: float = setting("study arms: AdamW decoupled weight decay", 0.0,
+                                        low=0.0)
+    compile: bool = setting("study arms: torch.compile MuonAdamW's step functions", False)
+
+
+@dataclass(**_SETTINGS)
+class EvalSettings:
+    """Evaluation (`[eval]`): the final valid/test bits per byte and the probes."""
+
     val_bytes: int = setting("final valid and test BPB on the first this many bytes; 0 = all",
                              131_072, low=0)
-    eval_every: int = setting("probe BPB on the held-out last 5% of train every this many "
-                              "steps; 0 = never", 0, low=0)
+    every: int = setting("probe BPB on the held-out last 5% of train every this many steps; "
+                         "0 = never", 0, low=0, name="eval_every")
     probe_bytes: int = setting("bytes of that held-out tail each probe evaluates", 65_536,
                                low=1)
-    eval_batch: int = setting("windows per evaluation forward pass", 16, low=1)
-    compile: bool = setting("torch.compile the model (the update phase stays outside it)",
-                            False)
-    out: str = setting("parent directory of run directories", "runs")
+    batch: int = setting("windows per evaluation forward pass", 16, low=1, name="eval_batch")
+
+
+@dataclass(**_SETTINGS)
+class DataSettings:
+    """The training batches (`[data]`)."""
+
+    batch_size: int = setting("windows per step, each context + 1 bytes", 8, low=1)
+
+
+@dataclass(**_SETTINGS)
+class TrainConfig:
+    """One `cotangent train` run (all its arms): run-wide settings, then one section each for
+    the model, the bitwise arms' optimizer, the study arms' Muon, evaluation and data. Each
+    setting's type, bounds or choices and meaning are declared once
+    (`cotangent.harness.schema`), with a setting name of its own (``lr``, ``muon_lr``,
+    ``eval_every``: the flag, ``--set`` key and protocol ``[train]`` key); `validate_config`,
+    the CLI's flags, a TOML file's tables (``[optimizer] lr = ...``) and a campaign protocol's
+    `[train]` table are all checked against them. Build one from setting names with
+    `train_config`."""
+
+    steps: int = setting("optimizer updates per arm", 300, low=1)
+    seed: int = setting("model init: torch.manual_seed(seed); windows: "
+                        "default_rng(seed + 100000 + rank * 2**63), rank 0 in a single "
+                        "process", 0, low=0, high=2**63 - 100_000,
+                        high_open=True, want="an integer in [0, 2**63 - 100000)")
     arms: tuple[str, ...] = setting("which arms, trained interleaved; the first is the "
                                     "baseline", DEFAULT_ARMS, choices=TRAIN_ARMS, min_items=1,
                                     distinct=True)
-    # The study arms (U, S, P, A, AP, PA): cotangent.MuonAdamW settings (nanochat's defaults,
-    # without its (width / 768) ** -0.5 scaling of the AdamW lrs); lr, betas, eps,
-    # weight_decay and max_norm above are the bitwise arms' and do not apply to them.
-    muon_lr: float = setting("study arms: peak Muon lr (block matrices)", 0.02, low=0.0)
-    muon_momentum: float = setting("study arms: Muon Nesterov momentum", 0.95, low=0.0,
-                                   high=1.0, high_open=True)
-    muon_ns_steps: int = setting("study arms: Polar Express iterations", 5, low=1, high=5)
-    muon_beta2: float = setting("study arms: Muon (NorMuon) second-moment decay", 0.95, low=0.0,
-                                high=1.0, high_open=True)
-    muon_weight_decay: float = setting("study arms: Muon cautious weight decay", 0.0, low=0.0)
-    muon_embedding_lr: float = setting("study arms: peak AdamW lr of the token embedding", 0.2,
-                                       low=0.0)
-    muon_head_lr: float = setting("study arms: peak AdamW lr of the head", 0.004, low=0.0)
-    muon_adamw_betas: tuple[float, float] = setting("study arms: AdamW betas (embedding, head)",
-                                                    (0.8, 0.95), low=0.0, high=1.0,
-                                                    high_open=True)
-    muon_adamw_eps: float = setting("study arms: AdamW eps", 1e-10, low=0.0)
-    muon_adamw_weight_decay: float = setting("study arms: AdamW decoupled weight decay", 0.0,
-                                             low=0.0)
-    muon_compile: bool = setting("study arms: torch.compile MuonAdamW's step functions", False)
+    device: str = setting("device type", "cpu", choices=("cpu", "cuda", "mps"))
+    precision: str = setting("auto: fp32 on CPU, bf16 autocast (fp32 weights) on cuda/mps",
+                             "auto", choices=("auto", "fp32", "bf16"))
+    out: str = setting("parent directory of run directories", "runs")
+    model: ModelSettings = section(ModelSettings, "the model")
+    optimizer: OptimizerSettings = section(OptimizerSettings, "the bitwise arms' clip + AdamW")
+    muon: MuonSettings = section(MuonSettings, "the study arms' MuonAdamW", prefix="muon_")
+    eval: EvalSettings = section(EvalSettings, "evaluation")
+    data: DataSettings = section(DataSettings, "training batches")
 
     def resolved_precision(self) -> str:
         """fp32 or bf16: `precision`, with auto resolved for `device`."""
@@ -108,6 +150,21 @@ class TrainConfig:
         if self.precision not in ("fp32", "bf16"):
             raise ValueError(f"precision must be auto, fp32 or bf16, not {self.precision!r}")
         return self.precision
+
+
+def train_config(**settings) -> TrainConfig:
+    """A `TrainConfig` from setting names (``train_config(model="tiny", lr=3e-4,
+    eval_every=10)``), each value checked and converted; defaults for the rest.
+
+    Raises:
+        ValueError: one line naming the first unknown setting or bad value.
+    """
+    return schema.build(TrainConfig, schema.check(TrainConfig, settings))
+
+
+def settings_of(cfg: TrainConfig) -> dict:
+    """Every setting of `cfg` by its setting name (`train_config`'s inverse)."""
+    return schema.flatten(cfg)
 
 
 def validate_config(cfg: TrainConfig) -> None:
@@ -119,9 +176,9 @@ def validate_config(cfg: TrainConfig) -> None:
             `out` path that is a file, or FSDP2 arms under ``compile`` or beside arms whose
             gradients are reduced otherwise (`check_fsdp2_arms`).
     """
-    schema.check(TrainConfig, {f.name: getattr(cfg, f.name) for f in fields(cfg)})
-    check_study_arms(cfg.arms, cfg.model)
-    check_fsdp2_arms(cfg.arms, cfg.compile)
+    schema.check(TrainConfig, settings_of(cfg))
+    check_study_arms(cfg.arms, cfg.model.name)
+    check_fsdp2_arms(cfg.arms, cfg.model.compile)
     if os.path.exists(cfg.out) and not os.path.isdir(cfg.out):
         raise ValueError(f"out {cfg.out} exists and is not a directory")
 
@@ -196,21 +253,25 @@ def sync(device: torch.device) -> None:
 
 def schedule_sha256(cfg: TrainConfig, arm: str | None = None) -> str:
     """SHA-256 of the learning rate of every update (repr of the floats, in order): the
-    curve's `lr` column, `cfg.lr` scaled by `lr_factor`, or `cfg.muon_lr` for a study arm."""
-    peak = cfg.muon_lr if arm in STUDY_ARMS else cfg.lr
+    curve's `lr` column, `cfg.optimizer.lr` scaled by `lr_factor`, or `cfg.muon.lr` for a
+    study arm."""
+    peak = cfg.muon.lr if arm in STUDY_ARMS else cfg.optimizer.lr
     lrs = [peak * lr_factor(step, cfg.steps) for step in range(cfg.steps)]
     return hashlib.sha256(repr(lrs).encode()).hexdigest()
 
 
 def format_config(cfg: TrainConfig) -> str:
-    """The resolved config as TOML lines (loadable again with --config)."""
-    lines = []
-    for key, value in asdict(cfg).items():
-        if isinstance(value, bool):
-            text = "true" if value else "false"
-        elif isinstance(value, (tuple, list)):
-            text = json.dumps(list(value))
+    """The resolved config as TOML: the run-wide settings, then one table per section
+    (loadable again with --config)."""
+    def value(v) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        return json.dumps(list(v) if isinstance(v, (tuple, list)) else v)
+
+    top, tables = [], []
+    for key, v in asdict(cfg).items():
+        if isinstance(v, dict):
+            tables += ["", f"[{key}]"] + [f"{k} = {value(x)}" for k, x in v.items()]
         else:
-            text = json.dumps(value)
-        lines.append(f"{key} = {text}")
-    return "\n".join(lines)
+            top.append(f"{key} = {value(v)}")
+    return "\n".join(top + tables)

@@ -108,7 +108,7 @@ def run_train(cfg: config.TrainConfig, corpus: Corpus, *, show_progress: bool | 
     """
     previous = torch.are_deterministic_algorithms_enabled()
     try:
-        if cfg.compile:
+        if cfg.model.compile:
             torch.use_deterministic_algorithms(True)
         return _run_train(cfg, corpus, show_progress=show_progress, log=log,
                           config_toml=config_toml, progress_every_s=progress_every_s,
@@ -154,7 +154,7 @@ def _run_train(cfg: config.TrainConfig, corpus: Corpus, *, show_progress: bool |
     if dp is not None:  # every rank names rank 0's run directories
         dist.broadcast_object_list(stamp, src=0)
     run = _Run(cfg=cfg, device=device, autocast=_autocast(device, precision), t_start=t_start,
-               root=Path(cfg.out) / f"{stamp[0]}-{cfg.model}-seed{cfg.seed}",
+               root=Path(cfg.out) / f"{stamp[0]}-{cfg.model.name}-seed{cfg.seed}",
                data_parallel=dp)
     env = records.environment()
     arms = {name: arm_setup.Arm(name, cfg, device, dp) for name in cfg.arms}
@@ -162,7 +162,7 @@ def _run_train(cfg: config.TrainConfig, corpus: Corpus, *, show_progress: bool |
     windows = _eval_windows(cfg, corpus, context)
     seed = distributed.rank_sampler_seed(cfg.seed, 0 if dp is None else dp.rank)
     samplers = {name: WindowSampler(corpus.splits["train"], seed=seed,
-                                    batch_size=cfg.batch_size, context=context)
+                                    batch_size=cfg.data.batch_size, context=context)
                 for name in cfg.arms}
     counts = {name: run_records._count(arm.model) for name, arm in arms.items()}
     if writer:
@@ -176,11 +176,11 @@ def _run_train(cfg: config.TrainConfig, corpus: Corpus, *, show_progress: bool |
     else:  # study arms: the sharing variants differ
         size = "; ".join(f"{name} {n:,} parameters, {t} tensors"
                          for name, (n, t) in counts.items())
-    log(f"training {cfg.model} ({size}) for {cfg.steps} "
+    log(f"training {cfg.model.name} ({size}) for {cfg.steps} "
         f"steps per arm on {device.type} in {precision}, arms interleaved: {', '.join(cfg.arms)}"
         + ("" if dp is None else
            f"; data-parallel: {dp.world_size} ranks ({dp.backend}), {dp.threads} torch "
-           f"thread(s) and {cfg.batch_size} windows per step on each rank"))
+           f"thread(s) and {cfg.data.batch_size} windows per step on each rank"))
     tb = None
     if summary_writer is not None and writer:
         tb = run_records.TensorBoardCurves(Path(tensorboard) / run.root.name, cfg.arms,
@@ -240,9 +240,9 @@ def _eval_windows(cfg: config.TrainConfig, corpus: Corpus, context: int) -> dict
     """The valid, test and (with eval_every) probe windows, built before training so that a
     split too short for `context` fails now, not after training."""
     tail = corpus.splits["train"][int(len(corpus.splits["train"]) * TRAIN_FRACTION):]
-    return {"valid": eval_windows(corpus.splits["valid"], context, cfg.val_bytes),
-            "test": eval_windows(corpus.splits["test"], context, cfg.val_bytes),
-            "probe": eval_windows(tail, context, cfg.probe_bytes) if cfg.eval_every > 0
+    return {"valid": eval_windows(corpus.splits["valid"], context, cfg.eval.val_bytes),
+            "test": eval_windows(corpus.splits["test"], context, cfg.eval.val_bytes),
+            "probe": eval_windows(tail, context, cfg.eval.probe_bytes) if cfg.eval.every > 0
             else None}
 
 
@@ -269,8 +269,8 @@ def _train_loop(run: _Run, arms: dict[str, arm_setup.Arm], samplers: dict[str, W
             curves.add(name, row)
             arms[name].check_sync(row)  # after the row is on disk (curve.partial.jsonl)
             since_line[name].append(row)
-            if probe is not None and (step + 1) % cfg.eval_every == 0:
-                bpb, _ = evaluate_bpb(arms[name].model, probe, batch=cfg.eval_batch,
+            if probe is not None and (step + 1) % cfg.eval.every == 0:
+                bpb, _ = evaluate_bpb(arms[name].model, probe, batch=cfg.eval.batch,
                                       device=run.device, autocast=run.autocast,
                                       data_parallel=arms[name].eval_parallel(run.data_parallel))
                 curves.add(name, {"probe": len(curves.probes[name]), "step": step + 1,
@@ -336,10 +336,10 @@ def _summarize_arm(run: _Run, name: str, arm: arm_setup.Arm, curves: run_records
     steps. A run whose host load was not measured at every step drops the partial host
     columns."""
     cfg, device, dp = run.cfg, run.device, run.data_parallel
-    val_bpb, val_targets = evaluate_bpb(arm.model, windows["valid"], batch=cfg.eval_batch,
+    val_bpb, val_targets = evaluate_bpb(arm.model, windows["valid"], batch=cfg.eval.batch,
                                         device=device, autocast=run.autocast,
                                         data_parallel=arm.eval_parallel(dp))
-    test_bpb, test_targets = evaluate_bpb(arm.model, windows["test"], batch=cfg.eval_batch,
+    test_bpb, test_targets = evaluate_bpb(arm.model, windows["test"], batch=cfg.eval.batch,
                                           device=device, autocast=run.autocast,
                                           data_parallel=arm.eval_parallel(dp))
     steps = [r for r in curves.rows[name] if "loss_bpb" in r]
