@@ -674,6 +674,9 @@ FSDP2_CONFIGS = [
     dict(impl="fused", amsgrad=True, max_norm=1e4),  # the clip inactive
     dict(impl="fused", bf16=True),  # MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32)
     dict(impl="foreach", hsdp=True),  # a (replicate, shard) mesh: (Replicate(), Shard(0))
+    # a (2, 1) mesh: every rank a replica (gradients all-reduced over the replicate dimension)
+    dict(impl="fused", hsdp="replicate"),
+    dict(impl="for-loop", hsdp="replicate", accumulate=True),
     dict(impl="fused", explicit_clip=True),  # opt.clip_grad_norm_() apart, then step()
     dict(impl="for-loop", norm_type=float("inf")),
 ]
@@ -708,7 +711,8 @@ def _fsdp2_model(cfg: dict, world: int) -> nn.Module:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                reduce_dtype=torch.float32)
     if cfg.get("hsdp"):
-        kw["mesh"] = init_device_mesh("cpu", (1, world), mesh_dim_names=("replicate", "shard"))
+        shape = (world, 1) if cfg["hsdp"] == "replicate" else (1, world)
+        kw["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     if cfg.get("nested", True):
         for block in model.blocks:
             fully_shard(block, **kw)
@@ -878,8 +882,8 @@ def test_fsdp2_is_bitwise_equal_to_native_on_every_rank():
     shards, moments and steps byte for byte on every rank, for every configuration of
     FSDP2_CONFIGS (for-loop, foreach, fused, default; reshard_after_forward off, root-only
     sharding, accumulation without gradient sync, frozen parameters, amsgrad, maximize, the
-    clip off or inactive, bf16 mixed precision, a (1, 2) HSDP mesh, the clip called apart, the
-    inf norm); a fused-vs-foreach control differs; a run checkpointed with
+    clip off or inactive, bf16 mixed precision, (1, 2) and (2, 1) HSDP meshes, the clip called
+    apart, the inf norm); a fused-vs-foreach control differs; a run checkpointed with
     torch.distributed.checkpoint's get_state_dict and resumed with set_state_dict, Cotangent to
     native and native to Cotangent, equals the uninterrupted run."""
     reports = run_ranks("fsdp2")

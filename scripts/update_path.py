@@ -1,0 +1,98 @@
+"""How much code one `cotangent.AdamW.step()` runs: the library functions it enters, their
+source lines, the files they live in and the deepest stack of library frames.
+
+    python scripts/update_path.py [--impl for-loop|foreach|fused] [--verbose]
+
+A steady-state step (the fourth, after three that created the state and proved the single
+pass) of a 4-layer MLP (8 tensors, one param group, float32, CPU, clip on) runs under
+`sys.setprofile`; every function of the `cotangent` package it enters counts with all its
+source lines (docstring included; a comprehension counts as the lines of its function, once).
+This is the measure of issue 27's "lines read to follow one update from step() to the
+arithmetic": what a reader who opens every function the step calls reads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import inspect
+import os
+import sys
+
+import torch
+
+import cotangent
+
+
+def trace_step(impl: str) -> tuple[dict, int, dict]:
+    """(function -> source line count, the deepest library stack, the step's update_path)."""
+    torch.manual_seed(0)
+    flags = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True),
+             "fused": dict(fused=True)}[impl]
+    model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(4)])
+    opt = cotangent.AdamW(model.parameters(), lr=1e-3, max_norm=1.0, **flags)
+
+    def backward():
+        opt.zero_grad()
+        model(torch.randn(8, 64)).sum().backward()
+
+    for _ in range(3):
+        backward()
+        opt.step()
+    backward()
+    package = os.path.dirname(cotangent.__file__)
+    entered: dict = {}
+    stack: list = []
+    deepest = 0
+
+    def profile(frame, event, arg):
+        nonlocal deepest
+        code = frame.f_code
+        if not code.co_filename.startswith(package):
+            return
+        if event == "call":
+            stack.append(code)
+            deepest = max(deepest, len(stack))
+            entered[(code.co_filename, code.co_firstlineno, code.co_name)] = code
+        elif event == "return" and stack:
+            stack.pop()
+
+    sys.setprofile(profile)
+    try:
+        opt.step()
+    finally:
+        sys.setprofile(None)
+    lines = {}
+    for (path, _, name), code in entered.items():
+        if name.startswith("<"):  # a comprehension or lambda: its function's lines
+            continue
+        source, first = inspect.getsourcelines(code)
+        lines[(os.path.relpath(path, package), first, name)] = range(first, first + len(source))
+    return lines, deepest, opt.update_path()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--impl", choices=("for-loop", "foreach", "fused"), default=None,
+                        help="one implementation (default: all three)")
+    parser.add_argument("--verbose", action="store_true", help="list every function")
+    args = parser.parse_args(argv)
+    for impl in [args.impl] if args.impl else ["for-loop", "foreach", "fused"]:
+        lines, deepest, path = trace_step(impl)
+        per_file: dict = collections.defaultdict(set)
+        for (file, _, _), span in lines.items():
+            per_file[file].update(span)
+        total = sum(map(len, per_file.values()))
+        print(f"{impl}: {len(lines)} functions, {total} lines in {len(per_file)} files, "
+              f"{deepest} library frames deep (path: {path['path']}, "
+              f"clip in pass: {path['clip_in_pass']})")
+        for file, span in sorted(per_file.items(), key=lambda kv: -len(kv[1])):
+            print(f"  {len(span):5d}  {file}")
+        if args.verbose:
+            for (file, first, name), span in sorted(lines.items()):
+                print(f"        {file}:{first} {name} ({len(span)} lines)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
