@@ -49,7 +49,7 @@ class Arm:
                                  "process, not data-parallel")
             self._build_study(name, cfg, device)
             self.forward = self.model
-            if cfg.model.compile:  # after packing: MuonAdamW moves the matrices' storage
+            if cfg.model.compile:  # (after the optimizer is built, as for the bitwise arms)
                 self.forward = torch.compile(self.forward)
             return
         self.model = build_model(cfg.model.name, cfg.seed).to(device)
