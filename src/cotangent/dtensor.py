@@ -109,9 +109,9 @@ def clip_mesh_gradient(grads: list[Tensor]) -> Tensor | None:
             meshes or placements (native's ``torch.stack`` of their norms would redistribute
             them in ways not followed here).
     """
-    spread = [g for g in grads if is_dtensor(g)]
-    if not spread:
+    if not any_dtensor(grads):  # (one C-level pass: the plain case)
         return None
+    spread = [g for g in grads if is_dtensor(g)]
     first = spread[0]
     if len(spread) != len(grads):
         raise RuntimeError("the clip meets DTensor and plain gradients together: native's "
