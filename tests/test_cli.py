@@ -263,11 +263,44 @@ def test_a_bad_section_setting_is_one_line(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
-def test_one_setting_given_twice_in_a_file_is_refused(tmp_path, capsys):
+@pytest.mark.parametrize("text, message", [
+    ('lr = 0.1\n[optimizer]\nlr = 0.2\n', "setting lr is given twice (as lr and as optimizer.lr)"),
+    ('[foo]\nx = 1\n', "unknown section [foo]; sections: model, optimizer, muon, eval, data"),
+    ('[eval]\neval_every = 5\n', "unknown setting eval.eval_every (in [eval] it is every)"),
+    ('[muon]\nlr = "x"\n', "muon_lr must be a finite number >= 0, got 'x'"),
+    ('arms = "native,nope"\n', "arms must be"),
+])
+def test_a_bad_config_file_is_one_line_naming_it(tmp_path, capsys, text, message):
     path = tmp_path / "run.toml"
-    path.write_text('lr = 0.1\n[optimizer]\nlr = 0.2\n')
+    path.write_text(text)
     assert cli.main(["train", "--config", str(path)]) == 2
-    assert "setting lr is given twice" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err and str(path) in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("argv", [["--set", "betas=0.8,0.9"], ["--set", "optimizer.betas=0.8,0.9"],
+                                  ["--set", "optimizer.betas=[0.8, 0.9]"]])
+def test_a_comma_list_of_numbers_is_a_list_of_numbers(argv):
+    assert _resolved(argv).optimizer.betas == (0.8, 0.9)
+    assert _resolved(["--arms", "native,cotangent,packed"]).arms == ("native", "cotangent",
+                                                                     "packed")
+
+
+def test_a_config_built_without_its_sections_is_one_line():
+    from cotangent.harness.train import validate_config
+
+    with pytest.raises(ValueError, match=r"model must be a ModelSettings \(build a config from "
+                                         r"setting names with train_config"):
+        validate_config(TrainConfig(model="tiny"))
+    with pytest.raises(ValueError, match="optimizer must be a OptimizerSettings"):
+        validate_config(TrainConfig(optimizer={"lr": 1.0}))
+
+
+def test_any_out_path_loads_back_from_the_saved_config(tmp_path):
+    cfg = train_config(out=str(tmp_path / "runs \u00e9 \U0001f600 \x7f \" \\ x"))
+    path = tmp_path / "config.toml"
+    path.write_text(format_config(cfg), encoding="utf-8")
+    assert _resolved(["--config", str(path)]) == cfg
 
 
 def test_the_audit_finds_every_setting_where_the_config_holds_it():
@@ -283,9 +316,12 @@ def test_the_audit_finds_every_setting_where_the_config_holds_it():
         assert audit.config_setting(nested, name) == value, name
         assert audit.config_setting(flat, name) == value, name  # records before the sections
     assert repr(audit.config_setting(nested, "nope")) == "(missing)"
+    # a nested record is read at the sections' paths alone: a stray top-level key is no
+    # setting (a review's tampered record passed through one)
+    assert audit.config_setting({**nested, "muon_lr": 9.0}, "muon_lr") == nested["muon"]["lr"]
     assert audit.train_settings({"optimizer": {"lr": 1.0}, "muon": {"lr": 2.0},
-                                 "val_bytes": 3}) == {"lr": 1.0, "muon_lr": 2.0,
-                                                      "val_bytes": 3}
+                                 "optimizer.eps": 4.0, "val_bytes": 3}) == {
+        "lr": 1.0, "muon_lr": 2.0, "eps": 4.0, "val_bytes": 3}
 
 
 @dataclass(frozen=True)

@@ -711,7 +711,7 @@ def _fsdp2_model(cfg: dict, world: int) -> nn.Module:
         kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                reduce_dtype=torch.float32)
     if cfg.get("hsdp"):
-        shape = (world, 1) if cfg["hsdp"] == "replicate" else (1, world)
+        shape = {"replicate": (world, 1), "2x2": (2, world // 2)}.get(cfg["hsdp"], (1, world))
         kw["mesh"] = init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
     if cfg.get("nested", True):
         for block in model.blocks:
@@ -855,8 +855,29 @@ def _fsdp2_checks(rank: int, world: int) -> list[str]:
     return problems
 
 
+# 4 ranks on a (2, 2) (replicate, shard) mesh: gradients reduce-scattered over the shard
+# dimension and all-reduced over the replicate one; the clip's norm reduced over the shard one
+HSDP_2X2_CONFIGS = [dict(impl="fused", hsdp="2x2"), dict(impl="foreach", hsdp="2x2"),
+                    dict(impl="for-loop", hsdp="2x2", accumulate=True, max_norm=1e4)]
+
+
+def _hsdp_checks(rank: int, world: int) -> list[str]:
+    problems = []
+    for cfg in HSDP_2X2_CONFIGS:
+        native = _fsdp2_run(rank, world, cfg, "native")
+        ours = _fsdp2_run(rank, world, cfg, "cotangent")
+        problems += _fsdp2_differences(str(cfg), native, ours)
+        if cfg is HSDP_2X2_CONFIGS[0]:
+            other = _fsdp2_run(rank, world, dict(cfg, impl="foreach"), "cotangent")
+            if not _fsdp2_differences("control", native, other):
+                problems.append("control: fused and foreach runs compared equal")
+        if ours[1].update_path()["path"] != "single-pass":
+            problems.append(f"{cfg}: update path {ours[1].update_path()}")
+    return problems
+
+
 CHECKS = {"ddp": _ddp_checks, "zero1": _zero_checks, "crash": _crash_checks,
-          "fsdp2": _fsdp2_checks}
+          "fsdp2": _fsdp2_checks, "hsdp": _hsdp_checks}
 
 
 @pytest.mark.slow
@@ -887,6 +908,18 @@ def test_fsdp2_is_bitwise_equal_to_native_on_every_rank():
     torch.distributed.checkpoint's get_state_dict and resumed with set_state_dict, Cotangent to
     native and native to Cotangent, equals the uninterrupted run."""
     reports = run_ranks("fsdp2")
+    problems = [f"rank {rank}: {p}" for rank, ps in reports for p in ps]
+    assert not problems, "\n".join(problems[:8])
+
+
+@pytest.mark.slow
+def test_fsdp2_on_a_2x2_hsdp_mesh_is_bitwise_equal_to_native_on_every_rank():
+    """4 gloo ranks, a (2, 2) (replicate, shard) mesh, placements (Replicate(), Shard(0)) with
+    uneven shards: losses, total norms, local shards, moments and steps byte for byte on every
+    rank (fused, foreach, for-loop with accumulation and the clip inactive); a fused-vs-foreach
+    control differs."""
+    reports = run_ranks("hsdp", world=4)
+    assert len(reports) == 4
     problems = [f"rank {rank}: {p}" for rank, ps in reports for p in ps]
     assert not problems, "\n".join(problems[:8])
 

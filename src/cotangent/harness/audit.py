@@ -93,12 +93,16 @@ class _Missing:
 _MISSING = _Missing()
 
 
+_SECTIONS = {path[0] for path in SETTING_PATHS.values()}
+
+
 def config_setting(cfg: dict, name: str):
-    """Setting `name` of a run's config (nested, or flat in older records), or `_MISSING`."""
-    if name in cfg and not isinstance(cfg[name], dict):
-        return cfg[name]
+    """Setting `name` of a run's config, or `_MISSING`: a nested config (one with a section
+    table) holds it at its `SETTING_PATHS` path only; a flat one (records written before the
+    sections) at the top level only."""
+    nested = any(isinstance(cfg.get(section), dict) for section in _SECTIONS)
     value = cfg
-    for key in SETTING_PATHS.get(name, (name,)):
+    for key in SETTING_PATHS.get(name, (name,)) if nested else (name,):
         if not isinstance(value, dict) or key not in value:
             return _MISSING
         value = value[key]
@@ -107,11 +111,15 @@ def config_setting(cfg: dict, name: str):
 
 def train_settings(table: dict) -> dict:
     """A protocol's `[train]` table by setting name: section tables (``[train.optimizer]``)
-    turned into setting names through `SETTING_PATHS`; other keys as they are."""
+    and quoted dotted keys (``'optimizer.lr'``) turned into setting names through
+    `SETTING_PATHS`, as `cotangent.harness.schema.nest_values` does; other keys as they are."""
     by_path = {path: name for name, path in SETTING_PATHS.items()}
     out = {}
     for key, value in table.items():
-        if isinstance(value, dict):
+        head, dot, rest = key.partition(".")
+        if head in _SECTIONS and dot:
+            out[by_path.get((head, rest), key)] = value
+        elif isinstance(value, dict):
             out.update({by_path.get((key, k), f"{key}.{k}"): v for k, v in value.items()})
         else:
             out[key] = value

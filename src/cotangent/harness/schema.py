@@ -160,11 +160,13 @@ def nest_values(cls: type, raw: Mapping[str, Any], *, where: str = "") -> dict[s
     by_path = {spec.path: name for name, spec in rules.items()}
     inner = sections(cls)
     out: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
 
     def put(name: str, value: Any, key: str) -> None:
         if name in out:
-            raise ValueError(f"{where}setting {name} is given twice (as {key} and before)")
-        out[name] = value
+            raise ValueError(f"{where}setting {name} is given twice (as {spelled[name]} and as "
+                             f"{key})")
+        out[name], spelled[name] = value, key
 
     for key, value in raw.items():
         head, dot, rest = str(key).partition(".")
@@ -173,14 +175,18 @@ def nest_values(cls: type, raw: Mapping[str, Any], *, where: str = "") -> dict[s
             for field, v in items:
                 name = by_path.get((head, field))
                 if name is None:
-                    known = ", ".join(path[1] for path in by_path
-                                      if len(path) == 2 and path[0] == head)
-                    raise ValueError(f"{where}unknown setting {head}.{field}; known in [{head}]: "
-                                     f"{known}")
+                    known = [path[1] for path in by_path if len(path) == 2 and path[0] == head]
+                    hint = ""
+                    if field in rules and rules[field].path[0] == head:
+                        hint = f" (in [{head}] it is {rules[field].path[1]})"
+                    raise ValueError(f"{where}unknown setting {head}.{field}{hint}; known in "
+                                     f"[{head}]: {', '.join(known)}")
                 put(name, v, f"{head}.{field}")
         elif head in inner and head not in rules:
             raise ValueError(f"{where}{head} must be a table of settings ([{head}]), got "
                              f"{value!r}")
+        elif isinstance(value, Mapping) and key not in rules:
+            raise ValueError(f"{where}unknown section [{key}]; sections: {', '.join(inner)}")
         else:
             put(key, value, key)
     return out

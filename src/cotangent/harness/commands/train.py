@@ -105,26 +105,38 @@ def resolve_train_config(args) -> TrainConfig:
     if args.config:
         try:
             with open(args.config, "rb") as f:
-                values.update(schema.nest_values(TrainConfig, tomllib.load(f),
-                                                 where=f"{args.config}: "))
+                raw = tomllib.load(f)
         except tomllib.TOMLDecodeError as exc:
             raise ValueError(f"{args.config}: not valid TOML ({exc})") from None
+        where = f"{args.config}: "
+        values = _comma_lists(schema.nest_values(TrainConfig, raw, where=where))
+        schema.check(TrainConfig, values, where=where)  # (its errors name the file)
     values.update({name: getattr(args, name) for name in TRAIN_FLAGS
                    if getattr(args, name) is not None})
     for item in args.set:
         key, sep, text = item.partition("=")
         if not sep:
             raise ValueError(f"--set expects KEY=VALUE, got {item!r}")
-        try:
-            value = tomllib.loads(f"v = {text}")["v"]
-        except tomllib.TOMLDecodeError:
-            value = text  # a bare string
+        value = _toml_value(text)  # (a bare string stays a string)
         values.update(schema.nest_values(TrainConfig, {key.strip(): value}, where="--set "))
-    specs = schema.specs(TrainConfig)
-    for key, value in values.items():
-        if key in specs and tuple in specs[key].kinds and isinstance(value, str):
-            values[key] = [v.strip() for v in value.split(",") if v.strip()]
+    values = _comma_lists(values)
     return schema.build(TrainConfig, schema.check(TrainConfig, values))
+
+
+def _comma_lists(values: dict) -> dict:
+    """`values` with a comma-separated string given for a list setting read as its items."""
+    specs = schema.specs(TrainConfig)
+    return {key: [_toml_value(v.strip()) for v in value.split(",") if v.strip()]
+            if key in specs and tuple in specs[key].kinds and isinstance(value, str) else value
+            for key, value in values.items()}
+
+
+def _toml_value(text: str):
+    """`text` read as a TOML value (``0.9`` a float), else the string itself (``native``)."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
 
 
 def check_tensorboard_dir(path: str | None) -> None:

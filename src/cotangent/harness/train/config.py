@@ -172,10 +172,15 @@ def validate_config(cfg: TrainConfig) -> None:
 
     Raises:
         ValueError: one line naming the first bad setting (a value of the wrong type, outside
-            its bounds or not among its choices, per `TrainConfig`'s field descriptions), an
+            its bounds or not among its choices, per `TrainConfig`'s field descriptions; a
+            section that is not its settings dataclass), an
             `out` path that is a file, or FSDP2 arms under ``compile`` or beside arms whose
             gradients are reduced otherwise (`check_fsdp2_arms`).
     """
+    for name, (kind, _) in schema.sections(TrainConfig).items():
+        if not isinstance(getattr(cfg, name), kind):
+            raise ValueError(f"{name} must be a {kind.__name__} (build a config from setting "
+                             f"names with train_config(...)), got {getattr(cfg, name)!r}")
     schema.check(TrainConfig, settings_of(cfg))
     check_study_arms(cfg.arms, cfg.model.name)
     check_fsdp2_arms(cfg.arms, cfg.model.compile)
@@ -266,7 +271,10 @@ def format_config(cfg: TrainConfig) -> str:
     def value(v) -> str:
         if isinstance(v, bool):
             return "true" if v else "false"
-        return json.dumps(list(v) if isinstance(v, (tuple, list)) else v)
+        # (JSON's escapes are TOML's, but for surrogate pairs: non-ASCII text stays as it is,
+        # and DEL, which JSON leaves bare and TOML does not allow, is escaped)
+        text = json.dumps(list(v) if isinstance(v, (tuple, list)) else v, ensure_ascii=False)
+        return text.replace("\x7f", "\\u007f")
 
     top, tables = [], []
     for key, v in asdict(cfg).items():
