@@ -8,7 +8,9 @@ pass) of a 4-layer MLP (8 tensors, one param group, float32, CPU, clip on) runs 
 `sys.setprofile`; every function of the `cotangent` package it enters counts with all its
 source lines (docstring included; a comprehension counts as the lines of its function, once).
 This is the measure of issue 27's "lines read to follow one update from step() to the
-arithmetic": what a reader who opens every function the step calls reads.
+arithmetic": what a reader who opens every function the step calls reads. Beside it, the
+distinct source lines the step executes (`sys.settrace` line events): what a reader who stops
+at each early return reads of those functions, without their docstrings.
 """
 
 from __future__ import annotations
@@ -24,8 +26,9 @@ import torch
 import cotangent
 
 
-def trace_step(impl: str) -> tuple[dict, int, dict]:
-    """(function -> source line count, the deepest library stack, the step's update_path)."""
+def trace_step(impl: str) -> tuple[dict, int, dict, dict]:
+    """(function -> its source lines, the deepest library stack, the step's update_path,
+    file -> the line numbers executed)."""
     torch.manual_seed(0)
     flags = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True),
              "fused": dict(fused=True)}[impl]
@@ -42,33 +45,37 @@ def trace_step(impl: str) -> tuple[dict, int, dict]:
     backward()
     package = os.path.dirname(cotangent.__file__)
     entered: dict = {}
+    executed: dict = collections.defaultdict(set)
     stack: list = []
     deepest = 0
 
-    def profile(frame, event, arg):
+    def trace(frame, event, arg):
         nonlocal deepest
         code = frame.f_code
         if not code.co_filename.startswith(package):
-            return
+            return None  # (no line events inside torch)
         if event == "call":
             stack.append(code)
             deepest = max(deepest, len(stack))
             entered[(code.co_filename, code.co_firstlineno, code.co_name)] = code
         elif event == "return" and stack:
             stack.pop()
+        elif event == "line":
+            executed[os.path.relpath(code.co_filename, package)].add(frame.f_lineno)
+        return trace
 
-    sys.setprofile(profile)
+    sys.settrace(trace)
     try:
         opt.step()
     finally:
-        sys.setprofile(None)
+        sys.settrace(None)
     lines = {}
     for (path, _, name), code in entered.items():
         if name.startswith("<"):  # a comprehension or lambda: its function's lines
             continue
         source, first = inspect.getsourcelines(code)
         lines[(os.path.relpath(path, package), first, name)] = range(first, first + len(source))
-    return lines, deepest, opt.update_path()
+    return lines, deepest, opt.update_path(), executed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -78,16 +85,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verbose", action="store_true", help="list every function")
     args = parser.parse_args(argv)
     for impl in [args.impl] if args.impl else ["for-loop", "foreach", "fused"]:
-        lines, deepest, path = trace_step(impl)
+        lines, deepest, path, executed = trace_step(impl)
         per_file: dict = collections.defaultdict(set)
         for (file, _, _), span in lines.items():
             per_file[file].update(span)
         total = sum(map(len, per_file.values()))
         print(f"{impl}: {len(lines)} functions, {total} lines in {len(per_file)} files, "
-              f"{deepest} library frames deep (path: {path['path']}, "
-              f"clip in pass: {path['clip_in_pass']})")
+              f"{sum(map(len, executed.values()))} of them executed, {deepest} library frames "
+              f"deep (path: {path['path']}, clip in pass: {path['clip_in_pass']})")
         for file, span in sorted(per_file.items(), key=lambda kv: -len(kv[1])):
-            print(f"  {len(span):5d}  {file}")
+            print(f"  {len(span):5d} {len(executed.get(file, ())):5d}  {file}")
         if args.verbose:
             for (file, first, name), span in sorted(lines.items()):
                 print(f"        {file}:{first} {name} ({len(span)} lines)")
