@@ -278,6 +278,28 @@ def test_hyperparameter_edits_mid_run(edit_name):
     train(m1, ref, m2, opt, 5, edit_name, edit=edit)
 
 
+@pytest.mark.parametrize("single_pass", ["on", "0"])
+def test_amsgrad_switched_off_and_on_again_reads_the_kept_maximum(single_pass, monkeypatch):
+    """amsgrad on, off at step 2 (with every ``exp_avg`` replaced by a clone, so that the state
+    is checked again without amsgrad), on again at step 4: native keeps ``max_exp_avg_sq`` in
+    the state all along and reads it again. Natively run calls (``COTANGENT_SINGLE_PASS=0``)
+    used to raise TypeError there, from the remembered check of a parameter last checked
+    without amsgrad (found 2026-12-04)."""
+    monkeypatch.setenv("COTANGENT_SINGLE_PASS", single_pass)
+    m1, ref, m2, opt = pair(impl="for-loop", amsgrad=True)
+
+    def edit(step, side):
+        if step in (2, 4):
+            for g in side[1].param_groups:
+                g["amsgrad"] = step == 4
+        if step == 2:
+            for st in side[1].state.values():
+                st["exp_avg"] = st["exp_avg"].clone()
+
+    train(m1, ref, m2, opt, 6, "amsgrad off, then on", edit=edit)
+    assert all("max_exp_avg_sq" in st for st in opt.state.values())
+
+
 def test_clipping_settings_edited_mid_run():
     """`max_norm` switched on, `norm_type` changed: the clipper is rebuilt and recalibrated."""
     m1, ref, m2, opt = pair(impl="foreach", max_norm=None)

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from cotangent import _compat, dtensor, gather, sharding, update
+from cotangent.clip import ClipRecord
 from cotangent.clip_order import (
     check_clip_order_known,
     check_not_sharded_by_zero,
@@ -234,10 +235,10 @@ class AdamW(_ZeroOneMethods, torch.optim.AdamW):
         self._reset_records()
 
     def _reset_records(self) -> None:
-        self._last_clip: tuple | None = None  # `clip.record_clip`
+        self._last_clip: ClipRecord | None = None  # `clip.record_clip`
         self._path = update.Path()  # the last step's (`update_path`)
         self._direct_fused: dict = {}
-        self._checked: dict = {}  # id(p) -> what `gather.check_param` accepted
+        self._checked: dict = {}  # id(p) -> `gather.Accepted`: what `check_param` accepted
 
     # ------------------------------------------------------------------ the update
 
@@ -304,10 +305,10 @@ class AdamW(_ZeroOneMethods, torch.optim.AdamW):
         last = live._last_clip
         if live.max_norm is None or last is None:
             return None
-        ids = {id(g) for ref in last[1] if (g := ref()) is not None}  # (live: ids unique)
+        ids = {id(g) for ref in last.grads if (g := ref()) is not None}  # (live: ids unique)
         fresh = any(p.grad is not None and id(dtensor.local(p.grad)) not in ids
                     for p in gather.clip_order(live))
-        return None if fresh else last[0]
+        return None if fresh else last.total
 
     # ------------------------------------------------------------------ torch.optim surface
 

@@ -291,20 +291,28 @@ def fold_rule(cut: StepClip | None, dtype: torch.dtype, grads: list[Tensor]) -> 
             and all(id(g) in cut.ids for g in grads))
 
 
+@dataclass(slots=True)
+class ClipRecord:
+    """The last clip of an optimizer (`record_clip`)."""
+
+    total: Tensor  # its total norm
+    grads: list[weakref.ref]  # the gradients it clipped, in order, by weak reference
+    apart: bool  # run apart from a step, not yet used up by one (`clipped_already`)
+
+
 def record_clip(opt: AdamW, total: Tensor, grads: list[Tensor], *, apart: bool) -> None:
     """Remember the clip on `opt`: its total norm and which gradients it clipped, by weak
     reference (a gradient is freed by ``zero_grad()`` as with native code). `apart`: a clip
     run apart from the update (`AdamW.clip_grad_norm_()`, or before step pre-hooks), which the
     next `step()` must not repeat (`clipped_already`); a step's own clip is never skipped by
     the next step (native's loop clips at every step, even on unchanged gradients)."""
-    opt._last_clip = (total, list(map(weakref.ref, grads)), apart)
+    opt._last_clip = ClipRecord(total, list(map(weakref.ref, grads)), apart)
 
 
 def step_done(opt: AdamW) -> None:
     """A step has run: a clip apart from it was used up (the next step clips again)."""
-    last = opt._last_clip
-    if last is not None and last[2]:
-        opt._last_clip = (last[0], last[1], False)
+    if opt._last_clip is not None:
+        opt._last_clip.apart = False
 
 
 def clipped_already(opt: AdamW, grads: list[Tensor]) -> bool:
@@ -313,9 +321,9 @@ def clipped_already(opt: AdamW, grads: list[Tensor]) -> bool:
     ``step()``) does not clip again, whatever was written into them in between (an in-place
     edit or an accumulating backward: native's step does not clip those either)."""
     last = opt._last_clip
-    if last is None or not last[2] or len(last[1]) != len(grads):
+    if last is None or not last.apart or len(last.grads) != len(grads):
         return False
-    return all(a is b() for a, b in zip(grads, last[1]))
+    return all(a is b() for a, b in zip(grads, last.grads))
 
 
 def refuse_unmultipliable(opt: AdamW, grads: list[Tensor]) -> None:

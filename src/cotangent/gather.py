@@ -55,6 +55,21 @@ class Call:
     LISTS = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps", "pos")
 
 
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """What `check_param` accepted for a parameter (`AdamW._checked`, by its id): the tensors
+    native reads, by weak reference, and the parameter's shape, dtype and device then."""
+
+    param: weakref.ref
+    exp_avg: weakref.ref
+    exp_avg_sq: weakref.ref
+    step: weakref.ref
+    max_exp_avg_sq: weakref.ref | None  # None: checked without amsgrad
+    shape: torch.Size
+    dtype: torch.dtype
+    device: int  # `Tensor.get_device()`: -1 on the CPU
+
+
 def gather(opt: AdamW) -> tuple[list[Call], list[tuple[Call, int]], tuple | None]:
     """This step's calls, one per (param group, device, dtype) of the parameters with a
     gradient (ZeRO-1: of this rank's share), the (call, index) of parameters whose state
@@ -281,9 +296,12 @@ def check_param(opt: AdamW, p: Tensor, amsgrad: bool) -> None:
     # the same tensors as at the last check, and the parameter as it was then: nothing
     # native reads has changed shape, dtype or device (a moment resized in place aside)
     seen = opt._checked.get(id(p))
-    if (seen is not None and seen[0]() is p and seen[1]() is m and seen[2]() is v
-            and seen[3]() is s and (vmax is None or seen[4]() is vmax)
-            and seen[5] == shape and seen[6] is p.dtype and seen[7] == p.get_device()):
+    if (seen is not None and seen.param() is p and seen.exp_avg() is m
+            and seen.exp_avg_sq() is v and seen.step() is s
+            and (vmax is None or seen.max_exp_avg_sq is not None
+                 and seen.max_exp_avg_sq() is vmax)
+            and seen.shape == shape and seen.dtype is p.dtype
+            and seen.device == p.get_device()):
         return
     if not (moment_ok(m, p) and moment_ok(v, p) and type(s) is Tensor
             and s.numel() == 1 and (not amsgrad or moment_ok(vmax, p))):
@@ -292,9 +310,9 @@ def check_param(opt: AdamW, p: Tensor, amsgrad: bool) -> None:
             raise RuntimeError(problem)
         return  # (accepted by the full check: e.g. a tensor subclass; not remembered)
     if p.device.type == "cpu" or p.device == m.device:
-        opt._checked[id(p)] = (weakref.ref(p), weakref.ref(m), weakref.ref(v),
-                                weakref.ref(s), weakref.ref(vmax) if vmax is not None
-                                else None, shape, p.dtype, p.get_device())
+        opt._checked[id(p)] = Accepted(weakref.ref(p), weakref.ref(m), weakref.ref(v),
+                                       weakref.ref(s), weakref.ref(vmax) if vmax is not None
+                                       else None, shape, p.dtype, p.get_device())
 
 
 def create_state(opt: AdamW, fresh: list[tuple[Call, int]]) -> None:

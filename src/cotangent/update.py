@@ -149,7 +149,7 @@ def clip_apart(opt: AdamW) -> Tensor:
     spread = dtensor.clip_mesh_gradient(grads)
     grads = list(map(dtensor.local, grads))
     if clipped_already(opt, grads):
-        return opt._last_clip[0]
+        return opt._last_clip.total
     sharding.finish_agree(gather.gather(opt)[2])  # a step's checks: nothing modified on bad input
     refuse_unmultipliable(opt, grads)
     cut = clip_norm(opt, grads, fold=False, spread=spread)
