@@ -257,6 +257,9 @@ def test_the_saved_config_loads_back_as_the_same_config(tmp_path):
                                     "betas, eps, weight_decay, max_norm"),
     (["--set", "muon.lr=-1"], "muon_lr must be a finite number >= 0, got -1"),
     (["--set", "eval=3"], "eval must be a table of settings ([eval])"),
+    (["--set", "optimiser.lr=1"], "unknown section [optimiser] (in optimiser.lr); sections: "
+                                  "model, optimizer, muon, eval, data"),
+    (["--set", "lrr=1"], "(or by section: model, optimizer, muon, eval, data)"),
 ])
 def test_a_bad_section_setting_is_one_line(argv, message, capsys):
     assert cli.main(["train", *argv]) == 2
@@ -265,7 +268,9 @@ def test_a_bad_section_setting_is_one_line(argv, message, capsys):
 
 @pytest.mark.parametrize("text, message", [
     ('lr = 0.1\n[optimizer]\nlr = 0.2\n', "setting lr is given twice (as lr and as optimizer.lr)"),
-    ('[foo]\nx = 1\n', "unknown section [foo]; sections: model, optimizer, muon, eval, data"),
+    ('[foo]\nx = 1\n', "unknown section [foo] (in foo); sections: model, optimizer, muon, "
+                      "eval, data"),
+    ('lrr = 1\n', "unknown setting(s) lrr; known: steps, seed"),
     ('[eval]\neval_every = 5\n', "unknown setting eval.eval_every (in [eval] it is every)"),
     ('[muon]\nlr = "x"\n', "muon_lr must be a finite number >= 0, got 'x'"),
     ('arms = "native,nope"\n', "arms must be"),

@@ -185,8 +185,9 @@ def nest_values(cls: type, raw: Mapping[str, Any], *, where: str = "") -> dict[s
         elif head in inner and head not in rules:
             raise ValueError(f"{where}{head} must be a table of settings ([{head}]), got "
                              f"{value!r}")
-        elif isinstance(value, Mapping) and key not in rules:
-            raise ValueError(f"{where}unknown section [{key}]; sections: {', '.join(inner)}")
+        elif (isinstance(value, Mapping) or dot) and key not in rules:
+            raise ValueError(f"{where}unknown section [{head}] (in {key}); sections: "
+                             f"{', '.join(inner)}")
         else:
             put(key, value, key)
     return out
@@ -222,8 +223,10 @@ def check(cls: type, values: Mapping[str, Any], *, where: str = "", noun: str = 
     known = [name for name in rules if name in allowed]
     unknown = [key for key in values if key not in known]
     if unknown:
+        tables = sections(cls)
         raise ValueError(f"{where}unknown {noun}(s) {', '.join(map(str, unknown))}; known: "
-                         f"{', '.join(known)}")
+                         f"{', '.join(known)}" + (f" (or by section: {', '.join(tables)})"
+                                                  if tables else ""))
     missing = [name for name in required(cls) if complete and name not in values]
     if missing:
         raise ValueError(f"{where}missing {noun}(s) {', '.join(missing)}")

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import cotangent
+from cotangent import singlepass
 from cotangent.muon_adamw import recompile_room
 from cotangent.harness import contention, records
 from cotangent.harness.data import (
@@ -169,6 +170,8 @@ def _run_train(cfg: config.TrainConfig, corpus: Corpus, *, show_progress: bool |
         run_records._start_records(run, arms, corpus, env, precision, config_toml)
     for arm in arms.values():
         arm.optimizer.zero_grad(set_to_none=True)
+    if any(name not in ("native", "native-fsdp2", *config.STUDY_ARMS) for name in cfg.arms):
+        log(_single_pass_ready())
     setup_s = time.perf_counter() - t_start
     if len(set(counts.values())) == 1:
         n_params, n_tensors = counts[cfg.arms[0]]
@@ -234,6 +237,24 @@ def _autocast(device: torch.device, precision: str) -> Callable:
             return torch.autocast(device.type, dtype=torch.bfloat16)
         return autocast
     return nullcontext
+
+
+def _single_pass_ready() -> str:
+    """Build or load the single-pass kernel and the list reader now, in the setup rather than
+    in a Cotangent arm's first timed step (a first build takes about half a minute); one line
+    saying which."""
+    if not singlepass.switched_on():
+        return f"single pass: switched off ({singlepass.ENV_SWITCH}=0): native's op sequence"
+    reason = singlepass.unavailable_reason()  # (builds or loads both, once per process)
+    if reason is not None:
+        return f"single pass: unavailable ({reason}): native's op sequence"
+    report = singlepass.process_report()
+    build, lists = report["build"], report["list_reader"]
+    built = ("loaded from the kernel cache" if build["cached"]
+             else f"built in {build['compile_s']:.1f} s (first use; cached for later runs)")
+    if lists is not None and lists["available"] and not lists["cached"]:
+        built += f"; list reader built in {lists['compile_s']:.1f} s"
+    return f"single pass: kernel {built}"
 
 
 def _eval_windows(cfg: config.TrainConfig, corpus: Corpus, context: int) -> dict:
