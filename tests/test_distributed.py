@@ -817,24 +817,36 @@ def _fsdp2_differences(label: str, a, b) -> list[str]:
     return [f"{label}: {p}" for p in problems]
 
 
+def _fsdp2_compared(rank: int, world: int, cfg: dict):
+    """(native run, Cotangent run, their differences) for `cfg` on this rank."""
+    native = _fsdp2_run(rank, world, cfg, "native")
+    ours = _fsdp2_run(rank, world, cfg, "cotangent")
+    return native, ours, _fsdp2_differences(str(cfg), native, ours)
+
+
+def _fsdp2_control(rank: int, world: int, cfg: dict, native) -> list[str]:
+    """The comparison sees another implementation's bits: a foreach run differs from `native`
+    (a fused one)."""
+    other = _fsdp2_run(rank, world, dict(cfg, impl="foreach"), "cotangent")
+    if not _fsdp2_differences("control", native, other):
+        return ["control: fused and foreach runs compared equal"]
+    return []
+
+
 def _fsdp2_checks(rank: int, world: int) -> list[str]:
     from cotangent.verify import first_difference
 
     problems = []
     for cfg in FSDP2_CONFIGS:
-        native = _fsdp2_run(rank, world, cfg, "native")
-        ours = _fsdp2_run(rank, world, cfg, "cotangent")
-        problems += _fsdp2_differences(str(cfg), native, ours)
+        native, ours, found = _fsdp2_compared(rank, world, cfg)
+        problems += found
         path = ours[1].update_path()
         if path["path"] != "single-pass" or path["clip_in_pass"] != (
                 path["single_pass"] if cfg.get("max_norm", 0.05) == 0.05
                 and not cfg.get("explicit_clip") else 0):
             problems.append(f"{cfg}: update path {path}")  # (the shards took the single pass)
         if cfg is FSDP2_CONFIGS[0]:
-            # control: the comparison sees another implementation's bits
-            other = _fsdp2_run(rank, world, dict(cfg, impl="foreach"), "cotangent")
-            if not _fsdp2_differences("control", native, other):
-                problems.append("control: fused and foreach runs compared equal")
+            problems += _fsdp2_control(rank, world, cfg, native)
             # checkpoints (torch.distributed.checkpoint's get/set_state_dict) both ways: a run
             # resumed is the uninterrupted one
             # the drop-in clip functions on DTensor gradients: native's own code
@@ -864,13 +876,10 @@ HSDP_2X2_CONFIGS = [dict(impl="fused", hsdp="2x2"), dict(impl="foreach", hsdp="2
 def _hsdp_checks(rank: int, world: int) -> list[str]:
     problems = []
     for cfg in HSDP_2X2_CONFIGS:
-        native = _fsdp2_run(rank, world, cfg, "native")
-        ours = _fsdp2_run(rank, world, cfg, "cotangent")
-        problems += _fsdp2_differences(str(cfg), native, ours)
+        native, ours, found = _fsdp2_compared(rank, world, cfg)
+        problems += found
         if cfg is HSDP_2X2_CONFIGS[0]:
-            other = _fsdp2_run(rank, world, dict(cfg, impl="foreach"), "cotangent")
-            if not _fsdp2_differences("control", native, other):
-                problems.append("control: fused and foreach runs compared equal")
+            problems += _fsdp2_control(rank, world, cfg, native)
         if ours[1].update_path()["path"] != "single-pass":
             problems.append(f"{cfg}: update path {ours[1].update_path()}")
     return problems
