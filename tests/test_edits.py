@@ -300,6 +300,57 @@ def test_amsgrad_switched_off_and_on_again_reads_the_kept_maximum(single_pass, m
     assert all("max_exp_avg_sq" in st for st in opt.state.values())
 
 
+@pytest.mark.parametrize("edit", ["amsgrad on, no max_exp_avg_sq", "del exp_avg", "del step",
+                                  "exp_avg resized by set_", "exp_avg_sq resized by .data"])
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_state_broken_after_a_remembered_check_is_refused_before_anything_changes(impl, edit):
+    """Natively run calls (float64) remember the state they checked; an entry deleted or a
+    moment resized in place afterwards is refused like a fresh check, before anything changes
+    (it used to get past the remembered check and fail mid-update; found 2026-12-04)."""
+    p = nn.Parameter(torch.randn(3, 4, dtype=torch.float64))
+    opt = cotangent.AdamW([p], lr=1e-2, **IMPLS[impl])
+    p.grad = torch.ones_like(p)
+    opt.step()
+    opt.step()
+    st = opt.state[p]
+    if edit.startswith("amsgrad"):
+        opt.param_groups[0]["amsgrad"] = True
+    elif edit.startswith("del"):
+        del st[edit.split()[1]]
+    elif "set_" in edit:
+        st["exp_avg"].set_(torch.zeros(13, dtype=torch.float64))
+    else:
+        st["exp_avg_sq"].data = torch.zeros(12, dtype=torch.float64)
+    before = {k: v.clone() for k, v in st.items()}, p.detach().clone(), p.grad.clone()
+    with pytest.raises(RuntimeError, match="state"):
+        opt.step()
+    assert_same_bits(p, before[1], "parameter")
+    assert_same_bits(p.grad, before[2], "gradient")
+    for k, v in before[0].items():
+        assert_same_bits(st[k], v, k)
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_a_state_dict_loaded_between_the_clip_and_the_step_clips_once(impl):
+    """Native: ``clip_grad_norm_``, ``load_state_dict``, ``step``: one clip. Loading used to
+    drop the record of the clip apart, so the step clipped again (found 2026-12-04)."""
+    m1, ref, m2, opt = pair(impl=impl)
+    train(m1, ref, m2, opt, 2, "before")
+    for m, o in ((m1, ref), (m2, opt)):
+        o.zero_grad()
+        square_loss(m, torch.ones(4, 8)).backward()
+    norm = torch.nn.utils.clip_grad_norm_(m1.parameters(), 0.05)
+    ours = opt.clip_grad_norm_()
+    ref.optimizer.load_state_dict(copy.deepcopy(ref.optimizer.state_dict()))
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    ref.optimizer.step()
+    opt.step()
+    assert_same_bits(norm, ours, "total norm")
+    for (name, p1), p2 in zip(m1.named_parameters(), m2.parameters()):
+        assert_same_bits(p1.grad, p2.grad, f"{name} gradient")
+        assert_same_bits(p1, p2, name)
+
+
 def test_clipping_settings_edited_mid_run():
     """`max_norm` switched on, `norm_type` changed: the clipper is rebuilt and recalibrated."""
     m1, ref, m2, opt = pair(impl="foreach", max_norm=None)

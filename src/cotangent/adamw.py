@@ -367,8 +367,11 @@ class AdamW(_ZeroOneMethods, torch.optim.AdamW):
         if (live := _live(self)) is not self:
             return live.load_state_dict(state_dict)
         check_state_dict(state_dict, self.param_groups)
-        super().load_state_dict(state_dict)
-        self._last_clip = None
+        clip = self._last_clip
+        super().load_state_dict(state_dict)  # (`__setstate__` resets the records)
+        # a clip apart stays recorded: native's clip_grad_norm_, load_state_dict, step clips
+        # once; the record is about the gradients, which loading does not touch
+        self._last_clip = clip
         if self._shares is not None:  # every rank loaded every entry: each keeps its own
             self._shares.consolidated = None
             self._shares.drop_foreign(self.state)

@@ -293,15 +293,20 @@ def check_param(opt: AdamW, p: Tensor, amsgrad: bool) -> None:
         return
     m, v, s = entry.get("exp_avg"), entry.get("exp_avg_sq"), entry.get("step")
     vmax = entry.get("max_exp_avg_sq") if amsgrad else None
-    # the same tensors as at the last check, and the parameter as it was then: nothing
-    # native reads has changed shape, dtype or device (a moment resized in place aside)
+    # the same tensors as at the last check (every entry native reads present: a deleted one
+    # is None here, as is the weak reference to the freed tensor), the parameter as it was
+    # then, and the moments still of its shape and dtype (`.data =` / `set_` change them in
+    # place): nothing native reads has changed
     seen = opt._checked.get(id(p))
-    if (seen is not None and seen.param() is p and seen.exp_avg() is m
-            and seen.exp_avg_sq() is v and seen.step() is s
-            and (vmax is None or seen.max_exp_avg_sq is not None
-                 and seen.max_exp_avg_sq() is vmax)
+    if (seen is not None and m is not None and v is not None and s is not None
+            and seen.param() is p and seen.exp_avg() is m and seen.exp_avg_sq() is v
+            and seen.step() is s
+            and (not amsgrad or vmax is not None and seen.max_exp_avg_sq is not None
+                 and seen.max_exp_avg_sq() is vmax
+                 and vmax.shape == shape and vmax.dtype is p.dtype)
             and seen.shape == shape and seen.dtype is p.dtype
-            and seen.device == p.get_device()):
+            and seen.device == p.get_device() and m.shape == shape and v.shape == shape
+            and m.dtype is p.dtype and v.dtype is p.dtype):
         return
     if not (moment_ok(m, p) and moment_ok(v, p) and type(s) is Tensor
             and s.numel() == 1 and (not amsgrad or moment_ok(vmax, p))):
