@@ -36,7 +36,8 @@ class Arm:
             raise ValueError(f"the {name} arm shards the model over ranks (fully_shard): run "
                              "it data-parallel (--nproc N or torchrun)")
         config.check_study_arms([name], cfg.model.name)
-        config.check_fsdp2_arms([name], cfg.model.compile)  # (also for an Arm built without the CLI)
+        # (also for an Arm built without the CLI)
+        config.check_fsdp2_arms([name], cfg.model.compile)
         self.name = name
         self.fsdp2 = False
         self.update = None
