@@ -162,6 +162,33 @@ def test_clip_coefficient_is_native_arithmetic():
     assert not torch.equal(ours.view(torch.int32), division.view(torch.int32))
 
 
+@pytest.mark.parametrize("max_norm", [0.7, 1.0, 5, 0.0, -1.0, 1e-30, 3e38, float("inf")])
+def test_the_compiled_clip_scalars_are_clip_grad_norm_s(max_norm):
+    """`tensorlists.clip_scalars` (the total norm and the coefficient from C++) against
+    clip_grad_norm_'s Python ops on the same per-tensor norms, byte for byte: random norms of
+    every scale, and special ones (zeros, subnormals, inf, NaN, the largest float32), one and
+    many per total."""
+    from cotangent import tensorlists
+    from cotangent.calibration import SPECIAL_VALUES, write_special
+
+    scalars = tensorlists.clip_scalars()
+    assert scalars is not None, tensorlists.why_not()
+    gen = torch.Generator().manual_seed(1)
+    scales = 10.0 ** torch.randint(-40, 39, (200,), generator=gen).double()
+    cases = [torch.rand(k, generator=gen) * float(scales[i])
+             for i, k in enumerate((1, 2, 7, 146, 1000) * 40)]
+    for v in (*SPECIAL_VALUES, 3.4e38, 1e-45):
+        one = torch.zeros(1)
+        write_special(one, 0, v)
+        cases += [one, torch.cat([torch.rand(5, generator=gen), one])]
+    for norms_ in cases:
+        total, coef, value = scalars(norms_, float(max_norm))
+        native_total = torch.linalg.vector_norm(norms_, 2.0)
+        assert_same_bits(total, native_total, "total norm")
+        assert_same_bits(coef, norms.clip_coefficient(native_total, max_norm), "coefficient")
+        assert value == coef.item() or (value != value and coef.item() != coef.item())
+
+
 def test_calibration_is_inspectable_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("COTANGENT_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(calibration, "_MEMORY", {})

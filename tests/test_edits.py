@@ -18,7 +18,7 @@ import torch
 import torch.nn as nn
 
 import cotangent
-from bitwise import assert_same_bits
+from bitwise import assert_same_bits, assert_same_update
 
 from cases import HP, IMPLS, lockstep, mlp, square
 
@@ -545,5 +545,155 @@ def test_non_leaf_tensor_appended_to_a_group_is_skipped_like_native():
         o.param_groups[0]["params"].append(w * 2)
     ptrs = [p.data_ptr() for p in m2.parameters()]
     with pytest.warns(UserWarning, match="not a leaf Tensor"):
-        train(m1, ref, m2, opt, 2, "non-leaf in a group")
+        train(m1, ref, m2, opt, 3, "non-leaf in a group")
     assert [p.data_ptr() for p in m2.parameters()] == ptrs
+    for o in (ref.optimizer, opt):  # the step itself reads the non-leaf's .grad, and warns
+        with pytest.warns(UserWarning, match="not a leaf Tensor"):
+            o.step()
+
+
+# ------------------------------------------------------------------ 5. the replayed step
+
+def _set_group(side, **values):
+    for g in side[1].param_groups:
+        g.update(values)
+
+
+def _clip_settings(ref, **values):
+    def edit(side):
+        target = ref if side[1] is ref.optimizer else side[1]
+        for k, v in values.items():
+            setattr(target, k, v)
+    return edit
+
+
+def _first_gradient(side, make):
+    p = next(side[0].parameters())
+    p.grad = make(p.grad)
+
+
+# name -> (edit(side, ref) made on both sides before step 4, whether step 4 may be replayed):
+# each edit to an input of the last step's decisions either keeps the decisions (replayed) or
+# sends the step to the full one; native's bytes either way
+REPLAY_EDITS = {
+    "lr halved (a schedule: the same float32 class)":
+        (lambda side, ref: _set_group(side, lr=side[1].param_groups[0]["lr"] * 0.5), True),
+    "lr to 0.0 (another class)": (lambda side, ref: _set_group(side, lr=0.0), False),
+    "betas": (lambda side, ref: _set_group(side, betas=(0.8, 0.99)), False),
+    "betas as a list": (lambda side, ref: _set_group(side, betas=[0.9, 0.95]), True),
+    "eps": (lambda side, ref: _set_group(side, eps=1e-6), False),
+    "weight decay to 0": (lambda side, ref: _set_group(side, weight_decay=0.0), False),
+    "maximize": (lambda side, ref: _set_group(side, maximize=True), False),
+    "max_norm": (lambda side, ref: _clip_settings(ref, max_norm=0.07)(side), False),
+    "max_norm to -0.0": (lambda side, ref: _clip_settings(ref, max_norm=-0.0)(side), False),
+    "norm_type 1": (lambda side, ref: _clip_settings(ref, norm_type=1.0)(side), False),
+    "a gradient dropped": (lambda side, ref: setattr(next(side[0].parameters()), "grad", None),
+                           False),
+    "a gradient replaced by a transposed copy": (lambda side, ref: _first_gradient(
+        side, lambda g: g.t().contiguous().t()), False),
+    "a gradient replaced by a contiguous copy": (lambda side, ref: _first_gradient(
+        side, lambda g: g.clone()), True),
+    "two parameters sharing a gradient": (lambda side, ref: setattr(
+        side[0][3].bias, "grad", side[0][0].bias.grad[:8]), False),
+    "a moment replaced by a clone": (lambda side, ref: side[1].state[side[0][0].weight].update(
+        exp_avg=side[1].state[side[0][0].weight]["exp_avg"].clone()), True),
+    "a step tensor made float64": (lambda side, ref: side[1].state[side[0][0].weight].update(
+        step=side[1].state[side[0][0].weight]["step"].double()), False),
+    "the state dict replaced": (lambda side, ref: setattr(side[1], "state", defaultdict(
+        dict, {k: dict(v) for k, v in side[1].state.items()})), True),
+    "a parameter's data replaced": (lambda side, ref: setattr(
+        side[0][0].bias, "data", side[0][0].bias.data.clone()), True),
+}
+
+
+@pytest.mark.parametrize("name", list(REPLAY_EDITS))
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_the_replayed_step_follows_every_edit_like_native(impl, name):
+    """From the third step on a step replays the last one's decisions in one C++ call
+    (`cotangent.replay`); an edit of anything those decisions read sends that step to the
+    full one, an edit they do not depend on keeps the replay. Native's bytes at every step
+    either way (CPU, float32, torch 2.13.0)."""
+    make, replayed = REPLAY_EDITS[name]
+    m1, ref, m2, opt = pair(impl=impl)
+    seen = []
+
+    def edit(step, side):
+        if step == 4:
+            make(side, ref)
+
+    lockstep(m1, ref, m2, opt, 6, f"{name} ({impl})", edit=edit,
+             after_step=lambda step: seen.append(opt.update_path()["replayed"]))
+    assert seen[2:4] == [True, True], seen  # (steps 2 and 3: the plan replayed)
+    assert seen[4] == replayed, seen
+
+
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_the_replayed_step_follows_switches_threads_and_float_modes(impl, monkeypatch):
+    """Replays decline, nothing modified, where the switch is off, the thread count or the
+    float modes changed; native's bytes throughout."""
+    m1, ref, m2, opt = pair(impl=impl)
+    seen = []
+    threads = torch.get_num_threads()
+
+    def edit(step, side):
+        if side[1] is not opt:
+            return
+        if step == 3:
+            monkeypatch.setenv("COTANGENT_SINGLE_PASS", "0")
+        elif step == 4:
+            monkeypatch.delenv("COTANGENT_SINGLE_PASS")
+            torch.set_num_threads(1)
+        elif step == 6:
+            torch.set_num_threads(threads)
+            torch.set_flush_denormal(True)
+        elif step == 8:
+            torch.set_flush_denormal(False)
+
+    try:
+        lockstep(m1, ref, m2, opt, 10, f"switches ({impl})", edit=edit,
+                 after_step=lambda step: seen.append(opt.update_path()["replayed"]))
+    finally:
+        torch.set_num_threads(threads)
+        torch.set_flush_denormal(False)
+    assert seen[2] and not seen[3] and not seen[4] and seen[5], seen
+    # (flushing set on this thread alone: its team computes under two modes, native's path)
+    assert seen[6:] == [False, False, False, True], seen
+
+
+@pytest.mark.parametrize("mode_kind", ["function", "dispatch"])
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_a_torch_mode_active_at_the_step_sees_natives_ops(impl, mode_kind):
+    """A `TorchFunctionMode` or `TorchDispatchMode` active during `step()` (a profiler's, a
+    flop counter's, or one that computes otherwise) sees native's ops: the single pass, its
+    C++ norms and readers, and the replay stand aside, native's calls run through the mode,
+    and the bytes are native's."""
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen: list[str] = []
+
+    class Functions(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    m1, ref, m2, opt = pair(impl=impl)
+    lockstep(m1, ref, m2, opt, 3, f"{mode_kind} mode, before ({impl})")
+    assert opt.update_path()["replayed"]
+    for m, o in ((m1, ref), (m2, opt)):
+        o.zero_grad()
+        square_loss(m, torch.randn(4, 8, generator=torch.Generator().manual_seed(7))).backward()
+    ref.step()
+    with Functions() if mode_kind == "function" else Ops():
+        opt.step()
+    path = opt.update_path()
+    assert path["path"] == "native" and not path["replayed"], path
+    assert_same_update(m1.parameters(), ref.optimizer.state, m2.parameters(), opt.state,
+                       f"{mode_kind} mode ({impl})")
+    want = {"fused": "fused_adamw", "foreach": "foreach_lerp", "for-loop": "lerp_"}[impl]
+    assert any(want in name for name in seen), sorted(set(seen))[:20]

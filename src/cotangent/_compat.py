@@ -8,9 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from itertools import chain
 
 import torch
 from torch import Tensor
+# (the step hooks' registries: module-level dicts torch fills in place, read at every step)
+from torch.optim import optimizer as _optimizer_module
 
 # Groups tensors by (device, dtype) exactly as `torch.nn.utils.clip_grad_norm_` and the
 # foreach/fused optimizers do. The order of the returned groups decides the order in which
@@ -157,9 +160,8 @@ def unscale_grads_(grads: list[Tensor], grad_scale: Tensor) -> None:
 
 def has_step_pre_hooks(optimizer: torch.optim.Optimizer) -> bool:
     """Whether any step pre-hook (global or on `optimizer`) will run before its step body."""
-    from torch.optim.optimizer import _global_optimizer_pre_hooks
-
-    return bool(_global_optimizer_pre_hooks) or bool(optimizer._optimizer_step_pre_hooks)
+    return (bool(_optimizer_module._global_optimizer_pre_hooks)
+            or bool(optimizer._optimizer_step_pre_hooks))
 
 
 def with_step_hooks(body):
@@ -181,13 +183,9 @@ def run_with_step_hooks(optimizer: torch.optim.Optimizer, body, args: tuple, kwa
     Raises:
         RuntimeError: a pre-hook returned something other than None or a pair (native message).
     """
-    from itertools import chain
-
-    from torch.optim.optimizer import _global_optimizer_post_hooks, _global_optimizer_pre_hooks
-
     name = f"Optimizer.step#{type(optimizer).__name__}.step"
     with torch.autograd.profiler.record_function(name):
-        for pre_hook in chain(_global_optimizer_pre_hooks.values(),
+        for pre_hook in chain(_optimizer_module._global_optimizer_pre_hooks.values(),
                               optimizer._optimizer_step_pre_hooks.values()):
             result = pre_hook(optimizer, args, kwargs)
             if result is not None:
@@ -199,7 +197,7 @@ def run_with_step_hooks(optimizer: torch.optim.Optimizer, body, args: tuple, kwa
         out = body(*args[1:], **kwargs)
         optimizer._optimizer_step_code()
         for post_hook in chain(optimizer._optimizer_step_post_hooks.values(),
-                               _global_optimizer_post_hooks.values()):
+                               _optimizer_module._global_optimizer_post_hooks.values()):
             post_hook(optimizer, args, kwargs)
         return out
 
@@ -405,6 +403,29 @@ def default_torch_functions() -> tuple:
     and the one that disables it (``torch._C._disabled_torch_function_impl``, nn.Parameter's);
     a subclass with any other runs code of its own on every torch op."""
     return (Tensor.__torch_function__.__func__, torch._C._disabled_torch_function_impl)
+
+
+class grad_disabled:
+    """``torch.no_grad()`` as a plain context manager (the grad mode saved, switched off,
+    restored: what `torch.no_grad`'s enter and exit do, without its decorator machinery, a
+    handful of Python calls at every step)."""
+
+    __slots__ = ("prev",)
+
+    def __enter__(self) -> None:
+        self.prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc) -> None:
+        torch._C._set_grad_enabled(self.prev)
+
+
+def torch_modes_active() -> bool:
+    """Whether a `TorchFunctionMode` or `TorchDispatchMode` is active on this thread (a
+    profiler's or flop counter's, or one that computes otherwise): native's ops and its
+    ``.grad`` reads then run through the mode's code, which the single pass, the C++ norms
+    and list readers would skip."""
+    return torch._C._is_torch_function_mode_enabled() or torch._C._len_torch_dispatch_stack() > 0
 
 
 def default_torch_dispatch():

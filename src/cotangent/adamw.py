@@ -18,7 +18,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from cotangent import _compat, dtensor, gather, sharding, update
+from cotangent import _compat, dtensor, gather, sharding, tensorlists, update
 from cotangent.clip import ClipRecord
 from cotangent.clip_order import (
     check_clip_order_known,
@@ -239,6 +239,7 @@ class AdamW(_ZeroOneMethods, torch.optim.AdamW):
         self._path = update.Path()  # the last step's (`update_path`)
         self._direct_fused: dict = {}
         self._checked: dict = {}  # id(p) -> `gather.Accepted`: what `check_param` accepted
+        self._replay = None  # the last step's `cotangent.replay.Plan`, for the next step
 
     # ------------------------------------------------------------------ the update
 
@@ -305,16 +306,15 @@ class AdamW(_ZeroOneMethods, torch.optim.AdamW):
         last = live._last_clip
         if live.max_norm is None or last is None:
             return None
-        ids = {id(g) for ref in last.grads if (g := ref()) is not None}  # (live: ids unique)
-        fresh = any(p.grad is not None and id(dtensor.local(p.grad)) not in ids
-                    for p in gather.clip_order(live))
-        return None if fresh else last.total
+        return last.total if last.grads.cover(gather.clip_order(live)) else None
 
     # ------------------------------------------------------------------ torch.optim surface
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """As `torch.optim.Optimizer.zero_grad` (native's own code: with ``set_to_none`` every
-        ``.grad`` becomes None and no memory stays held).
+        """As `torch.optim.Optimizer.zero_grad`: with ``set_to_none`` every ``.grad`` becomes
+        None and no memory stays held (for plain leaf parameters the loop of ``p.grad = None``
+        runs in C++, `cotangent.tensorlists.grad_clearer`, inside native's profiler range;
+        otherwise native's own code runs).
 
         Raises:
             RuntimeError: inside ``torch.compile``.
@@ -329,6 +329,13 @@ class AdamW(_ZeroOneMethods, torch.optim.AdamW):
             self._last_clip = None  # the gradients are zeros now, not the clipped ones
         if self._shares is not None:
             self._shares.refresh(self.param_groups, self.state)
+        clear = tensorlists.grad_clearer() if set_to_none else None
+        if clear is not None and not _compat.torch_modes_active():
+            if not hasattr(self, "_zero_grad_profile_name"):
+                self._patch_step_function()  # (as native's first zero_grad)
+            with torch.autograd.profiler.record_function(self._zero_grad_profile_name):
+                if clear(self.param_groups):
+                    return
         super().zero_grad(set_to_none)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -439,13 +446,15 @@ class AdamW(_ZeroOneMethods, torch.optim.AdamW):
         step; ``single_pass`` and ``native`` count parameters; ``single_pass_notes`` lists why
         the single pass did not take the others (e.g. ``off (COTANGENT_SINGLE_PASS=0)``,
         GradScaler state, a failed probe); ``clip_in_pass`` counts the parameters whose clip
-        multiply ran inside their single pass."""
+        multiply ran inside their single pass; ``replayed`` is True where the step repeated the
+        decisions of the one before in one C++ call (`cotangent.replay`)."""
         last = self._path
         single, native = last.single_pass, last.native
         path = None
         if single or native:
             path = "mixed" if single and native else ("single-pass" if single else "native")
         return dict(path=path, single_pass=single, native=native,
-                    single_pass_notes=list(last.notes), clip_in_pass=last.clip_in_pass)
+                    single_pass_notes=list(last.notes), clip_in_pass=last.clip_in_pass,
+                    replayed=last.replayed)
 
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from cotangent import _compat, dtensor, sharding, singlepass
+from cotangent import _compat, dtensor, sharding, singlepass, tensorlists
 from cotangent.norms import (
     bucket_norm_is_exact,
     check_finite,
@@ -196,17 +196,25 @@ class StepClip:
     where the single pass may fold the multiply (None: every multiply runs natively)."""
 
     grads: list[Tensor]  # clip order
-    ids: set[int]  # id() of each of them
     total: Tensor
     coef: Tensor
     value: float | None
     identity: bool  # the multiply by this coefficient changes no gradient (skipped)
+    ids: set[int] | None = None  # id() of each gradient, once `covers` needs them
+
+    def covers(self, grads: list[Tensor]) -> bool:
+        """Whether every tensor of `grads` is one of this clip's gradients."""
+        if grads is self.grads:
+            return True
+        if self.ids is None:
+            self.ids = set(map(id, self.grads))
+        return all(map(self.ids.__contains__, map(id, grads)))
 
 
 def clip_norm(opt: AdamW, grads: list[Tensor], *, fold: bool,
               prepared: singlepass.Prepared | None = None,
-              team: Callable[[], tuple] | None = None,
-              spread: Tensor | None = None) -> StepClip:
+              step: singlepass.Step | None = None,
+              spread: Tensor | None = None, distinct: bool = False) -> StepClip:
     """`clip_grad_norm_`'s total norm and clip coefficient over `grads`, with `opt`'s
     ``norm_type``, ``max_norm`` and ``error_if_nonfinite`` (raising before anything is
     modified); modifies nothing.
@@ -220,29 +228,34 @@ def clip_norm(opt: AdamW, grads: list[Tensor], *, fold: bool,
             value is read where it is a CPU float that is not NaN.
         prepared: a call's checked lists whose gradients are `grads`
             (`cotangent.update.prepare_early`): the norms read the addresses from it.
-        team: this step's `singlepass.team` (asked once per step).
+        step: this step's `singlepass.Step` (its team asked once per step); default a new one.
         spread: `grads` are the local shards of DTensor gradients placed as this one
             (`dtensor.clip_mesh_gradient`): the stack of their norms becomes the DTensor
             native's stack is (`dtensor.spread_stack`), so that the total norm (the DTensor
             native's clip returns) and the coefficient reduce across ranks in DTensor's own
             code (a collective); the multiply uses the coefficient's replicated local value.
+        distinct: the caller knows `grads` holds no tensor twice (else it is counted here: a
+            gradient listed twice is multiplied twice, natively).
     """
     norm_type = opt.norm_type
     shares = opt._shares
+    step = step or singlepass.Step()
     across = None if spread is None else (
         lambda stacked: dtensor.spread_stack(stacked, spread, norm_type))
+    total = coef = value = None
     if shares is not None and shares.zero.norms == "share":
         share_of = {id(p.grad): s for p, s in zip(shares.params, shares.shares)
                     if p.grad is not None}
         total = sharding.share_total_norm(
             grads, [share_of.get(id(g), -1) for g in grads], shares.zero, norm_type,
-            lambda part: tensor_norms(part, norm_type, team))
-    elif norm_type == 2.0 and (prepared is not None or plain_cpu_float32(grads)) and (
-            singlepass.norms_proven(team)):
+            lambda part: tensor_norms(part, norm_type, step))
+    elif norm_type == 2.0 and (norms := kernel_norms(grads, prepared, step)) is not None:
         # every per-tensor norm in one C call, with ATen's bits (proven by its probe)
-        norms = (singlepass.tensor_norms(grads) if prepared is None else
-                 singlepass.gradient_norms(prepared))
-        total = total_norm(norms, norm_type, across)
+        scalars = tensorlists.clip_scalars() if across is None else None
+        if scalars is not None:  # (clip_grad_norm_'s ATen calls, made from C++)
+            total, coef, value = scalars(norms, float(opt.max_norm))
+        else:
+            total = total_norm(norms, norm_type, across)
     elif opt.batched_norms and spread is None and all(
             g.device.type == "cpu" for g in grads[:1]):
         # (on CUDA a (B, K) row norm and `_foreach_norm` reduce in other trees: issue 29;
@@ -257,26 +270,38 @@ def clip_norm(opt: AdamW, grads: list[Tensor], *, fold: bool,
         total = total_norm([torch.stack(norms)] if norms else [], norm_type, across)
     if opt.error_if_nonfinite:
         check_finite(total, norm_type)
-    coef = dtensor.replicated_local(clip_coefficient(total, opt.max_norm))
+    if coef is None:
+        coef = dtensor.replicated_local(clip_coefficient(total, opt.max_norm))
+        value = coef.item() if coef.device.type == "cpu" else None
     # (a gradient native's multiply raises on, by 1.0 too, was refused before this clip:
     # `refuse_unmultipliable`)
-    identity = multiply_is_identity(coef, norm_type, singlepass.flushing_now())
-    ids = set(map(id, grads))
-    value = None
-    if (fold and not identity and len(ids) == len(grads) and coef.device.type == "cpu"
-            and singlepass.switched_on()):  # (a gradient listed twice: native multiplies
-        value = coef.item()                  # it twice)
-        if value != value:
-            value = None  # a NaN coefficient: the multiply runs natively (see singlepass)
-    return StepClip(grads, ids, total, coef, value, identity)
+    identity = multiply_is_identity(coef, norm_type, step.flushing(), value)
+    if not (fold and not identity and value is not None and value == value
+            and step.off() is None
+            and (distinct or len(set(map(id, grads))) == len(grads))):
+        value = None  # (a gradient listed twice: native multiplies it twice; a NaN
+    return StepClip(grads, total, coef, value, identity)  # coefficient: natively, see singlepass
 
 
-def tensor_norms(grads: list[Tensor], norm_type: float, team=None) -> list[Tensor]:
+def kernel_norms(grads: list[Tensor], prepared: singlepass.Prepared | None,
+                 step: singlepass.Step) -> Tensor | None:
+    """The 2-norm of each of `grads` from one C call (`singlepass.gradient_norms` of
+    `prepared`, whose gradients they are, or `singlepass.tensor_norms`), where the norm probe
+    proves them ATen's bits for this step's team (`singlepass.norms_proven`); else None (the
+    caller computes them natively). A float32 tensor of shape (len(grads),)."""
+    if step.off() is not None or (prepared is None and not plain_cpu_float32(grads)):
+        return None
+    norms = (singlepass.tensor_norms(grads) if prepared is None
+             else step.gradient_norms(prepared))  # (no side effects: unused unless proven)
+    return norms if singlepass.norms_proven(step.team, step) else None
+
+
+def tensor_norms(grads: list[Tensor], norm_type: float,
+                 step: singlepass.Step | None = None) -> list[Tensor]:
     """Native's per-tensor norms of `grads` (one device and dtype), from one C call where
     its probe proved ATen's bits."""
-    if norm_type == 2.0 and plain_cpu_float32(grads) and singlepass.norms_proven(team):
-        return list(singlepass.tensor_norms(grads))
-    return native_tensor_norms(grads, norm_type, None)
+    norms = kernel_norms(grads, None, step or singlepass.Step()) if norm_type == 2.0 else None
+    return list(norms) if norms is not None else native_tensor_norms(grads, norm_type, None)
 
 
 def fold_rule(cut: StepClip | None, dtype: torch.dtype, grads: list[Tensor]) -> bool:
@@ -288,7 +313,40 @@ def fold_rule(cut: StepClip | None, dtype: torch.dtype, grads: list[Tensor]) -> 
     is updated unclipped); everywhere else natively, before the update, as `clip_grad_norm_`
     does. (`cotangent.update.memory_disjoint` must also hold for the whole step.)"""
     return (cut is not None and cut.value is not None and dtype == torch.float32
-            and all(id(g) in cut.ids for g in grads))
+            and cut.covers(grads))
+
+
+class SeenGradients:
+    """The gradients a clip saw, in order, none kept alive (a gradient is freed by
+    ``zero_grad()`` as with native code): `cotangent.tensorlists.gradient_set`'s record where
+    it is compiled, else weak references (the same answers)."""
+
+    __slots__ = ("_set", "_refs")
+
+    def __init__(self, grads: list[Tensor]) -> None:
+        make = tensorlists.gradient_set()
+        self._set = make(grads) if make is not None else None
+        self._refs = None if self._set is not None else list(map(weakref.ref, grads))
+
+    def same(self, grads: list[Tensor]) -> bool:
+        """Whether `grads` are these gradients: the same tensors, in order."""
+        if self._set is not None:
+            return self._set.same(grads)
+        return len(self._refs) == len(grads) and all(
+            a is b() for a, b in zip(grads, self._refs))
+
+    def cover(self, params: list[Tensor]) -> bool:
+        """Whether the ``.grad`` of every one of `params` that has one (a DTensor's: its local
+        shard) is one of these gradients."""
+        if self._set is not None:
+            answer = -1 if _compat.torch_modes_active() else self._set.covers(params)
+            if answer >= 0:
+                return bool(answer)
+            holds = self._set.holds
+        else:
+            ids = {id(g) for ref in self._refs if (g := ref()) is not None}  # (live: unique)
+            holds = lambda t: id(t) in ids  # noqa: E731
+        return all(holds(dtensor.local(g)) for p in params if (g := p.grad) is not None)
 
 
 @dataclass(slots=True)
@@ -296,17 +354,17 @@ class ClipRecord:
     """The last clip of an optimizer (`record_clip`)."""
 
     total: Tensor  # its total norm
-    grads: list[weakref.ref]  # the gradients it clipped, in order, by weak reference
+    grads: SeenGradients  # the gradients it clipped
     apart: bool  # run apart from a step, not yet used up by one (`clipped_already`)
 
 
 def record_clip(opt: AdamW, total: Tensor, grads: list[Tensor], *, apart: bool) -> None:
-    """Remember the clip on `opt`: its total norm and which gradients it clipped, by weak
-    reference (a gradient is freed by ``zero_grad()`` as with native code). `apart`: a clip
-    run apart from the update (`AdamW.clip_grad_norm_()`, or before step pre-hooks), which the
-    next `step()` must not repeat (`clipped_already`); a step's own clip is never skipped by
-    the next step (native's loop clips at every step, even on unchanged gradients)."""
-    opt._last_clip = ClipRecord(total, list(map(weakref.ref, grads)), apart)
+    """Remember the clip on `opt`: its total norm and which gradients it clipped
+    (`SeenGradients`). `apart`: a clip run apart from the update (`AdamW.clip_grad_norm_()`,
+    or before step pre-hooks), which the next `step()` must not repeat (`clipped_already`); a
+    step's own clip is never skipped by the next step (native's loop clips at every step, even
+    on unchanged gradients)."""
+    opt._last_clip = ClipRecord(total, SeenGradients(grads), apart)
 
 
 def step_done(opt: AdamW) -> None:
@@ -321,9 +379,7 @@ def clipped_already(opt: AdamW, grads: list[Tensor]) -> bool:
     ``step()``) does not clip again, whatever was written into them in between (an in-place
     edit or an accumulating backward: native's step does not clip those either)."""
     last = opt._last_clip
-    if last is None or not last.apart or len(last.grads) != len(grads):
-        return False
-    return all(a is b() for a, b in zip(grads, last.grads))
+    return last is not None and last.apart and last.grads.same(grads)
 
 
 def refuse_unmultipliable(opt: AdamW, grads: list[Tensor]) -> None:

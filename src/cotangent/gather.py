@@ -51,6 +51,10 @@ class Call:
     kernel: singlepass.Prepared | None = None  # the single pass takes this call
     clip_in_pass: bool = False  # and multiplies its gradients by the clip coefficient
     why_native: str | None = None
+    # read whole by `singlepass.read_group`: every parameter of the group with a gradient, in
+    # group order, each a plain dense contiguous CPU tensor (gradients distinct, none an
+    # inference tensor), its lists checked and read into `kernel`
+    whole: bool = False
 
     LISTS = ("params", "grads", "exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs", "steps", "pos")
 
@@ -112,12 +116,17 @@ def gather_calls(opt: AdamW, shares: sharding.Shares | None
         if group["capturable"] or group["differentiable"]:
             raise NotImplementedError(
                 "cotangent.AdamW supports capturable=False and differentiable=False only")
+        # the common case, read in C++ (ZeRO-1 keeps a share, read in Python)
+        read = None if shares is not None else singlepass.read_group(
+            group["params"], state, bool(group["amsgrad"]))
+        if read is not None:
+            if read[0]:
+                calls.append(whole_call(group, read))
+            continue
         params = [(i, p) for i, p in enumerate(group["params"]) if p.grad is not None]
         if not params:
             continue
-        if group["foreach"] and torch.is_tensor(group["lr"]):
-            raise RuntimeError(
-                "lr as a Tensor is not supported for capturable=False and foreach=True")
+        refuse_tensor_lr_with_foreach(group)
         kind = merge.implementation(group, [p for _, p in params])
         amsgrad = bool(group["amsgrad"])
         if shares is not None:  # (the implementation is the whole group's choice)
@@ -161,7 +170,28 @@ def gather_calls(opt: AdamW, shares: sharding.Shares | None
             call.steps.append(s)
             if amsgrad:
                 call.max_exp_avg_sqs.append(vmax)
-    return [on_local_shards(opt, c) for c in calls], fresh
+    return [c if c.whole else on_local_shards(opt, c) for c in calls], fresh
+
+
+def refuse_tensor_lr_with_foreach(group: dict) -> None:
+    """Native foreach AdamW's refusal of a tensor lr without capturable.
+
+    Raises:
+        RuntimeError: native's message.
+    """
+    if group["foreach"] and torch.is_tensor(group["lr"]):
+        raise RuntimeError(
+            "lr as a Tensor is not supported for capturable=False and foreach=True")
+
+
+def whole_call(group: dict, read: tuple) -> Call:
+    """The call of a group read whole by `singlepass.read_group` (`read`: its result, with at
+    least one parameter): checked, its lists in `Call.kernel`."""
+    pos, ps, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, prepared = read
+    refuse_tensor_lr_with_foreach(group)
+    # (plain CPU tensors alike: native's device rule answers for all as for the first)
+    return Call(group, merge.implementation(group, ps[:1]), ps, grads, exp_avgs, exp_avg_sqs,
+                max_exp_avg_sqs, steps, pos, kernel=prepared, whole=True)
 
 
 def gather_alike(opt: AdamW, group: dict, kind: str, params: list[tuple[int, Tensor]],
@@ -350,8 +380,13 @@ def clip_order(opt: AdamW) -> list[Tensor]:
     return ClipOrder.read(source)
 
 
-def clip_grads(opt: AdamW) -> list[Tensor]:
-    """The gradients `clip_grad_norm_` would clip now, in its order."""
+def clip_grads(opt: AdamW, calls: list[Call] | None = None) -> list[Tensor]:
+    """The gradients `clip_grad_norm_` would clip now, in its order. `calls`: this step's
+    calls, where every one was read whole (`Call.whole`): with the default clip order (the
+    param groups'), their gradients are the clip's, in call order (one call: its list)."""
+    source = opt._clip_order_params
+    if calls and (source is None or source == PARAM_GROUPS):
+        return calls[0].grads if len(calls) == 1 else [g for c in calls for g in c.grads]
     return [p.grad for p in clip_order(opt) if p.grad is not None]
 
 

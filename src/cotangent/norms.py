@@ -229,7 +229,8 @@ def flushing_denormals() -> bool:
     return bool(torch.tensor([1e-40]).mul_(1.0)[0] == 0.0)
 
 
-def multiply_is_identity(coef: Tensor, norm_type: float, flushing: bool | None = None) -> bool:
+def multiply_is_identity(coef: Tensor, norm_type: float, flushing: bool | None = None,
+                         value: float | None = None) -> bool:
     """True when multiplying gradients by the clip coefficient `coef` may be skipped, where
     `coef` came from those gradients' own total norm of order `norm_type`: it is exactly 1.0
     and on the CPU (reading it costs no device sync; on accelerators the multiply always runs,
@@ -238,6 +239,7 @@ def multiply_is_identity(coef: Tensor, norm_type: float, flushing: bool | None =
     the norm must be one a NaN turns into NaN (every order but 0, which counts a NaN as 1:
     a coefficient of 1.0 then proves no NaN is there) and nothing may be flushing.
     `flushing`: whether the calling thread flushes denormals, where the caller knows (e.g. from
-    its MXCSR register, `cotangent.singlepass.flushing_now`); None: `flushing_denormals()`."""
-    return (coef.device.type == "cpu" and coef.item() == 1.0 and norm_type != 0
-            and not (flushing_denormals() if flushing is None else flushing))
+    its MXCSR register, `cotangent.singlepass.flushing_now`); None: `flushing_denormals()`.
+    `value`: ``coef.item()`` where the caller has read it already."""
+    return (coef.device.type == "cpu" and (coef.item() if value is None else value) == 1.0
+            and norm_type != 0 and not (flushing_denormals() if flushing is None else flushing))

@@ -61,7 +61,17 @@ def _load():
         raise _build.BuildFailed(f"cannot load {built.path}")
     lib = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(lib)
-    lib.set_types(torch.Tensor, torch.nn.Parameter)
+    # state entries are found by hash: read_group may look them up by id(p) where
+    # Tensor.__hash__ (which nn.Parameter inherits) returns id(self), as in torch 2.x
+    h = torch.Tensor.__hash__
+    by_id = torch.nn.Parameter.__hash__ is h and all(
+        hash(t) == id(t) for t in (torch.empty(0), torch.nn.Parameter(torch.empty(0))))
+    lib.set_types(torch.Tensor, torch.nn.Parameter, h if by_id else None)
+    _STATE["group"] = lib.read_group
+    _STATE["clear"] = lib.clear_grads
+    _STATE["clip"] = lib.clip_coefficient
+    _STATE["seen"] = lib.GradientSet
+    _STATE["replay"] = lib.Replay
     _log.info("tensor-list reader %s (%.2f s): %s", "loaded from the cache" if built.cached
               else "compiled", built.compile_s, built.path)
     _STATE["build"] = built
@@ -92,6 +102,47 @@ def reader():
                     _STATE["reader"], _STATE["why"] = None, str(e)
                     _log.info("tensor-list reader unavailable (lists checked in Python): %s", e)
     return _STATE["reader"]
+
+
+def group_reader():
+    """The compiled ``read_group(params, state, amsgrad, grad_enabled)``, or None where
+    `reader()` is None: one param group's AdamW lists read and checked in C++
+    (`cotangent.gather.read_group` documents what it returns and when it declines)."""
+    return _STATE.get("group") if reader() is not None else None
+
+
+def clip_scalars():
+    """The compiled ``clip_coefficient(norms, max_norm) -> (total, coef, value)``, or None
+    where `reader()` is None: ``clip_grad_norm_``'s total 2-norm of per-tensor norms `norms`
+    (a float32 CPU tensor) and its clip coefficient (0-d tensors), with the ATen calls its
+    Python makes (``linalg.vector_norm``; ``(total + 1e-6).reciprocal() * max_norm``, the
+    expansion of ``max_norm / (total + 1e-6)``; ``clamp(max=1.0)``), and the coefficient's
+    value as a float."""
+    return _STATE.get("clip") if reader() is not None else None
+
+
+def gradient_set():
+    """The compiled class ``GradientSet(grads)``, or None where `reader()` is None: the
+    gradients a clip saw, held by weak reference to their tensors (none kept alive), asked
+    ``same(tensors)`` (the same tensors in order), ``holds(tensor)`` and ``covers(params)`` (1:
+    every ``.grad`` of `params` is one of them; 0: one is not; -1: a parameter of another type
+    than torch.Tensor or nn.Parameter, for the caller to ask `holds`)."""
+    return _STATE.get("seen") if reader() is not None else None
+
+
+def replayer():
+    """The compiled class ``Replay(group, snapshot, plan)``, or None where `reader()` is None:
+    the last step's plan, whose ``run(state, decide)`` performs the next step or declines
+    having modified nothing (`cotangent.replay`)."""
+    return _STATE.get("replay") if reader() is not None else None
+
+
+def grad_clearer():
+    """The compiled ``clear_grads(param_groups) -> bool``, or None where `reader()` is None:
+    ``Optimizer.zero_grad(set_to_none=True)``'s loop in C++ (``p.grad = None`` is the ``grad``
+    setter's ``mutable_grad().reset()``), for plain leaf parameters only (False, nothing
+    changed, otherwise)."""
+    return _STATE.get("clear") if reader() is not None else None
 
 
 def why_not() -> str | None:

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from cotangent import _compat, dtensor, gather, merge, sharding, singlepass
+from cotangent import _compat, dtensor, gather, merge, replay, sharding, singlepass
 from cotangent.clip import (StepClip, clip_norm, clipped_already, fold_rule, multiply_grads_,
                             record_clip, refuse_unmultipliable, step_done)
 from cotangent.gather import Call
@@ -36,31 +36,6 @@ from cotangent.spans import extent, is_dense_non_overlapping
 
 if TYPE_CHECKING:
     from cotangent.adamw import AdamW
-
-
-class Step:
-    """This step's single-pass verdicts and OpenMP team, each asked once: no user code runs
-    between a step's decisions and its passes."""
-
-    __slots__ = ("_team", "_verdicts")
-
-    def __init__(self) -> None:
-        self._team: tuple | None = None
-        self._verdicts: dict = {}
-
-    def team(self) -> tuple[int, tuple[int, ...]]:
-        """`singlepass.team()`: (team size, each member's MXCSR fields)."""
-        if self._team is None:
-            self._team = singlepass.team()
-        return self._team
-
-    def decide(self, call: Call, clip_coef: float | None, dtype: torch.dtype) -> str | None:
-        """`singlepass.decide` for `call`'s settings: None (the pass may take it) or why not."""
-        key = (call.kind, id(call.group), clip_coef, dtype)
-        if key not in self._verdicts:
-            self._verdicts[key] = singlepass.decide(call.kind, call.group, clip_coef, dtype,
-                                                    self.team)
-        return self._verdicts[key]
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,74 +46,90 @@ class Path:
     native: int = 0  # ... by native's functional AdamW
     notes: tuple[str, ...] = ()  # why the single pass did not take the others
     clip_in_pass: int = 0  # parameters whose clip multiply ran inside their pass
+    replayed: bool = False  # the step was the last one's plan, replayed (`cotangent.replay`)
 
 
-@torch.no_grad()
 def update(opt: AdamW, closure, clip: bool):
-    """One step of `opt` between torch's step pre- and post-hooks: the closure (if any), the
-    clip (if `clip`) and the AdamW update. Returns the closure's loss, or None.
+    """One step of `opt` between torch's step pre- and post-hooks, under ``torch.no_grad()``
+    (as native AdamW's step): the closure (if any), the clip (if `clip`) and the AdamW update.
+    Returns the closure's loss, or None.
 
     Raises: see `cotangent.AdamW`; nothing is modified before an error is raised.
     """
-    _compat.graph_capture_health_check(opt)
-    loss = None
-    if closure is not None:
-        with torch.enable_grad():
-            loss = closure()
-    grad_scale = getattr(opt, "grad_scale", None)
-    found_inf = getattr(opt, "found_inf", None)
-    step = Step()
-    # 1. gather: every call's lists, checked (ZeRO-1: every rank's checks, agreed below)
-    calls, fresh, agreement = gather.gather(opt)
-    # 2. clip: the clip order's gradients, their total norm and coefficient
-    order = gather.clip_grads(opt) if clip else None
-    spread = None if order is None else dtensor.clip_mesh_gradient(order)
-    if spread is not None:
-        if grad_scale is not None or found_inf is not None:
-            raise RuntimeError("GradScaler state (grad_scale / found_inf) with DTensor "
-                               "gradients: not followed by cotangent.AdamW")
-        order = list(map(dtensor.local, order))  # (the clip reduces their norms)
-    if order is not None and clipped_already(opt, order):
-        order = None  # clip_grad_norm_() clipped these gradients
-    if order is not None:
-        refuse_unmultipliable(opt, order)  # (native's multiply would raise mid-clip)
-    if order is not None and grad_scale is not None:
-        sharding.finish_agree(agreement)
-        agreement = None
-        # fused AdamW under GradScaler gets scaled gradients and the scale; native code clips
-        # after `scaler.unscale_`: unscale first (GradScaler's arithmetic), update unscaled
-        _compat.unscale_grads_(order, grad_scale)
-        grad_scale = None
-    scaled = grad_scale is not None or found_inf is not None
-    cut = None
-    if order is not None:
-        early = prepare_early(opt, calls, order) if not fresh else None
-        cut = clip_norm(opt, order, fold=not scaled, prepared=early, team=step.team,
-                        spread=spread)
-    sharding.finish_agree(agreement)  # (ZeRO-1: every rank's checks passed)
-    gather.create_state(opt, fresh)
-    # 3. plan: the calls the single pass takes, with or without the clip multiply
-    extra: list[Call] = []
-    for call in calls:
-        plan_kernel(opt, call, cut, step, allowed=not scaled, extra=extra)
-    calls += extra
-    kernels = any(c.kernel is not None for c in calls)
-    disjoint = (kernels or opt._shares is not None) and memory_disjoint(calls, cut)
-    if kernels and not disjoint:
-        calls = gather.in_native_order(opt, calls)
-    # 4. the clip multiply of the gradients no pass multiplies
-    later = multiply_rest(opt, calls, cut, disjoint) if cut is not None else []
-    # 5. the AdamW calls
-    if opt._shares is None:
-        path = run_calls(opt, calls, cut, step, grad_scale, found_inf)
-    else:
-        path = run_sharded(opt, calls, cut, step, grad_scale, found_inf, later)
-    if cut is not None:
-        record_clip(opt, cut.total, cut.grads, apart=False)
-    else:
-        step_done(opt)  # (a clip apart from this step is used up)
-    opt._path = path
-    return loss
+    with _compat.grad_disabled():
+        _compat.graph_capture_health_check(opt)
+        # the last step's decisions, where they still hold (one C++ call: `cotangent.replay`)
+        replayed = replay.replay(opt, closure, clip) if opt._replay is not None else None
+        if replayed is not None:
+            n, clip_in_pass = replayed
+            opt._path = Path(n, 0, (), n if clip_in_pass else 0, replayed=True)
+            return None
+        opt._replay = None
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grad_scale = getattr(opt, "grad_scale", None)
+        found_inf = getattr(opt, "found_inf", None)
+        step = singlepass.Step()
+        # 1. gather: every call's lists, checked (ZeRO-1: every rank's checks, agreed below)
+        calls, fresh, agreement = gather.gather(opt)
+        # (every call read whole in C++: plain contiguous CPU tensors, checked)
+        whole = bool(calls) and all(c.whole for c in calls)
+        # 2. clip: the clip order's gradients, their total norm and coefficient
+        order = gather.clip_grads(opt, calls if whole else None) if clip else None
+        spread = None if order is None or whole else dtensor.clip_mesh_gradient(order)
+        if spread is not None:
+            if grad_scale is not None or found_inf is not None:
+                raise RuntimeError("GradScaler state (grad_scale / found_inf) with DTensor "
+                                   "gradients: not followed by cotangent.AdamW")
+            order = list(map(dtensor.local, order))  # (the clip reduces their norms)
+        if order is not None and clipped_already(opt, order):
+            order = None  # clip_grad_norm_() clipped these gradients
+        if order is not None and not whole:
+            refuse_unmultipliable(opt, order)  # (native's multiply would raise mid-clip)
+        if order is not None and grad_scale is not None:
+            sharding.finish_agree(agreement)
+            agreement = None
+            # fused AdamW under GradScaler gets scaled gradients and the scale; native code clips
+            # after `scaler.unscale_`: unscale first (GradScaler's arithmetic), update unscaled
+            _compat.unscale_grads_(order, grad_scale)
+            grad_scale = None
+        scaled = grad_scale is not None or found_inf is not None
+        cut = None
+        if order is not None:
+            early = prepare_early(opt, calls, order) if not fresh else None
+            cut = clip_norm(opt, order, fold=not scaled, prepared=early, step=step,
+                            spread=spread, distinct=whole and order is calls[0].grads)
+        sharding.finish_agree(agreement)  # (ZeRO-1: every rank's checks passed)
+        gather.create_state(opt, fresh)
+        # 3. plan: the calls the single pass takes, with or without the clip multiply
+        extra: list[Call] = []
+        for call in calls:
+            plan_kernel(opt, call, cut, step, allowed=not scaled, extra=extra)
+        calls += extra
+        kernels = any(c.kernel is not None for c in calls)
+        disjoint = (kernels or opt._shares is not None) and memory_disjoint(calls, cut)
+        if kernels and not disjoint:
+            calls = gather.in_native_order(opt, calls)
+        # 4. the clip multiply of the gradients no pass multiplies
+        later = []
+        if cut is not None and not (len(calls) == 1 and calls[0].clip_in_pass
+                                    and calls[0].grads is cut.grads):  # (else: all in the pass)
+            later = multiply_rest(opt, calls, cut, disjoint)
+        # 5. the AdamW calls
+        if opt._shares is None:
+            path = run_calls(opt, calls, cut, step, grad_scale, found_inf)
+        else:
+            path = run_sharded(opt, calls, cut, step, grad_scale, found_inf, later)
+        if cut is not None:
+            record_clip(opt, cut.total, cut.grads, apart=False)
+        else:
+            step_done(opt)  # (a clip apart from this step is used up)
+        opt._path = path
+        if replay.replayer_available():
+            opt._replay = replay.plan(opt, calls, cut, clip, step, path.single_pass)
+        return loss
 
 
 def clip_apart(opt: AdamW) -> Tensor:
@@ -169,6 +160,8 @@ def prepare_early(opt: AdamW, calls: list[Call], order: list[Tensor]):
     if len(calls) != 1 or opt.norm_type != 2.0:
         return None
     call = calls[0]
+    if call.whole and call.grads is order:  # (read with its lists: `gather.whole_call`)
+        return call.kernel if call.kernel.dtype is torch.float32 else None
     if (call.checked or len(call.grads) != len(order)
             or not all(map(is_, call.grads, order))
             or not all(type(g) is Tensor for g in order)):
@@ -186,8 +179,8 @@ def prepare_early(opt: AdamW, calls: list[Call], order: list[Tensor]):
     return prepared
 
 
-def plan_kernel(opt: AdamW, call: Call, cut: StepClip | None, step: Step, *, allowed: bool,
-                extra: list[Call]) -> None:
+def plan_kernel(opt: AdamW, call: Call, cut: StepClip | None, step: singlepass.Step, *,
+                allowed: bool, extra: list[Call]) -> None:
     """Whether the single pass takes `call` (`call.kernel`), and with the clip multiply
     (`call.clip_in_pass`, `fold_rule`); else why not (`call.why_native`). `allowed`: False
     under GradScaler state. Parameters the pass cannot take on their own (a gradient in
@@ -198,10 +191,10 @@ def plan_kernel(opt: AdamW, call: Call, cut: StepClip | None, step: Step, *, all
         why = "GradScaler state (grad_scale / found_inf): native path"
     fold = why is None and fold_rule(cut, dtype, call.grads)
     if why is None:
-        why = step.decide(call, cut.value if fold else None, dtype)
+        why = step.decide(call.kind, call.group, cut.value if fold else None, dtype)
         if why is not None and fold:  # the pass may still take the update, clip apart
             fold = False
-            why = step.decide(call, None, dtype)
+            why = step.decide(call.kind, call.group, None, dtype)
     if why is not None:
         call.kernel = None  # (lists checked before the clip, `prepare_early`: unused)
     elif call.kernel is None:
@@ -237,8 +230,9 @@ def memory_disjoint(calls: list[Call], cut: StepClip | None) -> bool:
     gives it, in native's order."""
     if (len(calls) == 1 and calls[0].kernel is not None
             and calls[0].kernel.disjoint is not None and (
-                cut is None or (len(cut.grads) == len(calls[0].grads)
-                                and all(map(is_, cut.grads, calls[0].grads))))):
+                cut is None or cut.grads is calls[0].grads
+                or (len(cut.grads) == len(calls[0].grads)
+                    and all(map(is_, cut.grads, calls[0].grads))))):
         return calls[0].kernel.disjoint  # (read with the lists: `tensorlists`)
     starts, nbytes = [], []
     seen = set()
@@ -290,8 +284,8 @@ def multiply_rest(opt: AdamW, calls: list[Call], cut: StepClip, disjoint: bool) 
     return later
 
 
-def run_calls(opt: AdamW, calls: list[Call], cut: StepClip | None, step: Step, grad_scale,
-              found_inf) -> Path:
+def run_calls(opt: AdamW, calls: list[Call], cut: StepClip | None, step: singlepass.Step,
+              grad_scale, found_inf) -> Path:
     """Run the step's calls: the single pass where it was planned, else native's."""
     single = native = in_pass = 0
     notes = set()
@@ -309,8 +303,8 @@ def run_calls(opt: AdamW, calls: list[Call], cut: StepClip | None, step: Step, g
     return Path(single, native, tuple(sorted(notes)), in_pass)
 
 
-def run_sharded(opt: AdamW, calls: list[Call], cut: StepClip | None, step: Step, grad_scale,
-                found_inf, later: list[Tensor]) -> Path:
+def run_sharded(opt: AdamW, calls: list[Call], cut: StepClip | None, step: singlepass.Step,
+                grad_scale, found_inf, later: list[Tensor]) -> Path:
     """ZeRO-1's `run_calls`: this rank's share updated, then every parameter broadcast from its
     owner while the held-back clip multiplies run (`multiply_rest`). An error native raises
     inside the update reaches every rank, and every parameter still travels (no rank is left
@@ -334,7 +328,7 @@ def run_sharded(opt: AdamW, calls: list[Call], cut: StepClip | None, step: Step,
     return path
 
 
-def run_kernel(call: Call, cut: StepClip | None, step: Step) -> bool:
+def run_kernel(call: Call, cut: StepClip | None, step: singlepass.Step) -> bool:
     """Run `call` as one single pass; False (nothing modified, and its gradients
     multiplied natively where the pass was to do it) when the kernel refuses."""
     group = call.group

@@ -699,28 +699,131 @@ void for_each_block(const int64_t* pieces, int64_t npieces, int nthreads,
 // the products rounded for the first multiple of four of them (the compiler squared those
 // four at a time) and fused into the sum for the others; then the square root. One element:
 // its absolute value (the sign bit cleared, a NaN's payload kept, even a signalling one).
+//
+// Where two NaNs meet in an add, x86 keeps the first source's, and a compiler may swap a
+// commutative add's operands as its register allocation likes (a rebuild that only added
+// another function swapped some here, and 11,660 of 22,960 two-NaN tensors then had the
+// other NaN than ATen's), so each add and the fused multiply-add is written in asm with the
+// operand order ATen's binary has (measured against torch on every pair of positions of two
+// NaNs of opposite signs in tensors of 2 to 41 elements): the lanes and the fused tail keep
+// the running sum's NaN; of the four squares added one at a time, the first three keep the
+// square's and the fourth the sum's.
+
+// a + b (vaddss); where both are NaN, a's
+inline float add_keep_first(float a, float b) {
+  float r;
+  asm("vaddss %2, %1, %0" : "=x"(r) : "x"(a), "x"(b));
+  return r;
+}
+
+// sum + v * v in one rounding (vfmadd231ss, the running sum as its first operand)
+inline float fma_square(float sum, float v) {
+  asm("vfmadd231ss %1, %1, %0" : "+x"(sum) : "x"(v));
+  return sum;
+}
+
+// acc + x[0..8) * x[0..8), the products rounded (the running sums' NaNs kept)
+inline __m256 add_squares(__m256 acc, const float* x) {
+  const __m256 v = _mm256_loadu_ps(x);
+  const __m256 square = _mm256_mul_ps(v, v);
+  asm("vaddps %1, %0, %0" : "+x"(acc) : "x"(square));
+  return acc;
+}
+
+// The norm from the eight lane sums `acc` of the first `body` elements of x[0..n), n > 1.
+float finish_norm2(__m256 acc, const float* x, int64_t body, int64_t n) {
+  float lane[8];
+  _mm256_storeu_ps(lane, acc);
+  float sum = lane[0];
+  for (int j = 1; j < 8; j++) sum = add_keep_first(sum, lane[j]);
+  const int64_t tail = n - body, rounded = MUTANT(6) ? 0 : tail / 4 * 4;
+  if (rounded == 4) {
+    const float* t = x + body;
+    const float s0 = t[0] * t[0], s1 = t[1] * t[1], s2 = t[2] * t[2], s3 = t[3] * t[3];
+    sum = add_keep_first(s0, sum);
+    sum = add_keep_first(s1, sum);
+    sum = add_keep_first(s2, sum);
+    sum = add_keep_first(sum, s3);
+  }
+  for (int64_t i = rounded; i < tail; i++) sum = fma_square(sum, x[body + i]);
+  return __builtin_sqrtf(sum);
+}
+
 float aten_norm2(const float* x, int64_t n) {
   if (n == 1) return from_bits(to_bits(x[0]) & 0x7fffffffu);
   __m256 acc = _mm256_setzero_ps();
   const int64_t body = n - n % 8;
-  for (int64_t d = 0; d < body; d += 8) {
-    const __m256 v = _mm256_loadu_ps(x + d);
-    acc = _mm256_add_ps(acc, _mm256_mul_ps(v, v));
+  for (int64_t d = 0; d < body; d += 8) acc = add_squares(acc, x + d);
+  return finish_norm2(acc, x, body, n);
+}
+
+// `aten_norm2` of four tensors at once: each tensor's sums run in its own order, the four
+// chains of dependent adds side by side (one chain waits on its add's latency: four keep the
+// adder busy; the bits are each tensor's own).
+void aten_norm2_four(const float* const* x, const int64_t* n, float* out) {
+  int64_t body[4], common = INT64_MAX;
+  for (int j = 0; j < 4; j++) {
+    body[j] = n[j] > 1 ? n[j] - n[j] % 8 : 0;
+    common = body[j] < common ? body[j] : common;
   }
-  float lane[8];
-  _mm256_storeu_ps(lane, acc);
-  float sum = lane[0];
-  for (int j = 1; j < 8; j++) sum = sum + lane[j];
-  const int64_t tail = n - body, rounded = tail / 4 * 4;
-  for (int64_t i = 0; i < (MUTANT(6) ? 0 : rounded); i++) {
-    const float v = x[body + i];
-    sum = sum + v * v;
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t d = 0; d < common; d += 8) {
+    a0 = add_squares(a0, x[0] + d);
+    a1 = add_squares(a1, x[1] + d);
+    a2 = add_squares(a2, x[2] + d);
+    a3 = add_squares(a3, x[3] + d);
   }
-  for (int64_t i = rounded; i < tail; i++) {
-    const float v = x[body + i];
-    sum = __builtin_fmaf(v, v, sum);
+  __m256 acc[4] = {a0, a1, a2, a3};
+  for (int j = 0; j < 4; j++) {
+    if (n[j] == 1) {
+      out[j] = from_bits(to_bits(x[j][0]) & 0x7fffffffu);
+      continue;
+    }
+    for (int64_t d = common; d < body[j]; d += 8) acc[j] = add_squares(acc[j], x[j] + d);
+    out[j] = finish_norm2(acc[j], x[j], body[j], n[j]);
   }
-  return __builtin_sqrtf(sum);
+}
+
+// out[i] = aten_norm2 of the n[i] floats at ptr[i] for i in [0, count), in one parallel region
+// of nthreads: the tensors in order of length, four of like length at a time
+// (`aten_norm2_four`), the groups shared dynamically. Writes each member's MXCSR into
+// team[1 + member] and the team's size into team[0] (-1 with dynamic teams) where `team`.
+void norms_by_four(const int64_t* ptr, const int64_t* n, int64_t count, float* out, int nthreads,
+                   int* team) {
+  int64_t* order = new int64_t[count];
+  for (int64_t i = 0; i < count; i++) order[i] = i;
+  std::sort(order, order + count, [n](int64_t a, int64_t b) { return n[a] < n[b]; });
+  const int64_t groups = (count + 3) / 4;
+  int size = 0;
+#pragma omp parallel num_threads(nthreads) if (nthreads > 1 || team != nullptr)
+  {
+    if (team != nullptr) {
+      team[1 + omp_get_thread_num()] = static_cast<int>(__builtin_ia32_stmxcsr());
+    }
+#pragma omp single nowait
+    size = omp_get_num_threads();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t g = groups - 1; g >= 0; g--) {  // (the longest first)
+      const int64_t first = 4 * g, k = count - first < 4 ? count - first : 4;
+      if (k == 4) {
+        const float* x[4];
+        int64_t len[4];
+        float result[4];
+        for (int j = 0; j < 4; j++) {
+          x[j] = reinterpret_cast<const float*>(ptr[order[first + j]]);
+          len[j] = n[order[first + j]];
+        }
+        aten_norm2_four(x, len, result);
+        for (int j = 0; j < 4; j++) out[order[first + j]] = result[j];
+      } else {
+        for (int64_t j = first; j < first + k; j++) {
+          out[order[j]] = aten_norm2(reinterpret_cast<const float*>(ptr[order[j]]), n[order[j]]);
+        }
+      }
+    }
+  }
+  if (team != nullptr) team[0] = omp_get_dynamic() ? -1 : size;
+  delete[] order;
 }
 
 }  // namespace
@@ -731,10 +834,7 @@ extern "C" {
 // shared among nthreads OpenMP threads (each tensor's sum is one thread's, in ATen's order).
 void cot_singlepass_norms(const int64_t* ptr, const int64_t* n, int64_t count, float* out,
                           int nthreads) {
-#pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads) if (nthreads > 1)
-  for (int64_t i = 0; i < count; i++) {
-    out[i] = aten_norm2(reinterpret_cast<const float*>(ptr[i]), n[i]);
-  }
+  norms_by_four(ptr, n, count, out, nthreads, nullptr);
 }
 
 // The bfloat16 step (flags: bit0 decay, bit1 maximize; no amsgrad, no clip): base pointers,
@@ -805,6 +905,15 @@ int cot_singlepass_team(int n, int* mxcsr) {
     size = omp_get_num_threads();
   }
   return omp_get_dynamic() ? -1 : size;
+}
+
+// cot_singlepass_norms and cot_singlepass_team in one parallel region: the norms into
+// out[0..count), the team that computed them into team[0] (its size, or -1 with dynamic
+// teams) and team[1 + i] (member i's MXCSR). The caller uses the norms only where the team
+// passes the norm probe's checks (one region less per step than asking the team first).
+void cot_singlepass_norms_team(const int64_t* ptr, const int64_t* n, int64_t count, float* out,
+                               int nthreads, int* team) {
+  norms_by_four(ptr, n, count, out, nthreads, team);
 }
 
 // The address of the MKL vmsSqrt emulation (a sqrt_fn for the kernels).

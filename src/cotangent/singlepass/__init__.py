@@ -97,10 +97,10 @@ from cotangent.singlepass.work import (
     thread_chunks,
 )
 from cotangent.singlepass.lists import (
-    Prepared, prepare_lists, spans_disjoint,
+    Prepared, prepare_lists, read_group, spans_disjoint,
 )
 from cotangent.singlepass.passes import (
-    gradient_norms, launch, native_step_scalars, norms_at, single_pass_adamw_,
+    gradient_norms, gradient_norms_team, launch, native_step_scalars, norms_at, single_pass_adamw_,
     single_pass_adamw_lists_, tensor_norms,
 )
 from cotangent.singlepass.probes import (
@@ -109,8 +109,9 @@ from cotangent.singlepass.probes import (
     matches_native, norm_probe_tensors, norms_match_native, probe_data, special_grid,
 )
 from cotangent.singlepass.verdicts import (
-    AMSGRAD_DAZ, ENV_SWITCH, ISAS, NORM_PROBE_KIND, PROBE_KIND, SinglePassWarning, decide,
-    forget_verdicts, key_parts, lerp_branch, norms_proven, process_report, proven, scalar_class,
+    AMSGRAD_DAZ, ENV_SWITCH, ISAS, NORM_PROBE_KIND, PROBE_KIND, SinglePassWarning, Step, decide,
+    forget_verdicts, key_parts, lerp_branch, norms_proven, off_reason, process_report, proven,
+    scalar_class,
     static_refusal, switched_on, unavailable_reason,
 )
 
@@ -121,12 +122,13 @@ __all__ = ["kernel", "lists", "passes", "probes", "verdicts", "work",
            "build", "compile_flags", "emulated_sqrt_address", "emulation_matches", "flushing_now",
            "mkl_sqrt_address", "mxcsr", "sqrt_address", "sqrt_kind", "team", "FUSED_TASK_UNIT",
            "aten_vector_unit", "fused_pieces", "fused_vector_unit", "native_pieces",
-           "thread_chunks", "Prepared", "prepare_lists", "spans_disjoint", "gradient_norms",
-           "launch", "native_step_scalars", "norms_at", "single_pass_adamw_",
-           "single_pass_adamw_lists_", "tensor_norms", "GRID_EXP_AVG", "GRID_EXP_AVG_CLEAN",
+           "thread_chunks", "Prepared", "prepare_lists", "read_group", "spans_disjoint",
+           "gradient_norms", "gradient_norms_team", "launch", "native_step_scalars", "norms_at",
+           "single_pass_adamw_", "single_pass_adamw_lists_", "tensor_norms", "GRID_EXP_AVG", "GRID_EXP_AVG_CLEAN",
            "GRID_EXP_AVG_SQ", "GRID_EXP_AVG_SQ_CLEAN", "GRID_GRAD", "GRID_GRAD_CLEAN", "GRID_MAX",
            "GRID_MAX_CLEAN", "GRID_PARAM", "GRID_PARAM_CLEAN", "PROBE_LENGTHS", "matches_native",
            "norm_probe_tensors", "norms_match_native", "probe_data", "special_grid", "AMSGRAD_DAZ",
-           "ENV_SWITCH", "ISAS", "NORM_PROBE_KIND", "PROBE_KIND", "SinglePassWarning", "decide",
-           "forget_verdicts", "key_parts", "lerp_branch", "norms_proven", "process_report",
-           "proven", "scalar_class", "static_refusal", "switched_on", "unavailable_reason",]
+           "ENV_SWITCH", "ISAS", "NORM_PROBE_KIND", "PROBE_KIND", "SinglePassWarning", "Step",
+           "decide", "forget_verdicts", "key_parts", "lerp_branch", "norms_proven",
+           "process_report", "off_reason", "proven", "scalar_class", "static_refusal",
+           "switched_on", "unavailable_reason"]

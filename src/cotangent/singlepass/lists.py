@@ -6,6 +6,7 @@ and reads their addresses into a `Prepared` table, modifying nothing.
 from __future__ import annotations
 
 import array
+from collections import defaultdict
 from dataclasses import dataclass
 from functools import lru_cache
 from itertools import repeat
@@ -19,7 +20,7 @@ from cotangent.spans import is_dense_non_overlapping, overlapping_pair
 from cotangent.singlepass import kernel, passes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Prepared:
     """Tensor lists checked for the kernel (`prepare_lists`). `table`: int64, ``kinds + 2``
     rows of ``len(numels)`` entries: per tensor kind (parameter, gradient, exp_avg,
@@ -61,6 +62,40 @@ class Prepared:
         nbytes = [k * size for k in self.numels] * self.kinds + list(
             map(Tensor.element_size, self.steps))
         return starts, nbytes
+
+
+def read_group(params: list[Tensor], state: dict, amsgrad: bool) -> tuple | None:
+    """One param group's AdamW lists, as native's ``_init_group`` reads them for a group
+    whose parameters all have state: the parameters with a gradient, in group order, their
+    gradients, ``exp_avg``, ``exp_avg_sq`` (``max_exp_avg_sq`` with `amsgrad`) and ``step``,
+    read and checked in one C++ loop (`cotangent.tensorlists.group_reader`); modifies nothing.
+
+    Returns None (the caller reads the group in Python, which is the reference and raises
+    native's errors, and warns where native reads a non-leaf's ``.grad``) unless every
+    parameter is a plain CPU leaf tensor and every one with a gradient is dense, contiguous,
+    of one dtype, its gradient one too, of its dtype and shape, each gradient a tensor of its
+    own, and whose state holds plain tensors of its dtype and shape and a step tensor of its
+    own (0-d, CPU); always None where the compiled reader is unavailable or a torch mode is
+    active (`_compat.torch_modes_active`). Else ``(pos, params, grads, exp_avgs, exp_avg_sqs,
+    max_exp_avg_sqs, steps, prepared)``: each parameter's index in `params`, the lists
+    (``max_exp_avg_sqs`` empty without `amsgrad`), and the `Prepared` table of their addresses
+    (contiguous, `Prepared.disjoint` read).
+    """
+    read = tensorlists.group_reader()
+    if (read is None or type(params) is not list or type(state) not in (dict, defaultdict)
+            or _compat.torch_modes_active()):  # (a mode sees native's `.grad` reads)
+        return None
+    got = read(params, state, amsgrad, torch.is_grad_enabled())
+    if got is None:
+        return None
+    flags, pos, ps, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, raw = got
+    table = array.array("q")
+    table.frombytes(raw)
+    kinds, n = 5 if amsgrad else 4, len(pos)
+    prepared = Prepared(ps[0].dtype if n else torch.float32, table, kinds,
+                        tuple(table[(kinds + 1) * n:]), steps, bool(flags & 2),
+                        contiguous=True, disjoint=bool(flags & 4))
+    return pos, ps, grads, exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, prepared
 
 
 def _table(bases: list[list[int]], step_bases: list[int], numels) -> array.array:

@@ -206,6 +206,20 @@ def gradient_norms(prepared: lists.Prepared) -> Tensor:
     return out
 
 
+def gradient_norms_team(prepared: lists.Prepared) -> tuple[Tensor, tuple[int, tuple[int, ...]]]:
+    """`gradient_norms` of `prepared`, and the OpenMP team that computed them, as
+    `kernel.team` reports one ((size, each member's MXCSR fields); size -1 where the runtime
+    may resize teams), from one parallel region."""
+    n = len(prepared.numels)
+    threads = torch.get_num_threads()
+    out = torch.empty(n)
+    team = array.array("i", bytes(4 * (threads + 1)))
+    kernel._lib().cot_singlepass_norms_team(prepared.row(1), prepared.row(prepared.kinds + 1), n,
+                                            out.data_ptr(), threads, _address(team))
+    size = team[0]
+    return out, (size, tuple(x & 0xFFC0 for x in team[1:1 + max(size, 0)]))
+
+
 def launch(prepared: lists.Prepared, *, implementation: str, lr, beta1: float, beta2: float,
            eps: float, weight_decay: float, maximize: bool, amsgrad: bool,
            threads: int | None = None, clip_coef: float | None = None) -> None:
@@ -303,11 +317,8 @@ def _launch(dtype: torch.dtype, rows: list[int | None], numels: tuple[int, ...],
         stepped = stepped_c.tolist()
     else:
         stepped = _step_values(steps)
-    by_step: dict[float, tuple[float, float]] = {}
-    for t in stepped:
-        if t not in by_step:
-            by_step[t] = native_step_scalars(t, implementation=implementation, lr=lr,
-                                             beta1=beta1, beta2=beta2)
+    by_step = {t: native_step_scalars(t, implementation=implementation, lr=lr, beta1=beta1,
+                                      beta2=beta2) for t in set(stepped)}
     distinct = by_step.values()  # the checks need each distinct pair once (usually one)
     if any(a != a or b != b for a, b in distinct):
         raise ValueError("a NaN step size: not reproduced by the single pass")

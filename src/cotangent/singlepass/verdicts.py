@@ -8,25 +8,27 @@ from __future__ import annotations
 import math
 import os
 import platform
+import struct
 import time
 import warnings
 
 import torch
 from torch import Tensor
 
-from cotangent import calibration, tensorlists
+from cotangent import _compat, calibration, tensorlists
 from cotangent.singlepass import kernel, passes, probes, work
 
 
 NORM_PROBE_KIND = "singlepass_norm"
 
 
-def norms_proven(team_now=None) -> bool:
+def norms_proven(team_now=None, step: Step | None = None) -> bool:
     """Whether the per-tensor 2-norms may come from `tensor_norms` now: the single pass is
-    switched on and available, the OpenMP team computes under one set of float modes with
-    exceptions masked, and a `norms_match_native` probe passed for this build, float modes
-    and thread count (cached in memory and in the calibration file like every probe)."""
-    if not switched_on() or unavailable_reason() is not None:
+    switched on and available (`off_reason`; `step`'s, read once per step, where given), the
+    OpenMP team computes under one set of float modes with exceptions masked, and a
+    `norms_match_native` probe passed for this build, float modes and thread count (cached in
+    memory and in the calibration file like every probe)."""
+    if (off_reason() if step is None else step.off()) is not None:
         return False
     size, modes = (team_now or kernel.team)()
     if size < 1 or len(set(modes)) > 1 or modes[0] & 0x1F80 != 0x1F80:
@@ -72,9 +74,12 @@ _PROBE_S = 0.0  # seconds those probes took
 
 
 def switched_on() -> bool:
-    """Whether the environment allows the single pass: ``COTANGENT_SINGLE_PASS`` unset or
-    anything but ``0``, ``off``, ``false``, ``no`` (read at every step)."""
-    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no")
+    """Whether the single pass (and the kernel's norms) may run now: ``COTANGENT_SINGLE_PASS``
+    unset or anything but ``0``, ``off``, ``false``, ``no`` (read at every step), and no
+    `TorchFunctionMode` or `TorchDispatchMode` active (`_compat.torch_modes_active`: native's
+    ops run through its code, which the pass would skip)."""
+    return (os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "off", "false", "no")
+            and not _compat.torch_modes_active())
 
 
 def unavailable_reason() -> str | None:
@@ -272,11 +277,17 @@ def _run_probe(key: str, run) -> bool:
     return calibration.verdict(key, counted)
 
 
+GENERATION = 0  # counts `forget_verdicts` calls: plans made under older verdicts are void
+
+
 def forget_verdicts() -> None:
     """Drop this process's memo of verdicts: the next `proven` reads the calibration cache
     (or probes) again, and so does the square root's choice (`sqrt_kind`). For
     `cotangent calibrate`, which lists the verdicts a layout uses."""
+    global GENERATION
+    GENERATION += 1
     _VERDICTS.clear()
+    _KEY_PARTS.clear()
     kernel.sqrt_kind.cache_clear()
 
 
@@ -300,19 +311,121 @@ def process_report() -> dict:
                 sqrt_check_s=kernel._SQRT_CHECK_S)
 
 
-def decide(kind: str, group: dict, clip_coef: float | None = None,
-           dtype: torch.dtype = torch.float32, team_now=None) -> str | None:
-    """None when a for-loop, foreach or fused call (CPU; see `static_refusal`) with `group`'s
-    hyperparameters as they are now (and the clip multiply by `clip_coef` joined to it, when
-    given) may take the single pass; otherwise why not: switched off
-    by ``COTANGENT_SINGLE_PASS=0``, the kernel unavailable (`unavailable_reason`, warned once),
-    hyperparameters it does not take (`key_parts`), or a failed probe (`proven`)."""
+def off_reason() -> str | None:
+    """Why neither the single pass nor the kernel's norms may run now, or None: switched off by
+    ``COTANGENT_SINGLE_PASS=0``, a torch mode active (`switched_on`), the kernel unavailable
+    (`unavailable_reason`, warned once)."""
     if not switched_on():
+        if _compat.torch_modes_active():
+            return ("a TorchFunctionMode or TorchDispatchMode is active (its code sees "
+                    "native's ops): native path")
         return f"off ({ENV_SWITCH}={os.environ.get(ENV_SWITCH)})"
     reason = unavailable_reason()
+    return None if reason is None else f"unavailable: {reason}"
+
+
+_UNREAD = object()
+
+
+class Step:
+    """One optimizer step's OpenMP team, `off_reason` and single-pass verdicts, each asked once
+    (no user code runs between a step's decisions and its passes): the team is read by the
+    first of `team()` and `gradient_norms()`, the latter reading it in the norms' own parallel
+    region."""
+
+    __slots__ = ("_team", "_verdicts", "_off")
+
+    def __init__(self) -> None:
+        self._team: tuple | None = None
+        self._verdicts: dict = {}
+        self._off = _UNREAD
+
+    def off(self) -> str | None:
+        """`off_reason()`, read once per step."""
+        if self._off is _UNREAD:
+            self._off = off_reason()
+        return self._off
+
+    def team(self) -> tuple[int, tuple[int, ...]]:
+        """`kernel.team()`: (team size, each member's MXCSR fields)."""
+        if self._team is None:
+            self._team = kernel.team()
+        return self._team
+
+    def flushing(self) -> bool | None:
+        """`kernel.flushing_now()`: whether the calling thread flushes subnormals (FTZ or DAZ),
+        from the team's member 0 (the calling thread) where the team was read this step."""
+        if self._team is not None and self._team[0] >= 1:
+            return bool(self._team[1][0] & 0x8040)
+        return kernel.flushing_now()
+
+    def gradient_norms(self, prepared) -> Tensor:
+        """`passes.gradient_norms(prepared)`; the step's first question to the team is
+        answered by the region that computes them (`passes.gradient_norms_team`)."""
+        if self._team is not None:
+            return passes.gradient_norms(prepared)
+        norms, self._team = passes.gradient_norms_team(prepared)
+        return norms
+
+    def decide(self, kind: str, group: dict, clip_coef: float | None,
+               dtype: torch.dtype) -> str | None:
+        """`decide` for a call of `kind` over `group`'s parameters of `dtype` this step."""
+        key = (kind, id(group), clip_coef, dtype)
+        if key not in self._verdicts:
+            off = self.off()
+            self._verdicts[key] = off if off is not None else decide_remembered(
+                kind, group, clip_coef, dtype, self.team)
+        return self._verdicts[key]
+
+
+def decide_remembered(kind: str, group: dict, clip_coef: float | None, dtype: torch.dtype,
+                      team_now) -> str | None:
+    """`decide` where `off_reason` is None, with `key_parts` remembered for the group's exact
+    hyperparameters when they are Python numbers (their bytes: -0.0 is not 0.0), the clip
+    coefficient's class, the team, the thread count and the kernel build (a dict lookup where
+    `key_parts` costs about twenty Python steps at every step); a tensor hyperparameter's
+    parts are read afresh. The verdict itself is `proven`'s, as in `decide`."""
+    try:
+        beta1, beta2 = group["betas"]
+        numbers = (group["lr"], beta1, beta2, group["weight_decay"], group["eps"])
+    except (TypeError, ValueError):
+        numbers = None
+    build = kernel._BUILD
+    if numbers is None or build is None or not all(
+            type(x) is float or type(x) is int for x in numbers):
+        return decide(kind, group, clip_coef, dtype, team_now, checked=True)
+    memo = (kind, dtype, struct.pack("5d", *numbers), bool(group["amsgrad"]),
+            bool(group["maximize"]), None if clip_coef is None else scalar_class(clip_coef),
+            team_now(), torch.get_num_threads(), build.key, kernel._MUTANT)
+    parts = _KEY_PARTS.get(memo)
+    if parts is None:
+        if len(_KEY_PARTS) > 4096:
+            _KEY_PARTS.clear()
+        parts = _KEY_PARTS[memo] = key_parts(kind, group, clip_coef, dtype, team_now)
+    return verdict_for(kind, group, parts, clip_coef, dtype)
+
+
+_KEY_PARTS: dict = {}  # `decide_remembered`'s memo of `key_parts`
+
+
+def decide(kind: str, group: dict, clip_coef: float | None = None,
+           dtype: torch.dtype = torch.float32, team_now=None, *,
+           checked: bool = False) -> str | None:
+    """None when a for-loop, foreach or fused call (CPU; see `static_refusal`) with `group`'s
+    hyperparameters as they are now (and the clip multiply by `clip_coef` joined to it, when
+    given) may take the single pass; otherwise why not: switched off or unavailable
+    (`off_reason`; `checked`: the caller found it None this step), hyperparameters it does not
+    take (`key_parts`), or a failed probe (`proven`)."""
+    reason = None if checked else off_reason()
     if reason is not None:
-        return f"unavailable: {reason}"
-    parts = key_parts(kind, group, clip_coef, dtype, team_now)
+        return reason
+    return verdict_for(kind, group, key_parts(kind, group, clip_coef, dtype, team_now),
+                       clip_coef, dtype)
+
+
+def verdict_for(kind: str, group: dict, parts: tuple | str, clip_coef: float | None,
+                dtype: torch.dtype) -> str | None:
+    """`decide`'s answer for `key_parts`' result `parts`: its reason, or `proven`'s verdict."""
     if isinstance(parts, str):
         return parts
     if not proven(kind, group, parts, clip_coef, dtype):

@@ -683,10 +683,11 @@ class PackedAdamW(AdamW):
         step; ``single_pass`` and ``native`` count parameters; ``single_pass_notes`` lists why
         the single pass did not take the others (e.g. ``off (COTANGENT_SINGLE_PASS=0)``, the
         kernel unavailable, fused AdamW, a failed probe); ``clip_in_pass`` counts the parameters
-        whose clip multiply (step()'s clip) ran inside their single pass."""
+        whose clip multiply (step()'s clip) ran inside their single pass; ``replayed`` is
+        always False (the packed design has no replayed step)."""
         single, native, notes, clip_in_pass = getattr(self, "_paths", (0, 0, (), 0))
         path = None
         if single or native:
             path = "mixed" if single and native else ("single-pass" if single else "native")
         return dict(path=path, single_pass=single, native=native, single_pass_notes=list(notes),
-                    clip_in_pass=clip_in_pass)
+                    clip_in_pass=clip_in_pass, replayed=False)
