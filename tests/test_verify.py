@@ -37,20 +37,14 @@ def test_verify_names_the_first_difference_when_the_update_is_broken(monkeypatch
     import cotangent.clip as clip
 
     monkeypatch.setattr(clip, "clip_coefficient", off_by_one_ulp)
-    compiled = clip.tensorlists.clip_scalars
+    compiled = clip.singlepass.clip_scalars
 
-    def off_by_one_ulp_compiled():  # (the coefficient's other maker: clip_grad_norm_ from C++)
-        make = compiled()
-        if make is None:
-            return None
+    def off_by_one_ulp_in_c(norms, max_norm):  # (the coefficient's other maker, in C)
+        total, coef, _ = compiled(norms, max_norm)
+        coef = torch.nextafter(coef, torch.zeros_like(coef))
+        return total, coef, coef.item()
 
-        def scalars(norms, max_norm):
-            total, coef, _ = make(norms, max_norm)
-            coef = torch.nextafter(coef, torch.zeros_like(coef))
-            return total, coef, coef.item()
-        return scalars
-
-    monkeypatch.setattr(clip.tensorlists, "clip_scalars", off_by_one_ulp_compiled)
+    monkeypatch.setattr(clip.singlepass, "clip_scalars", off_by_one_ulp_in_c)
     report = cotangent.verify(suite_model("transformer-small", False), lm_loss, _batches(),
                               max_norm=0.1, lr=1e-3, fused=True)
     assert not report.passed and report.steps == 1

@@ -250,10 +250,10 @@ def clip_norm(opt: AdamW, grads: list[Tensor], *, fold: bool,
             grads, [share_of.get(id(g), -1) for g in grads], shares.zero, norm_type,
             lambda part: tensor_norms(part, norm_type, step))
     elif norm_type == 2.0 and (norms := kernel_norms(grads, prepared, step)) is not None:
-        # every per-tensor norm in one C call, with ATen's bits (proven by its probe)
-        scalars = tensorlists.clip_scalars() if across is None else None
-        if scalars is not None:  # (clip_grad_norm_'s ATen calls, made from C++)
-            total, coef, value = scalars(norms, float(opt.max_norm))
+        # every per-tensor norm in one C call, with ATen's bits (proven by its probe, which
+        # also proves the total norm and coefficient of `singlepass.clip_scalars`)
+        if across is None:
+            total, coef, value = singlepass.clip_scalars(norms, opt.max_norm)
         else:
             total = total_norm(norms, norm_type, across)
     elif opt.batched_norms and spread is None and all(

@@ -132,6 +132,7 @@ def plan(opt: AdamW, calls: list[Call], cut: StepClip | None, clip: bool,
         threads=torch.get_num_threads(), team_size=size, team_modes=list(modes),
         numels=list(prepared.numels), pieces=pieces,
         norms_team_fn=_address(lib.cot_singlepass_norms_team),
+        clip_scalars_fn=_address(lib.cot_singlepass_clip_scalars),
         team_fn=_address(lib.cot_singlepass_team), adamw_fn=_address(lib.cot_singlepass_adamw)))
     return Plan(compiled, opt.param_groups, group, kind, clip, _max_norm(opt),
                 opt.error_if_nonfinite, opt._clip_order_params, singlepass.kernel._BUILD,

@@ -69,7 +69,6 @@ def _load():
     lib.set_types(torch.Tensor, torch.nn.Parameter, h if by_id else None)
     _STATE["group"] = lib.read_group
     _STATE["clear"] = lib.clear_grads
-    _STATE["clip"] = lib.clip_coefficient
     _STATE["seen"] = lib.GradientSet
     _STATE["replay"] = lib.Replay
     _log.info("tensor-list reader %s (%.2f s): %s", "loaded from the cache" if built.cached
@@ -109,16 +108,6 @@ def group_reader():
     `reader()` is None: one param group's AdamW lists read and checked in C++
     (`cotangent.gather.read_group` documents what it returns and when it declines)."""
     return _STATE.get("group") if reader() is not None else None
-
-
-def clip_scalars():
-    """The compiled ``clip_coefficient(norms, max_norm) -> (total, coef, value)``, or None
-    where `reader()` is None: ``clip_grad_norm_``'s total 2-norm of per-tensor norms `norms`
-    (a float32 CPU tensor) and its clip coefficient (0-d tensors), with the ATen calls its
-    Python makes (``linalg.vector_norm``; ``(total + 1e-6).reciprocal() * max_norm``, the
-    expansion of ``max_norm / (total + 1e-6)``; ``clamp(max=1.0)``), and the coefficient's
-    value as a float."""
-    return _STATE.get("clip") if reader() is not None else None
 
 
 def gradient_set():

@@ -907,6 +907,21 @@ int cot_singlepass_team(int n, int* mxcsr) {
   return omp_get_dynamic() ? -1 : size;
 }
 
+// clip_grad_norm_'s total 2-norm and clip coefficient from the per-tensor norms norms[0..n),
+// into *total and *coef: total = `aten_norm2` of the norms (torch.linalg.vector_norm of their
+// stack: the same last-dimension reduction; 0 for none), coef = clamp((total + 1e-6)
+// .reciprocal() * max_norm, max=1.0) with ATen's float ops on 0-d float tensors, each rounded
+// to float (the Python scalars converted to float first: 1e-6f, (float)max_norm) and a NaN
+// kept by the clamp. The caller uses them where the norm probe proved them native's.
+void cot_singlepass_clip_scalars(const float* norms, int64_t n, double max_norm, float* total,
+                                 float* coef) {
+  const float t = n > 0 ? aten_norm2(norms, n) : 0.0f;
+  const float r = 1.0f / (t + static_cast<float>(1e-6));
+  const float c = r * static_cast<float>(max_norm);
+  *total = t;
+  *coef = is_nan(c) ? c : (c > 1.0f ? 1.0f : c);
+}
+
 // cot_singlepass_norms and cot_singlepass_team in one parallel region: the norms into
 // out[0..count), the team that computed them into team[0] (its size, or -1 with dynamic
 // teams) and team[1 + i] (member i's MXCSR). The caller uses the norms only where the team

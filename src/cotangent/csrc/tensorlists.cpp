@@ -364,22 +364,6 @@ py::object read_group(py::list params, py::object state, bool amsgrad, bool grad
   return py::make_tuple(flags, positions, out[0], out[1], out[2], out[3], out[4], out[5], table);
 }
 
-// `clip_grad_norm_`'s total norm and clip coefficient from its per-tensor 2-norms `norms` (a
-// float32 CPU tensor of one norm per gradient, in the clip's order), with the very ATen calls
-// its Python makes (torch 2.4-2.13, `torch.nn.utils.clip_grad`): total =
-// linalg.vector_norm(norms, 2.0); coef = clamp((total + 1e-6).reciprocal() * max_norm,
-// max=1.0) (``max_norm / (total + 1e-6)`` is Tensor.__rtruediv__: a reciprocal, then a
-// multiply). Returns (total, coef, coef's value as a float).
-py::tuple clip_coefficient(const at::Tensor& norms, double max_norm) {
-  at::Tensor total = at::linalg_vector_norm(norms, at::Scalar(2.0), c10::nullopt, false,
-                                            c10::nullopt);
-  at::Tensor coef = at::clamp(at::mul(at::reciprocal(at::add(total, at::Scalar(1e-6))),
-                                      at::Scalar(max_norm)),
-                              c10::nullopt, at::Scalar(1.0));
-  const double value = coef.item<double>();
-  return py::make_tuple(total, coef, value);
-}
-
 // The gradients a clip saw (`cotangent.clip.ClipRecord`), in order, held by weak reference
 // to their tensors: a gradient freed by zero_grad releases its memory as without the record,
 // and while the record lives no other tensor can have its address, so an equal address is
@@ -486,6 +470,7 @@ bool clear_grads(py::list groups) {
 // full step.
 
 using norms_team_fn = void (*)(const int64_t*, const int64_t*, int64_t, float*, int, int*);
+using clip_scalars_fn = void (*)(const float*, int64_t, double, float*, float*);
 using team_fn = int (*)(int, int*);
 using adamw_fn = int (*)(float* const*, float* const*, float* const*, float* const*,
                          float* const*, const int64_t*, int64_t, const double*, const double*,
@@ -563,6 +548,7 @@ class Replay {
     numels_ = plan["numels"].cast<std::vector<int64_t>>();
     pieces_ = plan["pieces"].cast<at::Tensor>();
     norms_team_ = reinterpret_cast<norms_team_fn>(plan["norms_team_fn"].cast<intptr_t>());
+    clip_scalars_ = reinterpret_cast<clip_scalars_fn>(plan["clip_scalars_fn"].cast<intptr_t>());
     team_ = reinterpret_cast<team_fn>(plan["team_fn"].cast<intptr_t>());
     adamw_ = reinterpret_cast<adamw_fn>(plan["adamw_fn"].cast<intptr_t>());
     for (int& verdict : known_) verdict = -1;
@@ -604,6 +590,7 @@ class Replay {
     const int kinds = amsgrad_ ? 5 : 4;
     if (!std::equal(numels_.begin(), numels_.end(), table + (kinds + 1) * n)) return py::none();
     // 3. the clip: norms and team in one region, the total and coefficient as clip_grad_norm_
+    // (`singlepass.clip_scalars`; the plan holds where the norm probe proved both)
     std::vector<int> team(threads_ + 1, 0);
     py::object total = py::none(), coef = py::none();
     double value = 0.0;
@@ -613,14 +600,15 @@ class Replay {
       norms_team_(table + n, table + (kinds + 1) * n, n, norms.data_ptr<float>(), threads_,
                   team.data());
       if (!same_team(team)) return py::none();
-      py::tuple scalars = clip_coefficient(norms, max_norm_);
-      total = scalars[0];
-      coef = scalars[1];
-      value = scalars[2].cast<double>();
-      if (error_if_nonfinite_ && !std::isfinite(
-              THPVariable_Unpack(total.ptr()).item<double>())) {
+      at::Tensor t = at::empty({}, at::kFloat), c = at::empty({}, at::kFloat);
+      clip_scalars_(norms.data_ptr<float>(), n, max_norm_, t.data_ptr<float>(),
+                    c.data_ptr<float>());
+      value = *c.data_ptr<float>();
+      if (error_if_nonfinite_ && !std::isfinite(*t.data_ptr<float>())) {
         return py::none();  // (the full step raises native's error)
       }
+      total = py::cast(t);
+      coef = py::cast(c);
       identity = value == 1.0 && !(team_modes_[0] & 0x8040);
       if (value != value ||
           (!identity && !allowed(scalar_class(value), decide, py::float_(value)))) {
@@ -740,6 +728,7 @@ class Replay {
   std::vector<int64_t> numels_;
   at::Tensor pieces_;
   norms_team_fn norms_team_ = nullptr;
+  clip_scalars_fn clip_scalars_ = nullptr;
   team_fn team_ = nullptr;
   adamw_fn adamw_ = nullptr;
   int known_[10];  // per coefficient class (`scalar_class`) and kNoClip: -1 unknown, 0, 1
@@ -766,7 +755,6 @@ PYBIND11_MODULE(COTANGENT_MODULE, m) {
   py::class_<Replay>(m, "Replay")
       .def(py::init<py::dict, py::tuple, py::dict>())
       .def("run", &Replay::run);
-  m.def("clip_coefficient", &clip_coefficient, "clip_grad_norm_'s total norm and coefficient");
   m.def("clear_grads", &clear_grads, "zero_grad(set_to_none=True) over plain leaf parameters");
   m.def("set_types", &set_types, "The tensor types read_lists reads");
 }

@@ -100,7 +100,7 @@ from cotangent.singlepass.lists import (
     Prepared, prepare_lists, read_group, spans_disjoint,
 )
 from cotangent.singlepass.passes import (
-    gradient_norms, gradient_norms_team, launch, native_step_scalars, norms_at, single_pass_adamw_,
+    clip_scalars, gradient_norms, gradient_norms_team, launch, native_step_scalars, norms_at, single_pass_adamw_,
     single_pass_adamw_lists_, tensor_norms,
 )
 from cotangent.singlepass.probes import (
@@ -123,7 +123,7 @@ __all__ = ["kernel", "lists", "passes", "probes", "verdicts", "work",
            "mkl_sqrt_address", "mxcsr", "sqrt_address", "sqrt_kind", "team", "FUSED_TASK_UNIT",
            "aten_vector_unit", "fused_pieces", "fused_vector_unit", "native_pieces",
            "thread_chunks", "Prepared", "prepare_lists", "read_group", "spans_disjoint",
-           "gradient_norms", "gradient_norms_team", "launch", "native_step_scalars", "norms_at",
+           "clip_scalars", "gradient_norms", "gradient_norms_team", "launch", "native_step_scalars", "norms_at",
            "single_pass_adamw_", "single_pass_adamw_lists_", "tensor_norms", "GRID_EXP_AVG", "GRID_EXP_AVG_CLEAN",
            "GRID_EXP_AVG_SQ", "GRID_EXP_AVG_SQ_CLEAN", "GRID_GRAD", "GRID_GRAD_CLEAN", "GRID_MAX",
            "GRID_MAX_CLEAN", "GRID_PARAM", "GRID_PARAM_CLEAN", "PROBE_LENGTHS", "matches_native",

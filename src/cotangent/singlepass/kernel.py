@@ -143,6 +143,9 @@ def _build_locked() -> tuple[ctypes.CDLL, Build]:
         _log.info("single-pass kernel loaded from the cache: %s", target)
     else:
         _log.info("single-pass kernel compiled in %.2f s (%s): %s", compile_s, cxx, target)
+    lib.cot_singlepass_clip_scalars.restype = None
+    lib.cot_singlepass_clip_scalars.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_double,
+                                                ctypes.c_void_p, ctypes.c_void_p]
     lib.cot_singlepass_norms_team.restype = None
     lib.cot_singlepass_norms_team.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
                                               ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]

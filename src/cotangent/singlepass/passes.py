@@ -220,6 +220,19 @@ def gradient_norms_team(prepared: lists.Prepared) -> tuple[Tensor, tuple[int, tu
     return out, (size, tuple(x & 0xFFC0 for x in team[1:1 + max(size, 0)]))
 
 
+def clip_scalars(norms: Tensor, max_norm: float) -> tuple[Tensor, Tensor, float]:
+    """``clip_grad_norm_``'s total norm and clip coefficient from the per-tensor 2-norms
+    `norms` (a contiguous float32 CPU tensor of shape (n,), in clip order), computed in C with
+    the bits of its ATen calls (``linalg.vector_norm`` of the stack; ``clamp(max_norm / (total
+    + 1e-6), max=1.0)``, where ``max_norm / tensor`` is a reciprocal then a multiply): (total,
+    coef) as 0-d float32 tensors of their own and the coefficient's value as a float. Use it
+    only where `norms_proven` holds (its probe compares these too)."""
+    total, coef = torch.empty(()), torch.empty(())
+    kernel._lib().cot_singlepass_clip_scalars(norms.data_ptr(), norms.numel(), float(max_norm),
+                                              total.data_ptr(), coef.data_ptr())
+    return total, coef, coef.item()
+
+
 def launch(prepared: lists.Prepared, *, implementation: str, lr, beta1: float, beta2: float,
            eps: float, weight_decay: float, maximize: bool, amsgrad: bool,
            threads: int | None = None, clip_coef: float | None = None) -> None:

@@ -40,18 +40,38 @@ def norm_probe_tensors(seed: int = 0) -> list[Tensor]:
     return out + special + ones + [signalling]
 
 
+CLIP_PROBE_MAX_NORMS = (1.0, 0.05, 7, 0.0, -0.0, -1.0, 1e-30, 3.4e38, 1e39, float("inf"),
+                        float("nan"))
+
+
 def norms_match_native(seed: int = 0) -> bool:
     """Probe: does `tensor_norms` give, byte for byte, native clipping's per-tensor norms
-    (`cotangent.norms.native_tensor_norms`, ord 2) of `norm_probe_tensors` here, under the
-    current thread count and float modes? False (never raises) when the kernel cannot run."""
-    from cotangent.norms import _bytes_equal, native_tensor_norms
+    (`cotangent.norms.native_tensor_norms`, ord 2) of `norm_probe_tensors` here, and
+    `clip_scalars` its total norm and clip coefficient (`cotangent.norms.total_norm`,
+    `cotangent.norms.clip_coefficient`) over those norms, runs of them of 1 to 146, and each
+    with a 0, subnormal, huge, inf and NaN total beside, for each of `CLIP_PROBE_MAX_NORMS`,
+    under the current thread count and float modes? False (never raises) when the kernel
+    cannot run."""
+    from cotangent.norms import _bytes_equal, clip_coefficient, native_tensor_norms, total_norm
 
     try:
         tensors = norm_probe_tensors(seed)
         ours = passes.tensor_norms(tensors)
     except kernel.SinglePassUnavailable:
         return False
-    return _bytes_equal(ours, torch.stack(native_tensor_norms(tensors, 2.0, None)))
+    if not _bytes_equal(ours, torch.stack(native_tensor_norms(tensors, 2.0, None))):
+        return False
+    stacks = [ours[i:i + k].contiguous() for k in (1, 2, 7, 146) for i in (0, 300)]
+    stacks += [torch.tensor([v]) for v in (0.0, 1e-45, 3.4e38, float("inf"), float("nan"))]
+    for max_norm in CLIP_PROBE_MAX_NORMS:
+        for norms in stacks:
+            total, coef, value = passes.clip_scalars(norms, max_norm)
+            native_total = total_norm(norms, 2.0)
+            native_coef = clip_coefficient(native_total, max_norm)
+            if not (_bytes_equal(total, native_total) and _bytes_equal(coef, native_coef)
+                    and _bytes_equal(torch.tensor(value, dtype=torch.float32), native_coef)):
+                return False
+    return True
 
 
 PROBE_LENGTHS = (1, 7, 15, 16, 17, 33, 100, 1000, 2047, 2049, kernel.GRAIN_SIZE,
