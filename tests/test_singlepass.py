@@ -146,7 +146,7 @@ def test_controls_the_comparison_catches_differences():
 def test_hardware_square_root_is_not_torch_sqrt(monkeypatch):
     """torch.sqrt (float32, CPU, MKL build) is MKL's vmsSqrt, not a correctly rounded square
     root; a pass with the hardware square root gives other parameters and the probe says so."""
-    if sp.sqrt_kind() not in ("mkl", "emulated"):
+    if sp.sqrt_kind() not in ("mkl", "emulated", "emulated14"):
         pytest.skip("this torch build's sqrt is not MKL's")
     x = torch.rand(100_000, generator=torch.Generator().manual_seed(0)) * 1e-3
     assert not same_bits(torch.sqrt(x), x.double().sqrt().float())  # CR sqrt != torch's
@@ -158,11 +158,12 @@ def test_hardware_square_root_is_not_torch_sqrt(monkeypatch):
         assert not sp.matches_native(**kw)
 
 
-# float32 bit patterns at every edge of the MKL square root imitation's branches: zeros,
-# subnormals, the smallest normals, 1 and 4 (exponent parities), the top 4096 finite values
+# float32 bit patterns at every edge of the MKL square root imitations' branches: zeros,
+# subnormals, the smallest normals, 2**-100, 1 and 4 (exponent parities), the top 4096 finite values
 # (taken apart: MKL is correctly rounded there), infinities, NaN payloads of both signs,
 # negative subnormals and normals
 SQRT_EDGES = (0x00000000, 0x80000000, 0x00000001, 0x007FFFFF, 0x00800000, 0x00800001,
+              0x0D7FFFFF, 0x0D800000, 0x0D800001,  # (2**-100: the Intel imitation scales below)
               0x3F800000, 0x3F800001, 0x407FFFFF, 0x40800000, 0x7F7FEFFF, 0x7F7FF000,
               0x7F7FF001, 0x7F7FFFFF, 0x7F800000, 0x7F800001, 0x7FC00000, 0x7FFFFFFF,
               0xFF800000, 0xFF800001, 0xFFC00000, 0xFFFFFFFF, 0x80000001, 0x807FFFFF,
@@ -176,21 +177,25 @@ def _edge_patterns() -> torch.Tensor:
     return near.reshape(-1).to(torch.int32).view(torch.float32).contiguous()
 
 
+EMULATIONS = ("emulated", "emulated14")  # the imitations of MKL's vmsSqrt (AMD, Intel AVX-512)
+
+
 def _emulated_sqrt(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty_like(x)
     sp.kernel._lib().cot_singlepass_sqrt(x.numel(), x.data_ptr(), out.data_ptr(),
-                                  sp.emulated_sqrt_address(), sp.MKL_SQRT_MODE)
+                                         sp.sqrt_address(sp.sqrt_kind()), sp.MKL_SQRT_MODE)
     return out
 
 
 def test_emulated_square_root_is_torch_sqrt_at_every_edge():
-    """Where `sqrt_kind` chose the imitation of MKL's vmsSqrt (here: AMD Zen 5, after checking
-    2.17G inputs), it gives torch.sqrt's bytes at every branch edge (3 more lengths than a
-    block: the masked remainder), also with subnormals flushed in the calling thread (MKL runs
-    with flushing off, so does the imitation, and the caller's MXCSR comes back unchanged)."""
-    if sp.sqrt_kind() != "emulated":
-        pytest.skip("the MKL square root imitation was not proven on this CPU (another "
-                    "estimate table or MKL code path): the kernel calls MKL instead")
+    """Where `sqrt_kind` chose an imitation of MKL's vmsSqrt (the AMD one on Zen 5 and an AVX2
+    EPYC, the Intel one on an AVX-512 Xeon, each after checking 2.17G inputs there), it gives
+    torch.sqrt's bytes at every branch edge (3 more lengths than a block: the masked
+    remainder), also with subnormals flushed in the calling thread (MKL runs with flushing off,
+    so does the imitation, and the caller's MXCSR comes back unchanged)."""
+    if sp.sqrt_kind() not in EMULATIONS:
+        pytest.skip("no MKL square root imitation was proven on this CPU (another estimate "
+                    "table or MKL code path): the kernel calls MKL instead")
     x = _edge_patterns()
     for n in (x.numel(), 17, 5):
         assert_same_bits(_emulated_sqrt(x[:n]), torch.sqrt(x[:n]), f"{n} edge patterns")
@@ -215,14 +220,15 @@ def test_emulation_gate_keeps_the_mkl_call_when_a_pattern_differs(monkeypatch, t
     if sp.emulated_sqrt_address() is None or sp.mkl_sqrt_address() is None:
         pytest.skip("no MKL square root imitation in this build or no MKL")
     span = (range(0x3F800000, 0x3F800000 + 70_000),)
-    address = sp.emulated_sqrt_address()
+    kind = sp.sqrt_kind()
+    address = sp.sqrt_address(kind) if kind in EMULATIONS else sp.emulated_sqrt_address()
 
     def off_by_one_bit(x, out):
         torch.sqrt(x, out=out)
         out.view(torch.int32)[x.view(torch.int32) == 0x3F80F00D] ^= 1
         return out
 
-    if sp.sqrt_kind() == "emulated":
+    if kind in EMULATIONS:
         assert sp.emulation_matches(address, patterns=span, chunk=1 << 14)
     assert not sp.emulation_matches(address, off_by_one_bit, patterns=span, chunk=1 << 14)
     monkeypatch.setenv("COTANGENT_CACHE_DIR", str(tmp_path))
@@ -354,7 +360,7 @@ def test_register_path_takes_clean_vectors_and_the_general_path_those_with_a_nan
     a vector in registers unless one of its lanes meets a NaN, and then redoes it element by
     element. (Both unbroken paths give native's bytes: the other tests.)"""
     require_register_path()
-    assert sp.sqrt_kind() in ("emulated", "hardware")  # the kinds the register path takes
+    assert sp.sqrt_kind() in (*EMULATIONS, "hardware")  # the kinds the register path takes
     use_mutant(monkeypatch, mutated)
     with threads(2):
         params, states, ours, steps = run_both(plain=plain, steps=2, weight_decay=0.1,

@@ -307,6 +307,70 @@ void emulated_mkl_sqrt(int64_t n, const float* a, float* r, long long) {
   if (other) __builtin_ia32_ldmxcsr(csr);
 }
 
+#ifdef __AVX512F__
+// MKL's vmsSqrt as measured on an Intel Xeon with AVX-512 (torch 2.13.0+cpu's MKL, black-box:
+// its outputs for every one of the 2**32 float32 inputs): for a positive finite x, r =
+// VRSQRT14PS(x) (a 14-bit estimate whose every output the instruction set defines), s = x * r
+// and h = 0.5 * r each rounded, then d = fma(-s, s, x) and sqrt = fma(d, h, s), each fused;
+// an x below 2**-100 (the subnormals among them) scaled by 2**64 first and the result by
+// 2**-32 (both exact). Zeros, +inf and NaNs: the hardware's square root (NaNs quieted with
+// their payload); negative numbers: 0x7FC00000. Like `emu_sqrt`, under the default MXCSR, and
+// used only where `sqrt_kind` proved it against torch.sqrt on this machine.
+inline __m512 emu14_sqrt(__m512 x0) {
+  const __mmask16 tiny = _mm512_cmp_ps_mask(x0, _mm512_set1_ps(0x1p-100f), _CMP_LT_OQ);
+  const __m512 x = _mm512_mask_mul_ps(x0, tiny, x0, _mm512_set1_ps(0x1p64f));
+  const __m512 r = _mm512_rsqrt14_ps(x);
+  const __m512 s = _mm512_mul_round_ps(x, r, EMU_RN);
+  const __m512 h = _mm512_mul_round_ps(_mm512_set1_ps(0.5f), r, EMU_RN);
+  const __m512 d = _mm512_fnmadd_round_ps(s, s, x, EMU_RN);
+  __m512 out = _mm512_fmadd_round_ps(d, h, s, EMU_RN);
+  out = _mm512_mask_mul_ps(out, tiny, out, _mm512_set1_ps(0x1p-32f));
+  const __m512i bits = _mm512_castps_si512(x0);
+  // lanes of the formula: bits - 1 < 0x7F7FFFFF (unsigned), i.e. bits in [1, 0x7F800000)
+  const __mmask16 formula = _mm512_cmplt_epu32_mask(
+      _mm512_sub_epi32(bits, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7F7FFFFF));
+  if (__builtin_expect(formula != 0xFFFF, 0)) {
+    __m512 other = _mm512_sqrt_ps(x0);
+    const __mmask16 negative = _mm512_cmplt_epu32_mask(
+        _mm512_sub_epi32(bits, _mm512_set1_epi32(static_cast<int>(0x80000001u))),
+        _mm512_set1_epi32(0x7F800000));
+    other = _mm512_mask_mov_ps(other, negative,
+                               _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+    out = _mm512_mask_mov_ps(other, formula, out);
+  }
+  return out;
+}
+
+void emulated_mkl_sqrt14(int64_t n, const float* a, float* r, long long) {
+  const unsigned csr = __builtin_ia32_stmxcsr();
+  const bool other = (csr & 0xFFC0u) != 0x1F80u;
+  if (other) __builtin_ia32_ldmxcsr((csr & ~0xFFC0u) | 0x1F80u);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(r + i, emu14_sqrt(_mm512_loadu_ps(a + i)));
+  if (i < n) Lanes::store_part(r + i, n - i, emu14_sqrt(Lanes::load_part(a + i, n - i)));
+  if (other) __builtin_ia32_ldmxcsr(csr);
+}
+#endif
+
+// The square roots of the register path: 0 the hardware's, 1 `emu_sqrt`, 2 `emu14_sqrt`.
+template <int EMU, typename V>
+inline V root(V s) {
+#ifdef __AVX512F__
+  if constexpr (EMU == 2) return emu14_sqrt(s);
+#endif
+  if constexpr (EMU == 1) return emu_sqrt(s);
+  return Lanes::sqrt(s);
+}
+
+template <int EMU>
+inline void root_block(int64_t n, const float* a, float* r) {
+#ifdef __AVX512F__
+  if constexpr (EMU == 2) return emulated_mkl_sqrt14(n, a, r, 0);
+#endif
+  if constexpr (EMU == 1) return emulated_mkl_sqrt(n, a, r, 0);
+  hw_sqrt(n, a, r);
+}
+
 // ---- The same step with every element's whole op sequence in registers, W lanes at a time
 // (no scratch arrays between the moments, the square root and the update), for the float32
 // step where the square root is the imitation under the default MXCSR or the hardware's
@@ -345,7 +409,7 @@ inline void with_bool(bool b, F f) {
 }
 
 template <bool MAXIMIZE, bool SMALL_WEIGHT, bool AMSGRAD, bool TAIL, bool CLIP, bool DECAY,
-          bool EMU>
+          int EMU>
 void fused(int64_t n, float* __restrict g_, float* __restrict m_, float* __restrict v_,
            float* __restrict vmax_, float* __restrict p_, const Hyper& h, float bc2s,
            float nstep, float* scratch) {
@@ -382,7 +446,7 @@ void fused(int64_t n, float* __restrict g_, float* __restrict m_, float* __restr
       s = TAIL ? (MUTANT(3) ? L::where_gt(a, v1, a, v1) : L::where_lt(a, v1, v1, a))
                : (MUTANT(4) ? L::where_lt(a, v1, v1, a) : L::where_gt(a, v1, a, v1));
     }
-    const V r = EMU ? emu_sqrt(s) : L::sqrt(s);
+    const V r = root<EMU>(s);
     const V den = L::add(L::div(r, bc), eps);
     const V t = L::mul(ns, m1);
     const V q = MUTANT(1) ? L::mul(t, L::div(L::set1(1.0f), den)) : L::div(t, den);
@@ -397,7 +461,7 @@ void fused(int64_t n, float* __restrict g_, float* __restrict m_, float* __restr
       moments<MAXIMIZE, SMALL_WEIGHT, AMSGRAD, TAIL, CLIP, DECAY>(
           len, g_ + i, m_ + i, v_ + i, AMSGRAD ? vmax_ + i : nullptr, scratch, p_ + i, pd_, h);
       const float* root_in = AMSGRAD ? scratch : v_ + i;
-      if (EMU) emulated_mkl_sqrt(len, root_in, r_, 0); else hw_sqrt(len, root_in, r_);
+      root_block<EMU>(len, root_in, r_);
       update(len, p_ + i, pd_, m_ + i, r_, bc2s, h.eps, nstep);
       continue;
     }
@@ -406,13 +470,22 @@ void fused(int64_t n, float* __restrict g_, float* __restrict m_, float* __restr
 }
 
 // (the tail flag matters to the lerp's large-weight branch and to amsgrad's maximum only)
+// `emu`: the square root (`root`): 0 the hardware's, 1 `emu_sqrt`, 2 `emu14_sqrt`
+template <typename F>
+inline void with_root(int emu, F f) {
+#ifdef __AVX512F__
+  if (emu == 2) return f(std::integral_constant<int, 2>{});
+#endif
+  if (emu == 1) f(std::integral_constant<int, 1>{}); else f(std::integral_constant<int, 0>{});
+}
+
 void fused_step(bool maximize, bool small, bool ams, bool tail, bool clip, bool decay,
-                bool emu, int64_t n, float* g, float* m, float* v, float* vmax, float* p,
+                int emu, int64_t n, float* g, float* m, float* v, float* vmax, float* p,
                 const Hyper& h, float bc2s, float nstep, float* scratch) {
   with_bool(maximize, [&](auto MX) { with_bool(small, [&](auto SW) {
     with_bool(ams, [&](auto AM) { with_bool(tail && (!small || ams), [&](auto TL) {
       with_bool(clip, [&](auto CL) { with_bool(decay, [&](auto DC) {
-        with_bool(emu, [&](auto EM) {
+        with_root(emu, [&](auto EM) {
           fused<decltype(MX)::value, decltype(SW)::value, decltype(AM)::value,
                 decltype(TL)::value, decltype(CL)::value, decltype(DC)::value,
                 decltype(EM)::value>(n, g, m, v, vmax, p, h, bc2s, nstep, scratch);
@@ -934,6 +1007,15 @@ void cot_singlepass_norms_team(const int64_t* ptr, const int64_t* n, int64_t cou
 // The address of the MKL vmsSqrt emulation (a sqrt_fn for the kernels).
 void* cot_singlepass_emulated_sqrt() { return reinterpret_cast<void*>(&emulated_mkl_sqrt); }
 
+// The address of the VRSQRT14PS imitation (`emu14_sqrt`), null in AVX2 builds.
+void* cot_singlepass_emulated_sqrt14() {
+#ifdef __AVX512F__
+  return reinterpret_cast<void*>(&emulated_mkl_sqrt14);
+#else
+  return nullptr;
+#endif
+}
+
 // Square roots only (for the probe that picks the square root): r = sqrt(a) as the kernel
 // computes it, in blocks like the kernel.
 void cot_singlepass_sqrt(int64_t n, const float* a, float* r, void* sqrt_fn, long long mode) {
@@ -980,7 +1062,11 @@ int cot_singlepass_adamw(float* const* p, float* const* g, float* const* m, floa
                  [&](const int64_t* pc, int64_t start, int64_t len, float* s) {
     // the register path: the imitation needs the default MXCSR (it is what it was proven
     // under; the general path switches to it around each call), the hardware's any
-    const bool emu = sq == &emulated_mkl_sqrt;
+#ifdef __AVX512F__
+    const int emu = sq == &emulated_mkl_sqrt ? 1 : sq == &emulated_mkl_sqrt14 ? 2 : 0;
+#else
+    const int emu = sq == &emulated_mkl_sqrt ? 1 : 0;
+#endif
     const int64_t k = pc[2];
     float* const pk = p[k] + start;
     float* const gk = g[k] + start;

@@ -90,6 +90,7 @@ from cotangent.singlepass.kernel import (
     AVX512_FLAGS, Build, COMPILE_FLAGS, DTYPES, EMULATION_CHUNK, EMULATION_KIND,
     EMULATION_PATTERNS, FLT_MAX, FLT_MIN, FORKED_REASON, GRAIN_SIZE, IMPLEMENTATIONS, KINDS,
     MKL_SQRT_MODE, MXCSR_DAZ, SinglePassUnavailable, build, compile_flags, emulated_sqrt_address,
+    emulated14_sqrt_address,
     emulation_matches, flushing_now, mkl_sqrt_address, mxcsr, sqrt_address, sqrt_kind, team,
 )
 from cotangent.singlepass.work import (
@@ -119,7 +120,8 @@ __all__ = ["kernel", "lists", "passes", "probes", "verdicts", "work",
            "AVX512_FLAGS", "Build", "COMPILE_FLAGS", "DTYPES", "EMULATION_CHUNK", "EMULATION_KIND",
            "EMULATION_PATTERNS", "FLT_MAX", "FLT_MIN", "FORKED_REASON", "GRAIN_SIZE",
            "IMPLEMENTATIONS", "KINDS", "MKL_SQRT_MODE", "MXCSR_DAZ", "SinglePassUnavailable",
-           "build", "compile_flags", "emulated_sqrt_address", "emulation_matches", "flushing_now",
+           "build", "compile_flags", "emulated_sqrt_address", "emulated14_sqrt_address",
+           "emulation_matches", "flushing_now",
            "mkl_sqrt_address", "mxcsr", "sqrt_address", "sqrt_kind", "team", "FUSED_TASK_UNIT",
            "aten_vector_unit", "fused_pieces", "fused_vector_unit", "native_pieces",
            "thread_chunks", "Prepared", "prepare_lists", "read_group", "spans_disjoint",

@@ -66,13 +66,15 @@ class Build:
     """How the kernel library was obtained: its path, the compiler, whether it came from the
     on-disk cache, the seconds spent compiling (0.0 when cached), and the build's hash (of the
     source, the compiler and its version, and the flags: part of every verdict's key), and the
-    address of its MKL square root imitation (None: not in this build; `emulated_sqrt_address`)."""
+    addresses of its MKL square root imitations (None: not in this build;
+    `emulated_sqrt_address`)."""
     path: str
     compiler: str
     cached: bool
     compile_s: float
     key: str = ""
     emulated_sqrt: int | None = None
+    emulated_sqrt14: int | None = None
 
 
 _LOCK = threading.Lock()
@@ -151,12 +153,12 @@ def _build_locked() -> tuple[ctypes.CDLL, Build]:
                                               ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p]
     lib.cot_singlepass_team.restype = ctypes.c_int
     lib.cot_singlepass_team.argtypes = [ctypes.c_int, ctypes.c_void_p]
-    emulated = None
-    if hasattr(lib, "cot_singlepass_emulated_sqrt"):  # AVX-512 builds
-        lib.cot_singlepass_emulated_sqrt.restype = ctypes.c_void_p
-        lib.cot_singlepass_emulated_sqrt.argtypes = []
-        emulated = lib.cot_singlepass_emulated_sqrt()
-    return lib, Build(str(target), cxx, cached, compile_s, key[:20], emulated)
+    lib.cot_singlepass_emulated_sqrt.restype = ctypes.c_void_p
+    lib.cot_singlepass_emulated_sqrt.argtypes = []
+    lib.cot_singlepass_emulated_sqrt14.restype = ctypes.c_void_p
+    lib.cot_singlepass_emulated_sqrt14.argtypes = []
+    return lib, Build(str(target), cxx, cached, compile_s, key[:20],
+                      lib.cot_singlepass_emulated_sqrt(), lib.cot_singlepass_emulated_sqrt14())
 
 
 def _lib() -> ctypes.CDLL:
@@ -187,13 +189,22 @@ def _sqrt_probe_values() -> Tensor:
 
 
 def emulated_sqrt_address() -> int | None:
-    """Address of the kernel's imitation of MKL's `vmsSqrt` (a vector square root computed
-    from the CPU's 12-bit reciprocal square root estimate, one Goldschmidt step and a residual
-    correction, each operation rounded on its own; see the kernel source), or None where the
-    build has none (not an AVX-512 build). Its results equal MKL's only on CPUs whose estimate
-    table and MKL code path are the ones it was derived on (AMD Zen 5, where it equals MKL's on
-    all 2**32 inputs): `sqrt_kind` uses it only after `emulation_matches` proved it here."""
+    """Address of the kernel's imitation of MKL's `vmsSqrt` on AMD CPUs (a vector square root
+    computed from the CPU's 12-bit reciprocal square root estimate, one Goldschmidt step and a
+    residual correction, each operation rounded on its own; see the kernel source). Its results
+    equal MKL's only on CPUs whose estimate table and MKL code path are the ones it was derived
+    on (AMD Zen 5 and an AVX2 "AMD EPYC" VM, where it equals MKL's on all 2**32 inputs):
+    `sqrt_kind` uses it only after `emulation_matches` proved it here."""
     return build().emulated_sqrt
+
+
+def emulated14_sqrt_address() -> int | None:
+    """Address of the kernel's imitation of MKL's `vmsSqrt` on Intel CPUs with AVX-512 (from
+    the 14-bit VRSQRT14PS estimate, one correction by two fused multiply-adds, the smallest
+    inputs scaled; see `emu14_sqrt` in the kernel source; derived on an Intel Xeon, where it
+    equals MKL's on all 2**32 inputs), or None in AVX2 builds. `sqrt_kind` uses it only after
+    `emulation_matches` proved it here."""
+    return build().emulated_sqrt14
 
 
 EMULATION_KIND = "mkl-sqrt-emulation"  # calibration kind of `emulation_matches` verdicts
@@ -221,7 +232,9 @@ def emulation_matches(address: int, reference=torch.sqrt, *, patterns=EMULATION_
     Raises `SinglePassUnavailable` where the kernel cannot be built."""
     if not (patterns is EMULATION_PATTERNS and reference is torch.sqrt):
         return _emulation_check(address, reference, patterns, chunk)
-    key = calibration.full_key(EMULATION_KIND, "cpu", (build().key,),
+    built = build()
+    name = "emulated14" if address == built.emulated_sqrt14 else "emulated"
+    key = calibration.full_key(EMULATION_KIND, "cpu", (built.key, name),
                                probe=(emulation_matches, _emulation_check, EMULATION_PATTERNS))
 
     def timed() -> bool:
@@ -265,9 +278,9 @@ def _emulation_check(address: int, reference, patterns, chunk: int) -> bool:
 @lru_cache(maxsize=None)
 def sqrt_kind() -> str | None:
     """Which square root reproduces `torch.sqrt` (float32, CPU) byte for byte, in the kernel's
-    blocks: "emulated" (the kernel's imitation of MKL's vmsSqrt, 3x faster than calling it,
-    where `emulation_matches` proved it on every non-negative float32 input and 25.3M negative
-    ones), "mkl" (MKL's vmsSqrt, the one
+    blocks: "emulated" or "emulated14" (the kernel's imitations of MKL's vmsSqrt as AMD and
+    Intel CPUs run it, 3x faster than calling it, where `emulation_matches` proved one on every
+    non-negative float32 input and 25.3M negative ones), "mkl" (MKL's vmsSqrt, the one
     torch calls), "hardware" (a correctly rounded square root, what ATen's vectorised kernel
     does without MKL) or None (none: no single pass). Every kind must also pass the same probe
     values at several call lengths."""
@@ -277,7 +290,9 @@ def sqrt_kind() -> str | None:
     lib = _lib()
     mkl = mkl_sqrt_address()
     emulated = emulated_sqrt_address() if mkl is not None else None
-    for kind, address in (("emulated", emulated), ("mkl", mkl), ("hardware", None)):
+    emulated14 = emulated14_sqrt_address() if mkl is not None else None
+    for kind, address in (("emulated", emulated), ("emulated14", emulated14), ("mkl", mkl),
+                          ("hardware", None)):
         if kind != "hardware" and address is None:
             continue
         for lengths in ((x.numel(),), (1, 7, 16, 17, 100, 2047, 2049)):
@@ -291,7 +306,7 @@ def sqrt_kind() -> str | None:
             if not torch.equal(out.view(torch.int32), want):
                 break
         else:
-            if kind != "emulated" or emulation_matches(address):
+            if not kind.startswith("emulated") or emulation_matches(address):
                 _SQRT_CHOSEN = kind
                 return kind
     _SQRT_CHOSEN = None
@@ -302,6 +317,8 @@ def sqrt_address(kind: str | None) -> int | None:
     """The kernel's square root function for `kind` (`sqrt_kind`): None means the hardware's."""
     if kind == "emulated":
         return emulated_sqrt_address()
+    if kind == "emulated14":
+        return emulated14_sqrt_address()
     return mkl_sqrt_address() if kind == "mkl" else None
 
 
