@@ -271,7 +271,11 @@ def clip_norm(opt: AdamW, grads: list[Tensor], *, fold: bool,
     if opt.error_if_nonfinite:
         check_finite(total, norm_type)
     if coef is None:
-        coef = dtensor.replicated_local(clip_coefficient(total, opt.max_norm))
+        # a total replicated on every rank (a DTensor's reduced p-norm): its coefficient's ops
+        # are local ops on every rank, run here on the local value (bits as DTensor's, without
+        # its dispatch per op); a partial one (inf's maxima) reduces in DTensor's own code
+        coef = dtensor.replicated_local(clip_coefficient(
+            dtensor.local(total) if dtensor.replicated(total) else total, opt.max_norm))
         value = coef.item() if coef.device.type == "cpu" else None
     # (a gradient native's multiply raises on, by 1.0 too, was refused before this clip:
     # `refuse_unmultipliable`)

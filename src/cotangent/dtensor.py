@@ -144,6 +144,16 @@ def spread_stack(stacked: Tensor, like: Tensor, norm_type: float) -> Tensor:
     return DTensor.from_local(stacked, like.device_mesh, placements, run_check=False)
 
 
+def replicated(t) -> bool:
+    """Whether `t` is a DTensor replicated on every dimension of its mesh (every rank holds
+    its whole value)."""
+    if not is_dtensor(t):
+        return False
+    from torch.distributed.tensor import Replicate
+
+    return all(isinstance(p, Replicate) for p in t.placements)
+
+
 def replicated_local(t: Tensor) -> Tensor:
     """The value of DTensor `t` on every rank (reduced where it is partial: a collective), as a
     local tensor; a plain `t` as it is."""
@@ -156,4 +166,4 @@ def replicated_local(t: Tensor) -> Tensor:
 
 
 __all__ = ["clip_mesh_gradient", "gradient_refusal", "is_dtensor", "local", "placed_as",
-           "placement_refusal", "replicated_local", "spread_stack"]
+           "placement_refusal", "replicated", "replicated_local", "spread_stack"]
