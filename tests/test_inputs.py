@@ -925,6 +925,35 @@ def test_a_gradient_the_clip_cannot_multiply_is_refused_before_anything_changes(
         opt.clip_grad_norm_()  # (the clip on its own too)
 
 
+@pytest.mark.parametrize("impl", list(IMPLS))
+@pytest.mark.parametrize("kind", ["expanded", "inference"])
+def test_a_clip_order_gradient_outside_the_optimizer_is_checked_like_its_own(impl, kind):
+    """The same refusal where the gradient the clip cannot multiply belongs to a parameter of
+    the clip order outside the optimizer, while the optimizer's own group is read whole in C++
+    (state created by two steps first): the C++ reader's checks cover the group's gradients,
+    not the clip order's others, which are checked as before."""
+    ps = [torch.nn.Parameter(torch.randn(16)) for _ in range(3)]
+    opt = cotangent.AdamW([ps[0], ps[2]], max_norm=0.1, clip_order=list(ps), **IMPLS[impl])
+    for _ in range(2):
+        for p in ps:
+            p.grad = torch.randn(16)
+        opt.step()
+    ps[0].grad, ps[2].grad = torch.randn(16), torch.randn(16)
+    if kind == "expanded":
+        ps[1].grad = torch.ones(1).expand(16)
+    else:
+        with torch.inference_mode():
+            ps[1].grad = torch.randn(16)
+    state = {k: v.clone() for k, v in opt.state[ps[0]].items()}
+    before = [t.detach().clone() for t in (*ps, ps[0].grad, ps[2].grad)]
+    with pytest.raises(RuntimeError, match="the gradient of a|overlaps itself|inference"):
+        opt.step()
+    for t, b in zip((*ps, ps[0].grad, ps[2].grad), before):
+        assert_same_bits(t.detach(), b, "nothing modified")
+    for k, v in state.items():
+        assert_same_bits(opt.state[ps[0]][k], v, k)
+
+
 # ------------------------------------------------------------------ complex parameters
 
 @pytest.mark.parametrize("max_norm", [None, 1.0, 1e30], ids=["no-clip", "clip", "clip-inactive"])

@@ -382,12 +382,20 @@ def clip_order(opt: AdamW) -> list[Tensor]:
 
 def clip_grads(opt: AdamW, calls: list[Call] | None = None) -> list[Tensor]:
     """The gradients `clip_grad_norm_` would clip now, in its order. `calls`: this step's
-    calls, where every one was read whole (`Call.whole`): with the default clip order (the
-    param groups'), their gradients are the clip's, in call order (one call: its list)."""
-    source = opt._clip_order_params
-    if calls and (source is None or source == PARAM_GROUPS):
+    calls where `calls_are_clip_order` holds: their gradients are the clip's, in call order
+    (one call: its list)."""
+    if calls:
         return calls[0].grads if len(calls) == 1 else [g for c in calls for g in c.grads]
     return [p.grad for p in clip_order(opt) if p.grad is not None]
+
+
+def calls_are_clip_order(opt: AdamW, calls: list[Call]) -> bool:
+    """Whether this step's calls hold the clip's gradients in its order, each checked in C++:
+    every call read whole (`Call.whole`: plain contiguous CPU gradients, none an inference
+    tensor) and the default clip order (the param groups', where the calls come from)."""
+    source = opt._clip_order_params
+    return (bool(calls) and all(c.whole for c in calls)
+            and (source is None or source == PARAM_GROUPS))
 
 
 def in_native_order(opt: AdamW, calls: list[Call]) -> list[Call]:

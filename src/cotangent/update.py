@@ -74,8 +74,8 @@ def update(opt: AdamW, closure, clip: bool):
         step = singlepass.Step()
         # 1. gather: every call's lists, checked (ZeRO-1: every rank's checks, agreed below)
         calls, fresh, agreement = gather.gather(opt)
-        # (every call read whole in C++: plain contiguous CPU tensors, checked)
-        whole = bool(calls) and all(c.whole for c in calls)
+        # (the clip order's gradients are the calls', checked in C++: `calls_are_clip_order`)
+        whole = gather.calls_are_clip_order(opt, calls)
         # 2. clip: the clip order's gradients, their total norm and coefficient
         order = gather.clip_grads(opt, calls if whole else None) if clip else None
         spread = None if order is None or whole else dtensor.clip_mesh_gradient(order)
