@@ -898,6 +898,15 @@ def test_an_expanded_gradient_under_an_inactive_clip_raises_as_native(impl):
                                 "itself") and "refers to a single memory location" in errors[1]
 
 
+def _unmultipliable(kind: str) -> torch.Tensor:
+    """A 16-element gradient native's clip multiply raises on: expanded (one element for all)
+    or an inference tensor."""
+    if kind == "expanded":
+        return torch.ones(1).expand(16)
+    with torch.inference_mode():
+        return torch.randn(16)
+
+
 @pytest.mark.parametrize("impl", list(IMPLS))
 @pytest.mark.parametrize("kind", ["expanded", "inference"])
 def test_a_gradient_the_clip_cannot_multiply_is_refused_before_anything_changes(impl, kind):
@@ -909,11 +918,7 @@ def test_a_gradient_the_clip_cannot_multiply_is_refused_before_anything_changes(
     ps = [torch.nn.Parameter(torch.randn(16)) for _ in range(3)]
     opt = cotangent.AdamW(ps, max_norm=0.1, **IMPLS[impl])
     ps[0].grad, ps[2].grad = torch.randn(16), torch.randn(16)
-    if kind == "expanded":
-        ps[1].grad = torch.ones(1).expand(16)
-    else:
-        with torch.inference_mode():
-            ps[1].grad = torch.randn(16)
+    ps[1].grad = _unmultipliable(kind)
     before = [t.detach().clone() for t in (*ps, ps[0].grad, ps[2].grad)]
     with pytest.raises(RuntimeError, match=r"^the gradient of parameter 1 \(shape \(16,\), "
                        r"float32\) (overlaps itself|is an inference tensor)"):
@@ -939,11 +944,7 @@ def test_a_clip_order_gradient_outside_the_optimizer_is_checked_like_its_own(imp
             p.grad = torch.randn(16)
         opt.step()
     ps[0].grad, ps[2].grad = torch.randn(16), torch.randn(16)
-    if kind == "expanded":
-        ps[1].grad = torch.ones(1).expand(16)
-    else:
-        with torch.inference_mode():
-            ps[1].grad = torch.randn(16)
+    ps[1].grad = _unmultipliable(kind)
     state = {k: v.clone() for k, v in opt.state[ps[0]].items()}
     before = [t.detach().clone() for t in (*ps, ps[0].grad, ps[2].grad)]
     with pytest.raises(RuntimeError, match="the gradient of a|overlaps itself|inference"):

@@ -233,6 +233,19 @@ struct Lanes {
 #ifdef __AVX512F__
 constexpr int EMU_RN = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
 
+// `out` where `formula` holds, elsewhere what MKL gives there: the hardware's square root of
+// x (zeros, +inf, NaNs quieted with their payload, and what else the imitation leaves to it),
+// 0x7FC00000 for a negative non-NaN, non-zero x (bits in [0x80000001, 0xFF800000]).
+inline __m512 beside_formula(__m512 x, __mmask16 formula, __m512 out) {
+  if (__builtin_expect(formula == 0xFFFF, 1)) return out;
+  __m512 other = _mm512_sqrt_ps(x);
+  const __mmask16 negative = _mm512_cmplt_epu32_mask(
+      _mm512_sub_epi32(_mm512_castps_si512(x), _mm512_set1_epi32(static_cast<int>(0x80000001u))),
+      _mm512_set1_epi32(0x7F800000));
+  other = _mm512_mask_mov_ps(other, negative, _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
+  return _mm512_mask_mov_ps(other, formula, out);
+}
+
 inline __m512 emu_sqrt(__m512 x) {
   const __m512 half = _mm512_set1_ps(0.5f);
   const __m256 r_lo = _mm256_rsqrt_ps(_mm512_castps512_ps256(x));
@@ -250,17 +263,7 @@ inline __m512 emu_sqrt(__m512 x) {
   // [0x00800000, 0x7F7FF000)
   const __mmask16 formula = _mm512_cmplt_epu32_mask(
       _mm512_sub_epi32(bits, _mm512_set1_epi32(0x00800000)), _mm512_set1_epi32(0x7EFFF000));
-  if (__builtin_expect(formula != 0xFFFF, 0)) {
-    __m512 other = _mm512_sqrt_ps(x);
-    // negative non-NaN, non-zero: bits in [0x80000001, 0xFF800000]
-    const __mmask16 negative = _mm512_cmplt_epu32_mask(
-        _mm512_sub_epi32(bits, _mm512_set1_epi32(static_cast<int>(0x80000001u))),
-        _mm512_set1_epi32(0x7F800000));
-    other = _mm512_mask_mov_ps(other, negative,
-                               _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
-    out = _mm512_mask_mov_ps(other, formula, out);
-  }
-  return out;
+  return beside_formula(x, formula, out);
 }
 #else
 // unsigned a < b for 32-bit lanes (AVX2 compares signed: flip the sign bits)
@@ -325,20 +328,11 @@ inline __m512 emu14_sqrt(__m512 x0) {
   const __m512 d = _mm512_fnmadd_round_ps(s, s, x, EMU_RN);
   __m512 out = _mm512_fmadd_round_ps(d, h, s, EMU_RN);
   out = _mm512_mask_mul_ps(out, tiny, out, _mm512_set1_ps(0x1p-32f));
-  const __m512i bits = _mm512_castps_si512(x0);
   // lanes of the formula: bits - 1 < 0x7F7FFFFF (unsigned), i.e. bits in [1, 0x7F800000)
   const __mmask16 formula = _mm512_cmplt_epu32_mask(
-      _mm512_sub_epi32(bits, _mm512_set1_epi32(1)), _mm512_set1_epi32(0x7F7FFFFF));
-  if (__builtin_expect(formula != 0xFFFF, 0)) {
-    __m512 other = _mm512_sqrt_ps(x0);
-    const __mmask16 negative = _mm512_cmplt_epu32_mask(
-        _mm512_sub_epi32(bits, _mm512_set1_epi32(static_cast<int>(0x80000001u))),
-        _mm512_set1_epi32(0x7F800000));
-    other = _mm512_mask_mov_ps(other, negative,
-                               _mm512_castsi512_ps(_mm512_set1_epi32(0x7FC00000)));
-    out = _mm512_mask_mov_ps(other, formula, out);
-  }
-  return out;
+      _mm512_sub_epi32(_mm512_castps_si512(x0), _mm512_set1_epi32(1)),
+      _mm512_set1_epi32(0x7F7FFFFF));
+  return beside_formula(x0, formula, out);
 }
 
 void emulated_mkl_sqrt14(int64_t n, const float* a, float* r, long long) {
