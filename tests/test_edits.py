@@ -11,7 +11,7 @@ Holds for: CPU, torch 2.13.0, float32 parameters, for-loop / foreach / fused Ada
 from __future__ import annotations
 
 import copy
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import pytest
 import torch
@@ -552,6 +552,58 @@ def test_non_leaf_tensor_appended_to_a_group_is_skipped_like_native():
             o.step()
 
 
+@pytest.mark.parametrize("key,value", [("maximize", 0), ("maximize", 1), ("maximize", None),
+                                       ("maximize", "np.bool_"), ("amsgrad", 0),
+                                       ("amsgrad", None), ("amsgrad", "np.bool_")])
+def test_fused_with_a_flag_that_is_not_a_bool_fails_like_native(key, value):
+    """Native's fused kernel takes ``maximize`` and ``amsgrad`` as bools only (its argument
+    parser raises TypeError for 0, 1, None or a numpy bool, after the clip and the steps'
+    increment); the single pass would read them as truthy: native's call runs instead, with
+    native's error and bytes (found by a break-it review). (A truthy amsgrad over state made
+    without it is native's KeyError, Cotangent's RuntimeError: `test_popped_state_entry_*`.)"""
+    if value == "np.bool_":
+        np = pytest.importorskip("numpy")
+        value = np.bool_(key == "maximize")
+    m1, ref, m2, opt = pair(impl="fused")
+    train(m1, ref, m2, opt, 2, "before")
+    for m, o in ((m1, ref.optimizer), (m2, opt)):
+        o.param_groups[0][key] = value
+        o.zero_grad()
+        square_loss(m, torch.ones(4, 8)).backward()
+    errors = []
+    for o in (ref, opt):
+        with pytest.raises(TypeError) as error:
+            o.step()
+        errors.append(str(error.value))
+    assert errors[0] == errors[1]
+    assert_same_update(m1.parameters(), ref.optimizer.state, m2.parameters(), opt.state,
+                       f"{key}={value!r}")
+
+
+@pytest.mark.parametrize("key", ["betas", "lr", "eps", "maximize", "decoupled_weight_decay"])
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_a_setting_deleted_from_a_group_is_natives_key_error_before_anything_changes(impl, key):
+    """Native reads every setting of a group at each step (a deleted one: KeyError); so does
+    Cotangent, before anything is modified (``decoupled_weight_decay`` used to be read with a
+    default; found by a break-it review)."""
+    m1, ref, m2, opt = pair(impl=impl)
+    train(m1, ref, m2, opt, 3, "before")
+    for m, o in ((m1, ref.optimizer), (m2, opt)):
+        del o.param_groups[0][key]
+        o.zero_grad()
+        square_loss(m, torch.ones(4, 8)).backward()
+    with pytest.raises(KeyError, match=key):
+        ref.step()
+    before = [(p.detach().clone(), p.grad.clone(), snapshot(opt, p)) for p in m2.parameters()]
+    with pytest.raises(KeyError, match=key):
+        opt.step()
+    for p, (data, grad, state) in zip(m2.parameters(), before):
+        assert_same_bits(p.detach(), data, "parameter")
+        assert_same_bits(p.grad, grad, "gradient")
+        for k, v in state.items():
+            assert_same_bits(opt.state[p][k], v, k)
+
+
 # ------------------------------------------------------------------ 5. the replayed step
 
 def _set_group(side, **values):
@@ -688,12 +740,19 @@ def test_a_torch_mode_active_at_the_step_sees_natives_ops(impl, mode_kind):
     for m, o in ((m1, ref), (m2, opt)):
         o.zero_grad()
         square_loss(m, torch.randn(4, 8, generator=torch.Generator().manual_seed(7))).backward()
-    ref.step()
-    with Functions() if mode_kind == "function" else Ops():
+    mode = Functions() if mode_kind == "function" else Ops()
+    with mode:
+        ref.step()
+    natives = list(seen)
+    seen.clear()
+    with mode:
         opt.step()
     path = opt.update_path()
     assert path["path"] == "native" and not path["replayed"], path
     assert_same_update(m1.parameters(), ref.optimizer.state, m2.parameters(), opt.state,
                        f"{mode_kind} mode ({impl})")
+    if mode_kind == "dispatch":  # the same ATen ops as native's clip and step, no other
+        assert Counter(seen) == Counter(natives), (Counter(seen) - Counter(natives),
+                                                   Counter(natives) - Counter(seen))
     want = {"fused": "fused_adamw", "foreach": "foreach_lerp", "for-loop": "lerp_"}[impl]
     assert any(want in name for name in seen), sorted(set(seen))[:20]

@@ -257,9 +257,10 @@ def clip_norm(opt: AdamW, grads: list[Tensor], *, fold: bool,
         else:
             total = total_norm(norms, norm_type, across)
     elif opt.batched_norms and spread is None and all(
-            g.device.type == "cpu" for g in grads[:1]):
+            g.device.type == "cpu" for g in grads[:1]) and not _compat.torch_modes_active():
         # (on CUDA a (B, K) row norm and `_foreach_norm` reduce in other trees: issue 29;
-        # no batched-norm probe runs there until a measurement shows it can win)
+        # no batched-norm probe runs there until a measurement shows it can win; under a
+        # torch mode the mode sees native's per-tensor norms, below)
         total = get_total_norm(grads, norm_type)
     else:
         norms = []
@@ -267,7 +268,7 @@ def clip_norm(opt: AdamW, grads: list[Tensor], *, fold: bool,
         for _, _, idx in _compat.group_by_device_and_dtype(grads):
             part = native_tensor_norms([grads[i] for i in idx], norm_type, None)
             norms.extend(n.to(first) for n in part)
-        total = total_norm([torch.stack(norms)] if norms else [], norm_type, across)
+        total = total_norm(torch.stack(norms) if norms else [], norm_type, across)
     if opt.error_if_nonfinite:
         check_finite(total, norm_type)
     if coef is None:
@@ -276,10 +277,12 @@ def clip_norm(opt: AdamW, grads: list[Tensor], *, fold: bool,
         # its dispatch per op); a partial one (inf's maxima) reduces in DTensor's own code
         coef = dtensor.replicated_local(clip_coefficient(
             dtensor.local(total) if dtensor.replicated(total) else total, opt.max_norm))
-        value = coef.item() if coef.device.type == "cpu" else None
+        # (switched off or under a torch mode: native's ops only, no read of the value; the
+        # multiply then runs, by 1.0 too, as native's does)
+        value = coef.item() if coef.device.type == "cpu" and step.off() is None else None
     # (a gradient native's multiply raises on, by 1.0 too, was refused before this clip:
     # `refuse_unmultipliable`)
-    identity = multiply_is_identity(coef, norm_type, step.flushing(), value)
+    identity = value is not None and multiply_is_identity(coef, norm_type, step.flushing(), value)
     if not (fold and not identity and value is not None and value == value
             and step.off() is None
             and (distinct or len(set(map(id, grads))) == len(grads))):

@@ -113,6 +113,7 @@ def gather_calls(opt: AdamW, shares: sharding.Shares | None
     if len(opt._checked) > 4 * len(state) + 64:
         opt._checked.clear()  # (entries of parameters long gone)
     for group in opt.param_groups:
+        refuse_missing_settings(group)
         if group["capturable"] or group["differentiable"]:
             raise NotImplementedError(
                 "cotangent.AdamW supports capturable=False and differentiable=False only")
@@ -171,6 +172,24 @@ def gather_calls(opt: AdamW, shares: sharding.Shares | None
             if amsgrad:
                 call.max_exp_avg_sqs.append(vmax)
     return [c if c.whole else on_local_shards(opt, c) for c in calls], fresh
+
+
+# the group settings native AdamW's step reads, in its order (`torch.optim.Adam.step`: betas,
+# then the arguments of its `adam` call)
+SETTINGS_READ = ("betas", "amsgrad", "lr", "weight_decay", "eps", "maximize", "foreach",
+                 "capturable", "differentiable", "fused", "decoupled_weight_decay")
+
+
+def refuse_missing_settings(group: dict) -> None:
+    """Native's KeyError for a setting deleted from a param group (the first it would read),
+    raised here before anything is modified.
+
+    Raises:
+        KeyError: the setting's name.
+    """
+    for key in SETTINGS_READ:
+        if key not in group:
+            raise KeyError(key)
 
 
 def refuse_tensor_lr_with_foreach(group: dict) -> None:

@@ -381,8 +381,9 @@ def run_native(opt: AdamW, call: Call, grad_scale, found_inf) -> None:
     p, group = call.params[0], call.group
     direct = False
     if (call.kind == "fused" and grad_scale is None and found_inf is None
+            and type(group["maximize"]) is bool and type(group["amsgrad"]) is bool
             and all(s.dtype is torch.float32 and s.device == p.device for s in call.steps)):
-        # (other step tensors: native's functional path, and its checks and errors)
+        # (other step tensors or flags: native's functional path, and its checks and errors)
         key = (p.device, p.dtype, bool(group["amsgrad"]), bool(group["maximize"]),
                merge.decay_kind(group), torch.is_tensor(group["lr"]), torch.get_num_threads())
         if key not in opt._direct_fused:

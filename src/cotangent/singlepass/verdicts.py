@@ -127,8 +127,8 @@ def static_refusal(kind: str, device: torch.device, dtype: torch.dtype,
     """Why a call of implementation `kind` over a (device, dtype) list for param group `group`
     can never take the single pass (None when it may, subject to `decide` at each step): an
     unknown implementation, fused AdamW over bfloat16, a device other than the CPU, a dtype
-    other than float32 or bfloat16, coupled
-    (L2) weight decay, capturable or differentiable."""
+    other than float32 or bfloat16, coupled (L2) weight decay, capturable or differentiable,
+    a fused call whose maximize or amsgrad is not a bool (native's fused kernel refuses it)."""
     if kind not in kernel.KINDS:
         return f"{kind} AdamW runs natively (the single pass reproduces for-loop, foreach, fused)"
     if device.type != "cpu":
@@ -138,6 +138,10 @@ def static_refusal(kind: str, device: torch.device, dtype: torch.dtype,
                 f"bfloat16 only)")
     if kind == "fused" and dtype != torch.float32:
         return "fused AdamW over bfloat16 runs natively (the single pass has its float32 bits)"
+    if kind == "fused" and not (type(group.get("maximize")) is bool
+                                and type(group.get("amsgrad")) is bool):
+        return ("fused AdamW with a maximize or amsgrad that is not a bool runs natively "
+                "(native's fused kernel takes bools only: its error)")
     if not group.get("decoupled_weight_decay", True):
         return "coupled (L2) weight decay runs natively"
     if group.get("capturable") or group.get("differentiable"):
