@@ -675,7 +675,7 @@ def test_the_replayed_step_follows_every_edit_like_native(impl, name):
 
     lockstep(m1, ref, m2, opt, 6, f"{name} ({impl})", edit=edit,
              after_step=lambda step: seen.append(opt.update_path()["replayed"]))
-    assert seen[2:4] == [True, True], seen  # (steps 2 and 3: the plan replayed)
+    assert seen[2:4] == [True, True], seen  # (the third and fourth steps: replayed)
     assert seen[4] == replayed, seen
 
 

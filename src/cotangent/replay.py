@@ -9,15 +9,15 @@ training loop none of that usually changes; only the gradients are new and the s
 and (with a schedule) the learning rate move. So where the full step was the common case —
 one param group whose parameters with a gradient were read whole in C++ (plain dense
 contiguous float32 CPU tensors, float32 steps, no memory shared) and updated by one single
-pass, with the clip's norms from the kernel — it leaves a `Plan`, and the next step runs
-`tensorlists.Replay.run`: the same reader, norms, clip (``clip_grad_norm_``'s ATen calls),
+pass, with the clip's norms from the kernel — it leaves a `Plan` (`remember`), and the next step
+runs `tensorlists.Replay.run`: the same reader, norms, clip scalars (`singlepass.clip_scalars`),
 native's step scalars, kernel and version bumps, checking as it goes that each input is what
 the plan assumed (the group's settings, the learning rate's and decay's float32 classes, the
 tensor sizes, the team and its float modes, the thread count, the clip coefficient's class,
 whose verdict it asks of `Step.decide` once). Anything else declines, before anything is
-modified, and the full step runs and plans anew. `replay` checks what only Python sees first:
-the param groups, the optimizer's clip settings, the switches and modes (`Step.off`), the
-kernel build and the verdict cache.
+modified, and the full step runs and remembers anew. `replay` checks what only Python sees
+first: the param groups, the optimizer's clip settings, a closure, a clip apart from the step,
+the switches and modes (`Step.off`), the kernel build and the verdict cache.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ KINDS = {"for-loop": 0, "foreach": 1, "fused": 2}
 
 @dataclass(slots=True)
 class Plan:
-    """What the next step may replay (`plan`), and what only Python checks (`replay`)."""
+    """What the next step may replay (`remember`), and what only Python checks (`replay`)."""
 
     compiled: object  # `tensorlists.Replay`
     groups: list  # opt.param_groups, holding `group` alone
@@ -78,8 +78,8 @@ def _same_settings(opt: AdamW, p: Plan) -> bool:
             and getattr(opt, "found_inf", None) is None)
 
 
-def plan(opt: AdamW, calls: list[Call], cut: StepClip | None, clip: bool,
-         step: singlepass.Step, single_pass: int) -> Plan | None:
+def remember(opt: AdamW, calls: list[Call], cut: StepClip | None, clip: bool,
+             step: singlepass.Step, single_pass: int) -> Plan | None:
     """The plan a full step leaves for the next (`Plan`), or None where it was not the common
     case the replay follows. `calls`, `cut`: the step's calls and clip; `clip`: whether it
     clipped; `single_pass`: the parameters its single pass updated."""

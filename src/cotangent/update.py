@@ -1,6 +1,8 @@
 """The body of `cotangent.AdamW.step()`: ``clip_grad_norm_`` then AdamW, read top to bottom.
 
-`update` is the whole step, in five parts:
+`update` is the whole step. Where the last step's decisions still hold, it replays them in one
+C++ call (`cotangent.replay`); otherwise it runs the full step, in five parts, and remembers
+its decisions for the next:
 
 1. gather: this step's AdamW calls, one per (param group, device, dtype), with native's lists
    read where the user and autograd left them, and everything checked (`cotangent.gather`:
@@ -128,7 +130,7 @@ def update(opt: AdamW, closure, clip: bool):
             step_done(opt)  # (a clip apart from this step is used up)
         opt._path = path
         if replay.replayer_available():
-            opt._replay = replay.plan(opt, calls, cut, clip, step, path.single_pass)
+            opt._replay = replay.remember(opt, calls, cut, clip, step, path.single_pass)
         return loss
 
 
