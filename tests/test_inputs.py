@@ -1129,3 +1129,79 @@ def test_a_parameter_subclass_overriding_torch_function_sees_natives_calls(impl,
     assert_same_bits(out[0][0], out[1][0], "parameter")
     assert_same_bits(out[0][1], out[1][1], "exp_avg")
     assert out[1][2] >= out[0][2] > 0  # (every native call reached it)
+
+
+# ------------------------------------------------------------------ torch's default dtype
+# A break-it review's input: `torch.set_default_dtype` changed once the process had stepped (the
+# probes run, their verdicts kept): the C norms wrote float32 values into buffers allocated in
+# the default dtype (float64: a garbage total norm and gradients clipped to about 0, no error;
+# bfloat16 / float16: four-byte writes into two-byte buffers). Its siblings: every tensor the
+# library makes for its probes, its vector-width readings and its C buffers now names its dtype.
+
+def _default_dtype_case(impl: str, steps: int) -> list[tuple]:
+    """`run_against_native` over three float32 tensors, the clip active every step."""
+    base = [t.detach() for t in _params([(37,), (8, 16), (300,)])[0]]
+    gen = torch.Generator().manual_seed(3)
+    grads = [[torch.randn(b.shape, generator=gen, dtype=torch.float32) * 2 for b in base]
+             for _ in range(steps)]
+
+    def deliver(step, params):
+        for p, g in zip(params, grads[step]):
+            p.grad = g.clone()
+
+    flags = dict(IMPLS[impl])
+    return run_against_native(base, foreach=flags.pop("foreach", None), deliver=deliver,
+                              steps=steps, max_norm=0.5, adamw=dict(HP, **flags))
+
+
+@pytest.mark.parametrize("default", [torch.float64, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_default_dtype_changed_after_the_first_step_keeps_natives_bits(impl, default):
+    _default_dtype_case(impl, steps=1)  # (the probes, under float32)
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(default)
+    try:
+        runs = _default_dtype_case(impl, steps=3)
+    finally:
+        torch.set_default_dtype(before)
+    for step, problem, path, errors in runs:
+        assert problem is None and errors == (None, None), (step, problem, errors)
+        assert path["path"] == "single-pass" and path["clip_in_pass"] == 3, path
+
+
+_FLOAT64_FROM_THE_START = """
+import json, sys, torch
+torch.set_default_dtype(torch.float64)
+sys.path.insert(0, sys.argv[1])
+import test_inputs
+out = {}
+for impl in test_inputs.IMPLS:
+    runs = test_inputs._default_dtype_case(impl, steps=3)
+    out[impl] = [[problem, errors, path["path"]] for _, problem, path, errors in runs]
+print(json.dumps(out))
+"""
+
+
+def test_default_dtype_float64_before_the_probes_keeps_natives_bits_and_the_single_pass(
+        tmp_path):
+    """A process whose default dtype is float64 before its first step (its probes, vector
+    widths and square-root check run under it; a fresh verdict cache): native's bytes, and the
+    single pass proven as under float32 (it was refused: the probe data came out float64)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, COTANGENT_CACHE_DIR=str(tmp_path))
+    run = subprocess.run([sys.executable, "-c", _FLOAT64_FROM_THE_START,
+                          str(Path(__file__).parent)], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert sorted(out) == sorted(IMPLS)
+    for impl, runs in out.items():
+        assert len(runs) == 3
+        for problem, errors, path in runs:
+            assert problem is None and errors == [None, None], (impl, problem, errors)
+            assert path == "single-pass", (impl, path)

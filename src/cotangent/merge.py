@@ -150,8 +150,8 @@ def _merge_probe(kind: str, device: torch.device, dtype: torch.dtype, numel: int
         offsets.append(size)
         size += row
     gen = torch.Generator().manual_seed(numel)
-    start = torch.randn(size, generator=gen).to(dtype).to(device)
-    grad = (torch.randn(size, generator=gen) * 0.1).to(dtype).to(device)
+    start = torch.randn(size, generator=gen, dtype=torch.float32).to(dtype).to(device)
+    grad = (torch.randn(size, generator=gen, dtype=torch.float32) * 0.1).to(dtype).to(device)
     special = grad.clone()
     sprinkle_special_values([special[o:o + numel] for o in offsets])
     special_start = start.clone()  # parameters holding NaNs too (NaN against NaN)
@@ -222,8 +222,10 @@ def direct_fused_is_exact(device: torch.device, dtype: torch.dtype, group: dict)
 def _direct_fused_probe(device: torch.device, dtype: torch.dtype, group: dict) -> bool:
     lengths = list(range(1, 41)) + [63, 64, 65, 1000]
     gen = torch.Generator().manual_seed(7)
-    start = [torch.randn(n, generator=gen).to(dtype).to(device) for n in lengths]
-    grad = [(torch.randn(n, generator=gen) * 0.1).to(dtype).to(device) for n in lengths]
+    start = [torch.randn(n, generator=gen, dtype=torch.float32).to(dtype).to(device)
+             for n in lengths]
+    grad = [(torch.randn(n, generator=gen, dtype=torch.float32) * 0.1).to(dtype).to(device)
+            for n in lengths]
     sprinkle_special_values(grad[::2])
     sprinkle_special_values(start[::3], shift=3)
     probe_group = dict(group)

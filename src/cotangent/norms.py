@@ -49,9 +49,9 @@ def _probe_values(count: int, dtype: torch.dtype, trial: int) -> Tensor:
     a fourth whose rows carry the special values (`calibration.sprinkle_special_values`, applied
     by the caller, which knows the rows)."""
     gen = torch.Generator().manual_seed(1234 + trial)
-    x = torch.randn(count, generator=gen)
+    x = torch.randn(count, generator=gen, dtype=torch.float32)
     if trial == 1:  # small values with exact zeros, like sparse-ish gradients
-        x = x * 1e-4 * (torch.rand(count, generator=gen) > 0.1)
+        x = x * 1e-4 * (torch.rand(count, generator=gen, dtype=torch.float32) > 0.1)
     elif trial == 2:  # wide exponent spread, within the dtype's range
         span = 6 if dtype == torch.float16 else 20
         x = x * torch.exp2(torch.randint(-span, span + 1, (count,), generator=gen).float())
@@ -156,7 +156,7 @@ def _flat_multiply_probe(device, dtype, coef_dtype, finite) -> bool:
         total += -(-n // align) * align
     gen = torch.Generator().manual_seed(99)
     if finite:
-        coefs = torch.rand(13, generator=gen).tolist() + [1.0, 0.5, 1e-6, 0.0, -0.5, 3.0]
+        coefs = torch.rand(13, generator=gen, dtype=torch.float32).tolist() + [1.0, 0.5, 1e-6, 0.0, -0.5, 3.0]
     else:
         coefs = [float("inf"), float("-inf"), float("nan"), -float("nan"), ALL_ONES_NAN]
     verdict = True
@@ -226,7 +226,7 @@ def clip_coefficient(total: Tensor, max_norm: float) -> Tensor:
 def flushing_denormals() -> bool:
     """Whether float32 arithmetic on the calling thread flushes subnormals (after
     `torch.set_flush_denormal(True)`: x86 FTZ/DAZ), read off one multiply (no getter exists)."""
-    return bool(torch.tensor([1e-40]).mul_(1.0)[0] == 0.0)
+    return bool(torch.tensor([1e-40], dtype=torch.float32).mul_(1.0)[0] == 0.0)
 
 
 def multiply_is_identity(coef: Tensor, norm_type: float, flushing: bool | None = None,

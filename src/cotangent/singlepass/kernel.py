@@ -178,11 +178,11 @@ def mkl_sqrt_address() -> int | None:
 def _sqrt_probe_values() -> Tensor:
     gen = torch.Generator().manual_seed(11)
     n = 1 << 16
-    x = torch.rand(n, generator=gen) * torch.pow(10.0, torch.randint(-44, 38, (n,),
-                                                                     generator=gen).float())
+    x = torch.rand(n, generator=gen, dtype=torch.float32) * torch.pow(
+        10.0, torch.randint(-44, 38, (n,), generator=gen).float())
     special = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan"), -float("nan"),
-                            -1.0, -1e-40, 1e-45, 1e-40, 3.4e38])
-    x = torch.cat([x, special, torch.rand(4000, generator=gen) * 1e-3])
+                            -1.0, -1e-40, 1e-45, 1e-40, 3.4e38], dtype=torch.float32)
+    x = torch.cat([x, special, torch.rand(4000, generator=gen, dtype=torch.float32) * 1e-3])
     x.view(torch.int32)[-1] = -1  # all-ones NaN
     x.view(torch.int32)[-2] = 0x7FC000AB  # a NaN with a payload
     return x

@@ -189,7 +189,7 @@ def norms_at(addresses: list[int], numels) -> Tensor:
     `addresses` and whose lengths are `numels` (a call's checked gradients: `gradient_norms`,
     which reads them from its table)."""
     ptrs, lengths = _int64s(addresses), _int64s(list(numels))
-    out = torch.empty(len(ptrs))
+    out = torch.empty(len(ptrs), dtype=torch.float32, device="cpu")
     kernel._lib().cot_singlepass_norms(_address(ptrs), _address(lengths), len(ptrs),
                                        out.data_ptr(), torch.get_num_threads())
     return out
@@ -199,7 +199,7 @@ def gradient_norms(prepared: lists.Prepared) -> Tensor:
     """`tensor_norms` of the gradients of `prepared` (its second row of addresses), read from
     its table without a list."""
     n = len(prepared.numels)
-    out = torch.empty(n)
+    out = torch.empty(n, dtype=torch.float32, device="cpu")
     if n:
         kernel._lib().cot_singlepass_norms(prepared.row(1), prepared.row(prepared.kinds + 1), n,
                                     out.data_ptr(), torch.get_num_threads())
@@ -212,7 +212,7 @@ def gradient_norms_team(prepared: lists.Prepared) -> tuple[Tensor, tuple[int, tu
     may resize teams), from one parallel region."""
     n = len(prepared.numels)
     threads = torch.get_num_threads()
-    out = torch.empty(n)
+    out = torch.empty(n, dtype=torch.float32, device="cpu")
     team = array.array("i", bytes(4 * (threads + 1)))
     kernel._lib().cot_singlepass_norms_team(prepared.row(1), prepared.row(prepared.kinds + 1), n,
                                             out.data_ptr(), threads, _address(team))
@@ -227,7 +227,8 @@ def clip_scalars(norms: Tensor, max_norm: float) -> tuple[Tensor, Tensor, float]
     + 1e-6), max=1.0)``, where ``max_norm / tensor`` is a reciprocal then a multiply): (total,
     coef) as 0-d float32 tensors of their own and the coefficient's value as a float. Use it
     only where `norms_proven` holds (its probe compares these too)."""
-    total, coef = torch.empty(()), torch.empty(())
+    total = torch.empty((), dtype=torch.float32, device="cpu")
+    coef = torch.empty((), dtype=torch.float32, device="cpu")
     kernel._lib().cot_singlepass_clip_scalars(norms.data_ptr(), norms.numel(), float(max_norm),
                                               total.data_ptr(), coef.data_ptr())
     return total, coef, coef.item()

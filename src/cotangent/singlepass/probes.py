@@ -27,15 +27,15 @@ def norm_probe_tensors(seed: int = 0) -> list[Tensor]:
                                   3_000_001]
     out = []
     for n in lengths:
-        scale = 10.0 ** (float(torch.rand((), generator=gen)) * 40 - 20)
-        out.append(torch.randn(n, generator=gen) * scale)
+        scale = 10.0 ** (float(torch.rand((), generator=gen, dtype=torch.float32)) * 40 - 20)
+        out.append(torch.randn(n, generator=gen, dtype=torch.float32) * scale)
     special = [t.clone() for t in out[1:300]]
     sprinkle_special_values(special)
     ones = []
     for v in (*SPECIAL_VALUES, 3e38, -1e-30):
-        ones.append(torch.zeros(1))
+        ones.append(torch.zeros(1, dtype=torch.float32))
         write_special(ones[-1], 0, v)
-    signalling = torch.zeros(1)
+    signalling = torch.zeros(1, dtype=torch.float32)
     signalling.view(torch.int32)[0] = 0x7FA00001
     return out + special + ones + [signalling]
 
@@ -62,7 +62,8 @@ def norms_match_native(seed: int = 0) -> bool:
     if not _bytes_equal(ours, torch.stack(native_tensor_norms(tensors, 2.0, None))):
         return False
     stacks = [ours[i:i + k].contiguous() for k in (1, 2, 7, 146) for i in (0, 300)]
-    stacks += [torch.tensor([v]) for v in (0.0, 1e-45, 3.4e38, float("inf"), float("nan"))]
+    stacks += [torch.tensor([v], dtype=torch.float32)
+               for v in (0.0, 1e-45, 3.4e38, float("inf"), float("nan"))]
     for max_norm in CLIP_PROBE_MAX_NORMS:
         for norms in stacks:
             total, coef, value = passes.clip_scalars(norms, max_norm)
@@ -155,10 +156,11 @@ def probe_data(lengths: tuple[int, ...] = PROBE_LENGTHS, seed: int = 0, grid: bo
         pos += -(-n // 16) * 16
     size = pos
     views = lambda t: [t[o:o + n] for o, n in segments]  # noqa: E731
-    state = dict(param=torch.randn(size, generator=gen),
-                 exp_avg=torch.randn(size, generator=gen) * 1e-2,
-                 exp_avg_sq=torch.rand(size, generator=gen) * 1e-4)
-    state["max_exp_avg_sq"] = state["exp_avg_sq"] + torch.rand(size, generator=gen) * 1e-5
+    f32 = dict(generator=gen, dtype=torch.float32)
+    state = dict(param=torch.randn(size, **f32),
+                 exp_avg=torch.randn(size, **f32) * 1e-2,
+                 exp_avg_sq=torch.rand(size, **f32) * 1e-4)
+    state["max_exp_avg_sq"] = state["exp_avg_sq"] + torch.rand(size, **f32) * 1e-5
     k_random = len(lengths)
     for shift, key in ((3, "param"), (1, "exp_avg"), (5, "exp_avg_sq"), (6, "max_exp_avg_sq")):
         sprinkle_special_values(views(state[key])[:k_random], shift=shift)
@@ -180,7 +182,8 @@ def probe_data(lengths: tuple[int, ...] = PROBE_LENGTHS, seed: int = 0, grid: bo
     steps = [float(i % 3) for i in range(len(sizes))]
 
     def grad(k: int) -> Tensor:
-        g = torch.randn(size, generator=torch.Generator().manual_seed(seed * 1000 + k))
+        g = torch.randn(size, generator=torch.Generator().manual_seed(seed * 1000 + k),
+                        dtype=torch.float32)
         g *= 10.0 ** (k % 3 - 2)
         sprinkle_special_values(views(g)[:k_random], shift=k)
         if k == 2:
@@ -271,8 +274,8 @@ def matches_native(*, implementation: str, lr, beta1: float, beta2: float, eps: 
     keys = ["param", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"]
     native = [[t.clone() for t in views(state[k])] for k in keys]
     ours = [state[k].clone() for k in keys]
-    native_steps = [torch.tensor(s) for s in start]
-    ours_steps = [torch.tensor(s) for s in start]
+    native_steps = [torch.tensor(s, dtype=torch.float32) for s in start]
+    ours_steps = [torch.tensor(s, dtype=torch.float32) for s in start]
     native_lr = lr.clone() if isinstance(lr, Tensor) else lr
     coef = None if clip_coef is None else torch.tensor(clip_coef, dtype=torch.float32)
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32

@@ -26,7 +26,8 @@ def aten_vector_unit(dtype: torch.dtype = torch.float32) -> int | None:
         out = (torch.full((n,), float("nan"), dtype=dtype) * 0.5).view(torch.int16)
         body_bits, tail_bits = -1, 0x7FC0
     else:
-        out = torch.maximum(torch.zeros(n), torch.full((n,), float("nan"))).view(torch.int32)
+        out = torch.maximum(torch.zeros(n, dtype=torch.float32),
+                            torch.full((n,), float("nan"), dtype=torch.float32)).view(torch.int32)
         body_bits, tail_bits = -1, 0x7FC00000
     body = [i for i in range(n) if int(out[i]) == body_bits]
     tail = [i for i in range(n) if int(out[i]) == tail_bits]
@@ -45,10 +46,11 @@ def fused_vector_unit() -> int | None:
     of a zero max_exp_avg_sq and a NaN exp_avg_sq, 0xFFFFFFFF in the vector body (Vectorized
     `maximum`) and the zero kept in the tail (std::max); None if the pattern is not that."""
     n = 127
-    vmax = torch.zeros(n)
+    vmax = torch.zeros(n, dtype=torch.float32)
+    f32 = dict(dtype=torch.float32)
     _compat.fused_adamw_one_group(
-        [torch.zeros(n)], [torch.full((n,), float("nan"))], [torch.zeros(n)], [torch.zeros(n)],
-        [vmax], [torch.tensor(0.0)], amsgrad=True, beta1=0.9, beta2=0.999, lr=1e-3,
+        [torch.zeros(n, **f32)], [torch.full((n,), float("nan"), **f32)], [torch.zeros(n, **f32)],
+        [torch.zeros(n, **f32)], [vmax], [torch.tensor(0.0, **f32)], amsgrad=True, beta1=0.9, beta2=0.999, lr=1e-3,
         weight_decay=0.0, eps=1e-8, maximize=False)
     bits = vmax.view(torch.int32).tolist()
     body = sum(1 for b in bits if b == -1)
