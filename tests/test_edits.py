@@ -234,6 +234,27 @@ def test_wrong_state_tensor_is_a_clear_error(bad):
         assert_same_bits(p, b, "parameter after the refused step")
 
 
+def test_fused_moment_of_another_shape_is_refused_where_native_fused_reads_it_flat():
+    """A break-it review's input, a known difference (docs/bitwise.md): a (16, 8) parameter's
+    `exp_avg` replaced by an (8, 16) tensor. Native fused AdamW steps on (it reads the moment's
+    memory flat); cotangent.AdamW(fused=True) refuses at step(), nothing modified."""
+    m1, ref, m2, opt = pair(impl="fused")
+    train(m1, ref, m2, opt, 2, "before")
+    for m, o in ((m1, ref.optimizer), (m2, opt)):
+        st = o.state[m[0].weight]
+        st["exp_avg"] = st["exp_avg"].reshape(8, 16).clone()
+        o.zero_grad()
+        square_loss(m, torch.ones(4, 8)).backward()
+    ref.optimizer.step()  # native fused: no error
+    before = [p.detach().clone() for p in m2.parameters()]
+    grads = [p.grad.clone() for p in m2.parameters()]
+    with pytest.raises(RuntimeError, match="parameter 0 "):
+        opt.step()
+    for p, b, g in zip(m2.parameters(), before, grads):
+        assert_same_bits(p, b, "parameter after the refused step")
+        assert_same_bits(p.grad, g, "gradient after the refused step")
+
+
 def test_amsgrad_switched_on_mid_run_is_a_clear_error_like_native():
     m1, ref, m2, opt = pair(impl="for-loop")
     train(m1, ref, m2, opt, 2, "before")
