@@ -35,6 +35,21 @@ def assert_same_update(native_params, native_state, our_params, our_state, what:
     return len(checks)
 
 
+def assert_step_refused(opt, params, match: str) -> None:
+    """`opt.step()` raises a RuntimeError matching `match` and leaves every parameter and
+    gradient of `params` byte for byte as it was (a refusal modifies nothing)."""
+    import pytest
+
+    params = list(params)
+    before = [p.detach().clone() for p in params]
+    grads = [None if p.grad is None else p.grad.clone() for p in params]
+    with pytest.raises(RuntimeError, match=match):
+        opt.step()
+    for p, b, g in zip(params, before, grads):
+        assert_same_bits(p, b, "parameter after the refused step")
+        assert_same_bits(p.grad, g, "gradient after the refused step")
+
+
 @contextlib.contextmanager
 def threads(n: int):
     """ATen's thread count set to `n` for the block, restored after (bit patterns of CPU

@@ -172,7 +172,8 @@ def _gemm_probe(device, n, rows, cols, ns_coefficients, ns_steps, gen) -> bool:
     trials = min(GEMM_PROBE_MAX_TRIALS,
                  max(GEMM_PROBE_MIN_TRIALS, -(-GEMM_PROBE_ELEMENTS // per_trial)))
     for _ in range(trials):
-        g = torch.randn(n, rows, cols, generator=gen, dtype=torch.float32).to(device=device, dtype=torch.bfloat16)
+        g = torch.randn(n, rows, cols, generator=gen, dtype=torch.float32).to(
+            device=device, dtype=torch.bfloat16)
         x = g.mT if rows > cols else g
         xs = [m.T if rows > cols else m for m in g]  # the per-matrix step's views
         norms = torch.stack([m.norm() for m in x]).view(-1, 1, 1)

@@ -156,7 +156,8 @@ def _flat_multiply_probe(device, dtype, coef_dtype, finite) -> bool:
         total += -(-n // align) * align
     gen = torch.Generator().manual_seed(99)
     if finite:
-        coefs = torch.rand(13, generator=gen, dtype=torch.float32).tolist() + [1.0, 0.5, 1e-6, 0.0, -0.5, 3.0]
+        coefs = (torch.rand(13, generator=gen, dtype=torch.float32).tolist()
+                 + [1.0, 0.5, 1e-6, 0.0, -0.5, 3.0])
     else:
         coefs = [float("inf"), float("-inf"), float("nan"), -float("nan"), ALL_ONES_NAN]
     verdict = True

@@ -50,8 +50,8 @@ def fused_vector_unit() -> int | None:
     f32 = dict(dtype=torch.float32)
     _compat.fused_adamw_one_group(
         [torch.zeros(n, **f32)], [torch.full((n,), float("nan"), **f32)], [torch.zeros(n, **f32)],
-        [torch.zeros(n, **f32)], [vmax], [torch.tensor(0.0, **f32)], amsgrad=True, beta1=0.9, beta2=0.999, lr=1e-3,
-        weight_decay=0.0, eps=1e-8, maximize=False)
+        [torch.zeros(n, **f32)], [vmax], [torch.tensor(0.0, **f32)], amsgrad=True, beta1=0.9,
+        beta2=0.999, lr=1e-3, weight_decay=0.0, eps=1e-8, maximize=False)
     bits = vmax.view(torch.int32).tolist()
     body = sum(1 for b in bits if b == -1)
     if bits[:body] != [-1] * body or any(b != 0 for b in bits[body:]):
