@@ -105,6 +105,13 @@ def decay_kind(group: dict) -> str:
     return "decay" if group.get("decoupled_weight_decay", True) else "l2-decay"
 
 
+def fused_flags_accepted(group: dict) -> bool:
+    """Whether native's fused AdamW kernel (`torch._fused_adamw_`) takes the group's
+    ``maximize`` and ``amsgrad`` as they are: it accepts Python bools only (anything else is its
+    TypeError, which the functional path raises as native's step does)."""
+    return type(group.get("maximize")) is bool and type(group.get("amsgrad")) is bool
+
+
 def has_nan_scalar(group: dict) -> bool:
     """Whether lr (a float or a CPU tensor), a beta, eps or the weight decay is NaN: ATen's
     vector body and scalar tail then keep different NaNs (`lerp_` with a NaN weight), so no

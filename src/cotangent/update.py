@@ -383,7 +383,7 @@ def run_native(opt: AdamW, call: Call, grad_scale, found_inf) -> None:
     p, group = call.params[0], call.group
     direct = False
     if (call.kind == "fused" and grad_scale is None and found_inf is None
-            and type(group["maximize"]) is bool and type(group["amsgrad"]) is bool
+            and merge.fused_flags_accepted(group)
             and all(s.dtype is torch.float32 and s.device == p.device for s in call.steps)):
         # (other step tensors or flags: native's functional path, and its checks and errors)
         key = (p.device, p.dtype, bool(group["amsgrad"]), bool(group["maximize"]),

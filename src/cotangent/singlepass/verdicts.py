@@ -15,7 +15,7 @@ import warnings
 import torch
 from torch import Tensor
 
-from cotangent import _compat, calibration, tensorlists
+from cotangent import _compat, calibration, merge, tensorlists
 from cotangent.singlepass import kernel, passes, probes, work
 
 
@@ -138,8 +138,7 @@ def static_refusal(kind: str, device: torch.device, dtype: torch.dtype,
                 f"bfloat16 only)")
     if kind == "fused" and dtype != torch.float32:
         return "fused AdamW over bfloat16 runs natively (the single pass has its float32 bits)"
-    if kind == "fused" and not (type(group.get("maximize")) is bool
-                                and type(group.get("amsgrad")) is bool):
+    if kind == "fused" and not merge.fused_flags_accepted(group):
         return ("fused AdamW with a maximize or amsgrad that is not a bool runs natively "
                 "(native's fused kernel takes bools only: its error)")
     if not group.get("decoupled_weight_decay", True):
