@@ -727,6 +727,95 @@ def test_the_replayed_step_follows_switches_threads_and_float_modes(impl, monkey
     assert seen[6:] == [False, False, False, True], seen
 
 
+# COTANGENT_SINGLE_PASS written after a plan was made -> whether the single pass stays on: the
+# replay follows the variable's text as planned, so any new text sends the step to the full
+# one, which reads it (`switched_on`) and plans anew where the pass ran
+SWITCH_VALUES = {"1": True, "yes": True, " ON ": True, "0": False, "off": False,
+                 "FALSE": False, " no ": False}
+
+
+@pytest.mark.parametrize("value", list(SWITCH_VALUES))
+@pytest.mark.parametrize("impl", list(IMPLS))
+def test_the_replayed_step_reads_the_switch_as_the_full_step(impl, value, monkeypatch):
+    """Whatever is written into ``COTANGENT_SINGLE_PASS`` between steps, the next step runs
+    as the full step would (the pass where the variable leaves it on, native's calls where it
+    switches it off) and native's bytes throughout (CPU, float32, torch 2.13.0)."""
+    monkeypatch.delenv("COTANGENT_SINGLE_PASS", raising=False)
+    m1, ref, m2, opt = pair(impl=impl)
+    paths = []
+
+    def edit(step, side):
+        if step == 3 and side[1] is opt:
+            monkeypatch.setenv("COTANGENT_SINGLE_PASS", value)
+
+    lockstep(m1, ref, m2, opt, 6, f"switch {value!r} ({impl})", edit=edit,
+             after_step=lambda step: paths.append(opt.update_path()))
+    assert [p["replayed"] for p in paths[:3]] == [False, False, True], paths
+    assert not paths[3]["replayed"], paths[3]  # (the full step reads the new text)
+    on = SWITCH_VALUES[value]
+    assert [p["path"] for p in paths[3:]] == ["single-pass" if on else "native"] * 3, paths
+    assert [p["replayed"] for p in paths[4:]] == [on, on], paths
+
+
+FORKED_CHILD = """
+import copy, json, sys
+import torch, torch.multiprocessing as mp
+import cotangent
+from bitwise import same_bits
+from cases import HP, lockstep, mlp, square
+m1 = mlp()
+m2 = copy.deepcopy(m1)
+ref = cotangent.ReferenceUpdate(m1.parameters(), max_norm=0.05, foreach=True, **HP)
+opt = cotangent.AdamW(m2.parameters(), max_norm=0.05, foreach=True, **HP)
+lockstep(m1, ref, m2, opt, 3, "before the fork")
+planned = opt.update_path()["replayed"]
+for m, o in ((m1, ref), (m2, opt)):
+    o.zero_grad()
+    square(m, torch.ones(4, 8), 0).backward()
+
+def child(queue):
+    ref.step()
+    opt.step()
+    pairs = list(zip(m1.parameters(), m2.parameters()))
+    same = all(same_bits(a, b) and same_bits(a.grad, b.grad) for a, b in pairs)
+    same = same and all(same_bits(ref.optimizer.state[a][k], opt.state[b][k])
+                        for a, b in pairs for k in ("exp_avg", "exp_avg_sq", "step"))
+    path = opt.update_path()
+    queue.put(dict(same=same, replayed=path["replayed"], path=path["path"]))
+
+ctx = mp.get_context("fork")
+queue = ctx.SimpleQueue()
+proc = ctx.Process(target=child, args=(queue,))
+proc.start()
+proc.join(timeout=90)
+if proc.is_alive():
+    proc.kill()
+    sys.exit("the forked child did not finish within 90 s")
+print(json.dumps(dict(queue.get(), planned=planned, exitcode=proc.exitcode)))
+"""
+
+
+def test_a_forked_child_does_not_replay_its_parents_plan():
+    """A process forked after the parent's step made a plan (the Hogwild / A3C pattern) steps
+    natively (the kernel's OpenMP runtime is the parent's): the plan is not replayed, and the
+    child's step gives native's bytes (CPU, float32, foreach, torch 2.13.0). Run in a fresh
+    interpreter, gradients from the parent's backward, foreach only: with plain torch, a
+    backward or a fused AdamW step in a forked child hangs here, and so does a foreach step
+    once the parent has run torch's own OpenMP regions (as earlier tests of this session do)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([here, os.environ.get("PYTHONPATH", "")]))
+    done = subprocess.run([sys.executable, "-c", FORKED_CHILD], capture_output=True, text=True,
+                          timeout=240, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got == dict(same=True, replayed=False, path="native", planned=True, exitcode=0), got
+
+
 @pytest.mark.parametrize("mode_kind", ["function", "dispatch"])
 @pytest.mark.parametrize("impl", list(IMPLS))
 def test_a_torch_mode_active_at_the_step_sees_natives_ops(impl, mode_kind):

@@ -2,8 +2,8 @@
 tensor where the user and autograd left it.
 
 This module is the optimizer's surface: construction, `step()` (torch's hooks around
-`cotangent.update.update`, the whole step read top to bottom: gather, clip, plan, multiply,
-update), `zero_grad()`, `clip_grad_norm_()`, state dicts, pickling, ZeRO-1's consolidation.
+`run_step`: the last step's plan replayed, `cotangent.replay`, or `cotangent.update.update`,
+the whole step read top to bottom: gather, clip, plan, multiply, update), `zero_grad()`, `clip_grad_norm_()`, state dicts, pickling, ZeRO-1's consolidation.
 What a step works on is gathered and checked in `cotangent.gather`; the clip is
 `cotangent.clip.clip_norm`; the kernel is `cotangent.singlepass`. Nothing is packed, copied
 or tracked (ZeRO-1's broadcast buckets aside: `cotangent.sharding`): after `zero_grad()` every
@@ -18,7 +18,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from cotangent import _compat, dtensor, gather, sharding, tensorlists, update
+from cotangent import _compat, dtensor, gather, replay, sharding, tensorlists, update
 from cotangent.clip import ClipRecord
 from cotangent.clip_order import (
     check_clip_order_known,
@@ -49,6 +49,22 @@ def _live(opt: AdamW) -> AdamW:
         raise RuntimeError(f"{type(opt).__name__} was not initialised (AdamW.__init__ did not "
                            "run) and forwards to no cotangent.AdamW")
     return live
+
+
+def run_step(opt: AdamW, closure, clip: bool):
+    """The body of `AdamW.step` between torch's step pre- and post-hooks, under
+    ``torch.no_grad()`` as native AdamW's step: the last step's plan replayed in one C++ call
+    where everything it assumed still holds (`cotangent.replay.replay`), else the full step
+    (`cotangent.update.update`: gather, clip, plan, multiply, the AdamW calls), which leaves a
+    plan for the next. `clip`: whether this step clips. Returns the closure's loss, or None."""
+    with _compat.grad_disabled():
+        _compat.graph_capture_health_check(opt)
+        replayed = replay.replay(opt, closure, clip) if opt._replay is not None else None
+        if replayed is None:
+            return update.update(opt, closure, clip)
+        n, clip_in_pass = replayed
+        opt._path = update.Path(n, 0, (), n if clip_in_pass else 0, replayed=True)
+        return None
 
 
 def _refusal(p: Tensor) -> str | None:
@@ -261,7 +277,8 @@ class AdamW(_ZeroOneMethods, torch.optim.AdamW):
         if (live := _live(self)) is not self:
             return live.step(closure)
         _compat.refuse_under_compile("cotangent.AdamW.step()")
-        check_clip_order_known(self.param_groups, self.max_norm, self._clip_order_params)
+        if len(self.param_groups) > 1:  # (only two or more groups can make the order unknown)
+            check_clip_order_known(self.param_groups, self.max_norm, self._clip_order_params)
         clip = self.max_norm is not None
         if clip and closure is None and _compat.has_step_pre_hooks(self):
             # a native loop clips before opt.step(), whose pre-hooks then see clipped gradients
@@ -269,7 +286,7 @@ class AdamW(_ZeroOneMethods, torch.optim.AdamW):
             clip = False
         args = (self,) if closure is None else (self, closure)
         return _compat.run_with_step_hooks(
-            self, lambda closure=None: update.update(self, closure, clip), args, {})
+            self, lambda closure=None: run_step(self, closure, clip), args, {})
 
     _compat.mark_step_hooked(step)  # torch must not wrap it again: it runs the hooks itself
 

@@ -323,17 +323,15 @@ def fold_rule(cut: StepClip | None, dtype: torch.dtype, grads: list[Tensor]) -> 
             and cut.covers(grads))
 
 
+@dataclass(slots=True)
 class SeenGradients:
     """The gradients a clip saw, in order, none kept alive (a gradient is freed by
     ``zero_grad()`` as with native code): `cotangent.tensorlists.gradient_set`'s record where
-    it is compiled, else weak references (the same answers)."""
+    it is compiled (`_set`, which the replayed step makes in C++), else weak references
+    (`_refs`; the same answers). Made by `seen_gradients`."""
 
-    __slots__ = ("_set", "_refs")
-
-    def __init__(self, grads: list[Tensor]) -> None:
-        make = tensorlists.gradient_set()
-        self._set = make(grads) if make is not None else None
-        self._refs = None if self._set is not None else list(map(weakref.ref, grads))
+    _set: object | None
+    _refs: list | None = None
 
     def same(self, grads: list[Tensor]) -> bool:
         """Whether `grads` are these gradients: the same tensors, in order."""
@@ -371,7 +369,15 @@ def record_clip(opt: AdamW, total: Tensor, grads: list[Tensor], *, apart: bool) 
     or before step pre-hooks), which the next `step()` must not repeat (`clipped_already`); a
     step's own clip is never skipped by the next step (native's loop clips at every step, even
     on unchanged gradients)."""
-    opt._last_clip = ClipRecord(total, SeenGradients(grads), apart)
+    opt._last_clip = ClipRecord(total, seen_gradients(grads), apart)
+
+
+def seen_gradients(grads: list[Tensor]) -> SeenGradients:
+    """`grads` as a `SeenGradients` record (compiled where `tensorlists.gradient_set` is)."""
+    make = tensorlists.gradient_set()
+    if make is not None:
+        return SeenGradients(make(grads))
+    return SeenGradients(None, list(map(weakref.ref, grads)))
 
 
 def step_done(opt: AdamW) -> None:

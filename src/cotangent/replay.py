@@ -17,12 +17,15 @@ tensor sizes, the team and its float modes, the thread count, the clip coefficie
 whose verdict it asks of `Step.decide` once). Anything else declines, before anything is
 modified, and the full step runs and remembers anew. `replay` checks what only Python sees
 first: the param groups, the optimizer's clip settings, a closure, a clip apart from the step,
-the switches and modes (`Step.off`), the kernel build and the verdict cache.
+the switch's text and torch modes (what `singlepass.verdicts.off_reason` reads), a fork, the
+kernel build and the verdict cache: every function a replayed step calls lives in this module,
+`cotangent.adamw` (`run_step`) or `cotangent._compat`, then in C++.
 """
 
 from __future__ import annotations
 
 import ctypes
+import os
 import struct
 from collections import defaultdict
 from dataclasses import dataclass
@@ -30,9 +33,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from cotangent import singlepass, tensorlists
-from cotangent.clip import record_clip, step_done
+from cotangent import _compat, singlepass, tensorlists
+from cotangent.clip import ClipRecord, SeenGradients
 from cotangent.clip_order import PARAM_GROUPS
+from cotangent.singlepass.verdicts import ENV_SWITCH
 
 if TYPE_CHECKING:
     from cotangent.adamw import AdamW
@@ -60,6 +64,7 @@ class Plan:
     clip_order: object  # opt._clip_order_params (compared by identity)
     build: object  # the kernel build then (`singlepass.kernel._BUILD`)
     generation: int  # `singlepass.verdicts.GENERATION` then
+    switch: str | None  # ``COTANGENT_SINGLE_PASS`` then (`singlepass.verdicts.switched_on`)
 
 
 def _max_norm(opt: AdamW) -> bytes | None:
@@ -136,40 +141,38 @@ def remember(opt: AdamW, calls: list[Call], cut: StepClip | None, clip: bool,
         team_fn=_address(lib.cot_singlepass_team), adamw_fn=_address(lib.cot_singlepass_adamw)))
     return Plan(compiled, opt.param_groups, group, kind, clip, _max_norm(opt),
                 opt.error_if_nonfinite, opt._clip_order_params, singlepass.kernel._BUILD,
-                singlepass.verdicts.GENERATION)
+                singlepass.verdicts.GENERATION, os.environ.get(ENV_SWITCH))
 
 
 def replay(opt: AdamW, closure, clip: bool) -> tuple[int, bool] | None:
     """Run this step as the last one's `Plan` says, and record its clip as the full step does:
     returns (parameters updated, whether the clip multiply ran in the pass); or modify nothing
-    and return None, leaving the step to the full one: no plan, a closure, other param groups,
-    clip settings, state container, switches, kernel build or verdicts, a clip apart from the
-    step to honour, or a check of `tensorlists.Replay.run` failing."""
+    and return None, leaving the step to the full one: a closure, other param groups, clip
+    settings or state container, the single pass switched (``COTANGENT_SINGLE_PASS`` as it was
+    when planned) or a torch mode active (as `singlepass.verdicts.off_reason`), a forked
+    process, another kernel build or verdicts, a clip apart from the step to honour, or a check
+    of `tensorlists.Replay.run` failing. Everything it calls lives here or in `_compat`."""
     p = opt._replay
-    if p is None or closure is not None or p.clip != clip or opt.param_groups is not p.groups:
+    if closure is not None or p.clip != clip or opt.param_groups is not p.groups:
         return None
     if (len(p.groups) != 1 or p.groups[0] is not p.group or not _same_settings(opt, p)
             or type(opt.state) not in (dict, defaultdict)
-            or singlepass.kernel._BUILD is not p.build
+            or os.environ.get(ENV_SWITCH) != p.switch or _compat.torch_modes_active()
+            or singlepass.kernel._FORKED or singlepass.kernel._BUILD is not p.build
             or singlepass.verdicts.GENERATION != p.generation):
         return None
     last = opt._last_clip
     if last is not None and last.apart:
-        return None
-    step = singlepass.Step()
-    if step.off() is not None:
-        return None
+        return None  # (else a clip apart was used up already: nothing to record of it)
     kind, group = p.kind, p.group
-    out = p.compiled.run(opt.state, lambda coef: step.decide(
+    out = p.compiled.run(opt.state, lambda coef: singlepass.Step().decide(
         kind, group, coef, torch.float32) is None)
     if out is None:
         return None
-    total, _, grads, clip_in_pass = out
-    if clip:
-        record_clip(opt, total, grads, apart=False)
-    else:
-        step_done(opt)
-    return len(grads), clip_in_pass
+    total, seen, n, clip_in_pass = out
+    if clip:  # (as `clip.record_clip`, with the gradient set made in C++)
+        opt._last_clip = ClipRecord(total, SeenGradients(seen), apart=False)
+    return n, clip_in_pass
 
 
 def replayer_available() -> bool:

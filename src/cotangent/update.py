@@ -1,8 +1,8 @@
 """The body of `cotangent.AdamW.step()`: ``clip_grad_norm_`` then AdamW, read top to bottom.
 
-`update` is the whole step. Where the last step's decisions still hold, it replays them in one
-C++ call (`cotangent.replay`); otherwise it runs the full step, in five parts, and remembers
-its decisions for the next:
+`update` is the whole step, in five parts; it remembers its decisions for the next step, which
+replays them in one C++ call where they still hold (`cotangent.replay`, called first by
+`cotangent.adamw.run_step`):
 
 1. gather: this step's AdamW calls, one per (param group, device, dtype), with native's lists
    read where the user and autograd left them, and everything checked (`cotangent.gather`:
@@ -52,86 +52,80 @@ class Path:
 
 
 def update(opt: AdamW, closure, clip: bool):
-    """One step of `opt` between torch's step pre- and post-hooks, under ``torch.no_grad()``
-    (as native AdamW's step): the closure (if any), the clip (if `clip`) and the AdamW update.
-    Returns the closure's loss, or None.
+    """The full step of `opt` (`cotangent.adamw.run_step` calls it between torch's step pre-
+    and post-hooks, under ``torch.no_grad()`` as native AdamW's step, where the last step's
+    plan does not replay): the closure (if any), the clip (if `clip`) and the AdamW update;
+    then the plan the next step may replay (`cotangent.replay.remember`). Returns the
+    closure's loss, or None.
 
     Raises: see `cotangent.AdamW`; nothing is modified before an error is raised.
     """
-    with _compat.grad_disabled():
-        _compat.graph_capture_health_check(opt)
-        # the last step's decisions, where they still hold (one C++ call: `cotangent.replay`)
-        replayed = replay.replay(opt, closure, clip) if opt._replay is not None else None
-        if replayed is not None:
-            n, clip_in_pass = replayed
-            opt._path = Path(n, 0, (), n if clip_in_pass else 0, replayed=True)
-            return None
-        opt._replay = None
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        grad_scale = getattr(opt, "grad_scale", None)
-        found_inf = getattr(opt, "found_inf", None)
-        step = singlepass.Step()
-        # 1. gather: every call's lists, checked (ZeRO-1: every rank's checks, agreed below)
-        calls, fresh, agreement = gather.gather(opt)
-        # (the clip order's gradients are the calls', checked in C++: `calls_are_clip_order`)
-        whole = gather.calls_are_clip_order(opt, calls)
-        # 2. clip: the clip order's gradients, their total norm and coefficient
-        order = gather.clip_grads(opt, calls if whole else None) if clip else None
-        spread = None if order is None or whole else dtensor.clip_mesh_gradient(order)
-        if spread is not None:
-            if grad_scale is not None or found_inf is not None:
-                raise RuntimeError("GradScaler state (grad_scale / found_inf) with DTensor "
-                                   "gradients: not followed by cotangent.AdamW")
-            order = list(map(dtensor.local, order))  # (the clip reduces their norms)
-        if order is not None and clipped_already(opt, order):
-            order = None  # clip_grad_norm_() clipped these gradients
-        if order is not None and not whole:
-            refuse_unmultipliable(opt, order)  # (native's multiply would raise mid-clip)
-        if order is not None and grad_scale is not None:
-            sharding.finish_agree(agreement)
-            agreement = None
-            # fused AdamW under GradScaler gets scaled gradients and the scale; native code clips
-            # after `scaler.unscale_`: unscale first (GradScaler's arithmetic), update unscaled
-            _compat.unscale_grads_(order, grad_scale)
-            grad_scale = None
-        scaled = grad_scale is not None or found_inf is not None
-        cut = None
-        if order is not None:
-            early = prepare_early(opt, calls, order) if not fresh else None
-            cut = clip_norm(opt, order, fold=not scaled, prepared=early, step=step,
-                            spread=spread, distinct=whole and order is calls[0].grads)
-        sharding.finish_agree(agreement)  # (ZeRO-1: every rank's checks passed)
-        gather.create_state(opt, fresh)
-        # 3. plan: the calls the single pass takes, with or without the clip multiply
-        extra: list[Call] = []
-        for call in calls:
-            plan_kernel(opt, call, cut, step, allowed=not scaled, extra=extra)
-        calls += extra
-        kernels = any(c.kernel is not None for c in calls)
-        disjoint = (kernels or opt._shares is not None) and memory_disjoint(calls, cut)
-        if kernels and not disjoint:
-            calls = gather.in_native_order(opt, calls)
-        # 4. the clip multiply of the gradients no pass multiplies
-        later = []
-        if cut is not None and not (len(calls) == 1 and calls[0].clip_in_pass
-                                    and calls[0].grads is cut.grads):  # (else: all in the pass)
-            later = multiply_rest(opt, calls, cut, disjoint)
-        # 5. the AdamW calls
-        if opt._shares is None:
-            path = run_calls(opt, calls, cut, step, grad_scale, found_inf)
-        else:
-            path = run_sharded(opt, calls, cut, step, grad_scale, found_inf, later)
-        if cut is not None:
-            record_clip(opt, cut.total, cut.grads, apart=False)
-        else:
-            step_done(opt)  # (a clip apart from this step is used up)
-        opt._path = path
-        if replay.replayer_available():
-            opt._replay = replay.remember(opt, calls, cut, clip, step, path.single_pass)
-        return loss
+    opt._replay = None
+    loss = None
+    if closure is not None:
+        with torch.enable_grad():
+            loss = closure()
+    grad_scale = getattr(opt, "grad_scale", None)
+    found_inf = getattr(opt, "found_inf", None)
+    step = singlepass.Step()
+    # 1. gather: every call's lists, checked (ZeRO-1: every rank's checks, agreed below)
+    calls, fresh, agreement = gather.gather(opt)
+    # (the clip order's gradients are the calls', checked in C++: `calls_are_clip_order`)
+    whole = gather.calls_are_clip_order(opt, calls)
+    # 2. clip: the clip order's gradients, their total norm and coefficient
+    order = gather.clip_grads(opt, calls if whole else None) if clip else None
+    spread = None if order is None or whole else dtensor.clip_mesh_gradient(order)
+    if spread is not None:
+        if grad_scale is not None or found_inf is not None:
+            raise RuntimeError("GradScaler state (grad_scale / found_inf) with DTensor "
+                               "gradients: not followed by cotangent.AdamW")
+        order = list(map(dtensor.local, order))  # (the clip reduces their norms)
+    if order is not None and clipped_already(opt, order):
+        order = None  # clip_grad_norm_() clipped these gradients
+    if order is not None and not whole:
+        refuse_unmultipliable(opt, order)  # (native's multiply would raise mid-clip)
+    if order is not None and grad_scale is not None:
+        sharding.finish_agree(agreement)
+        agreement = None
+        # fused AdamW under GradScaler gets scaled gradients and the scale; native code clips
+        # after `scaler.unscale_`: unscale first (GradScaler's arithmetic), update unscaled
+        _compat.unscale_grads_(order, grad_scale)
+        grad_scale = None
+    scaled = grad_scale is not None or found_inf is not None
+    cut = None
+    if order is not None:
+        early = prepare_early(opt, calls, order) if not fresh else None
+        cut = clip_norm(opt, order, fold=not scaled, prepared=early, step=step,
+                        spread=spread, distinct=whole and order is calls[0].grads)
+    sharding.finish_agree(agreement)  # (ZeRO-1: every rank's checks passed)
+    gather.create_state(opt, fresh)
+    # 3. plan: the calls the single pass takes, with or without the clip multiply
+    extra: list[Call] = []
+    for call in calls:
+        plan_kernel(opt, call, cut, step, allowed=not scaled, extra=extra)
+    calls += extra
+    kernels = any(c.kernel is not None for c in calls)
+    disjoint = (kernels or opt._shares is not None) and memory_disjoint(calls, cut)
+    if kernels and not disjoint:
+        calls = gather.in_native_order(opt, calls)
+    # 4. the clip multiply of the gradients no pass multiplies
+    later = []
+    if cut is not None and not (len(calls) == 1 and calls[0].clip_in_pass
+                                and calls[0].grads is cut.grads):  # (else: all in the pass)
+        later = multiply_rest(opt, calls, cut, disjoint)
+    # 5. the AdamW calls
+    if opt._shares is None:
+        path = run_calls(opt, calls, cut, step, grad_scale, found_inf)
+    else:
+        path = run_sharded(opt, calls, cut, step, grad_scale, found_inf, later)
+    if cut is not None:
+        record_clip(opt, cut.total, cut.grads, apart=False)
+    else:
+        step_done(opt)  # (a clip apart from this step is used up)
+    opt._path = path
+    if replay.replayer_available():
+        opt._replay = replay.remember(opt, calls, cut, clip, step, path.single_pass)
+    return loss
 
 
 def clip_apart(opt: AdamW) -> Tensor:

@@ -557,8 +557,8 @@ class Replay {
   // The step, or None having modified nothing. `state`: the optimizer's state dict;
   // `decide(coef)`: whether the single pass may take the update with the clip multiply by
   // `coef` (None: without it), asked once per class of coefficient (the full step's
-  // `Step.decide`). Returns (total norm, clip coefficient, gradients, clip in pass) with the
-  // clip, else (None, None, gradients, False).
+  // `Step.decide`). Returns (total norm, the clipped gradients as a `GradientSet`, parameters
+  // updated, clip in pass) with the clip, else (None, None, parameters updated, False).
   py::object run(py::object state, py::object decide) {
     // 1. the settings as planned
     if (at::get_num_threads() != threads_ || !group_unchanged()) return py::none();
@@ -592,7 +592,7 @@ class Replay {
     // 3. the clip: norms and team in one region, the total and coefficient as clip_grad_norm_
     // (`singlepass.clip_scalars`; the plan holds where the norm probe proved both)
     std::vector<int> team(threads_ + 1, 0);
-    py::object total = py::none(), coef = py::none();
+    py::object total = py::none();
     double value = 0.0;
     bool clip_in_pass = false, identity = false;
     if (clip_) {
@@ -608,7 +608,6 @@ class Replay {
         return py::none();  // (the full step raises native's error)
       }
       total = py::cast(t);
-      coef = py::cast(c);
       identity = value == 1.0 && !(team_modes_[0] & 0x8040);
       if (value != value ||
           (!identity && !allowed(scalar_class(value), decide, py::float_(value)))) {
@@ -654,7 +653,8 @@ class Replay {
       if (amsgrad_) bump(got[6].cast<py::list>());
       if (weight_decay_ != 0) bump(params_list);
     }
-    return py::make_tuple(total, coef, grads, clip_in_pass);
+    return py::make_tuple(total, clip_ ? py::cast(GradientSet(grads)) : py::none(),
+                          static_cast<int64_t>(n), clip_in_pass);
   }
 
  private:
