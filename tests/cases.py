@@ -20,11 +20,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import cotangent
-from bitwise import assert_same_bits, assert_same_update
+from bitwise import assert_same_bits, assert_same_update, same_bits
 from cotangent.harness.model import build_model
 from cotangent.harness.packed import PackedAdamW
 
 HP = dict(lr=5e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+MAX_NORM = 0.05  # below the gradient norms of these models: clipping is active
 IMPLS = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}
 ALL = tuple(IMPLS)
 
@@ -301,69 +302,210 @@ def run_case(case: Case, impl: str) -> set[str]:
                     after_step=case.schedule(ref.optimizer, opt) if case.schedule else None)
 
 
+class Side:
+    """One arm of a lockstep run: its model, the optimizers it steps (compared after every
+    point), the total norms of its clips, anything else it compares (`extra`: losses, EMA
+    weights) and what it observed (`seen`, see `OBSERVATIONS`). A pattern is written once, as
+    a generator over a side, the way user code is written: `adamw` builds
+    `torch.optim.AdamW` on the native side and `cotangent.AdamW` (which clips in `step()`) on
+    the other; `clip` is native code's `clip_grad_norm_` call; `step` is both."""
+
+    def __init__(self, model: nn.Module, native: bool, impl: str = "fused",
+                 opts: tuple = ()) -> None:
+        self.model, self.native, self.impl = model, native, impl
+        self.opts: list = list(opts)  # compared after every point
+        self.norms: list = []  # one per clipped step
+        self.extra: dict = {}  # anything else the pattern compares (tensors)
+        self.seen: set[str] = set()
+
+    def adamw(self, params, *, max_norm=MAX_NORM, clip_order=None, **kw):
+        """`torch.optim.AdamW(params, ...)` natively; `cotangent.AdamW(params, ...,
+        max_norm=max_norm, clip_order=clip_order)` on the Cotangent side."""
+        kw = {**HP, **IMPLS[self.impl], **kw}
+        if self.native:
+            opt = torch.optim.AdamW(params, **kw)
+        else:
+            opt = cotangent.AdamW(params, max_norm=max_norm, clip_order=clip_order, **kw)
+        self.opts.append(opt)
+        return opt
+
+    def clip(self, params=None) -> None:
+        """Where native code calls `clip_grad_norm_(model.parameters(), MAX_NORM)`."""
+        if self.native:
+            params = self.model.parameters() if params is None else params
+            self.norms.append(torch.nn.utils.clip_grad_norm_(params, MAX_NORM))
+
+    def stepped(self, opt) -> None:
+        """After a clipping `opt.step()`: the norm Cotangent's step computed."""
+        if not self.native:
+            self.norms.append(opt.last_total_norm)
+
+    def step(self, opt, params=None) -> None:
+        self.clip(params)
+        opt.step()
+        self.stepped(opt)
+
+    @staticmethod
+    def batch(i: int, rows: int = 4):
+        gen = torch.Generator().manual_seed(1000 + i)
+        return torch.randn(rows, 8, generator=gen), torch.randn(rows, 8, generator=gen)
+
+    def loss(self, x, y, model=None):
+        return F.mse_loss((self.model if model is None else model)(x), y)
+
+
+def _same_value(a, b) -> bool:
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        return torch.is_tensor(a) and torch.is_tensor(b) and same_bits(a, b)
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(map(_same_value, a, b))
+    return type(a) is type(b) and (a == b or (a != a and b != b))
+
+
+def compare(native: Side, ours: Side, what: str) -> int:
+    """Everything the two sides hold, byte for byte (`bitwise.assert_same_update`, the one byte
+    comparison): every total norm, parameter, gradient and state entry, every param group's
+    hyperparameters, the extras. Returns the number of comparisons."""
+    # the clip norm first: a difference there is the cause of the others
+    assert len(native.norms) == len(ours.norms), f"{what}: clip count"
+    for i, (a, b) in enumerate(zip(native.norms, ours.norms)):
+        assert_same_bits(a, b, f"{what}: total norm of clip {i}")
+    named1 = list(native.model.named_parameters())
+    named2 = list(ours.model.named_parameters())
+    assert [n for n, _ in named1] == [n for n, _ in named2], what
+    names = [n for n, _ in named1]
+    index1 = {id(p): i for i, (_, p) in enumerate(named1)}
+    index2 = {id(p): i for i, (_, p) in enumerate(named2)}
+    assert len(native.opts) == len(ours.opts), what
+    state1 = {p: s for o in native.opts for p, s in o.state.items()}
+    state2 = {p: s for o in ours.opts for p, s in o.state.items()}
+    checks = assert_same_update([p for _, p in named1], state1, [p for _, p in named2], state2,
+                                what, names=names)
+    for k, (o1, o2) in enumerate(zip(native.opts, ours.opts)):
+        assert len(o1.param_groups) == len(o2.param_groups), f"{what}: optimizer {k} groups"
+        for gi, (g1, g2) in enumerate(zip(o1.param_groups, o2.param_groups)):
+            assert set(g1) == set(g2), f"{what}: keys of group {gi}: {sorted(set(g1) ^ set(g2))}"
+            assert ([index1.get(id(p), -1) for p in g1["params"]]
+                    == [index2.get(id(p), -1) for p in g2["params"]]), f"{what}: group {gi} params"
+            for key in g1:
+                if key != "params":
+                    assert _same_value(g1[key], g2[key]), (
+                        f"{what}: group {gi} {key}: {g1[key]!r} vs {g2[key]!r}")
+                    checks += 1
+    assert native.extra.keys() == ours.extra.keys(), what
+    for key in native.extra:
+        assert_same_bits(native.extra[key], ours.extra[key], f"{what}: {key}")
+    return checks + len(native.norms) + len(native.extra)
+
+
+def drive(pattern, native: Side, ours: Side, what: str, *, at_point=None) -> int:
+    """The one model-level driver of the parity tests: run ``pattern(side)`` (a generator) on
+    the native side and on Cotangent's in lockstep; at every ``yield`` both sides must hold the
+    same bytes (`compare`), then ``at_point(value)`` runs with the value Cotangent's side
+    yielded. Returns the number of points; the sides must end together."""
+    runs = (pattern(native), pattern(ours))
+    points = 0
+    for _, value in zip(*runs):
+        points += 1
+        assert compare(native, ours, f"{what}, point {points} ({value})") > 0
+        if at_point is not None:
+            at_point(value)
+    assert all(next(r, "done") == "done" for r in runs), f"{what}: the sides ran apart"
+    return points
+
+
 def lockstep(m1, ref, m2, opt, steps: int, what: str, *, loss=square, batch=vector_batch,
              zero_grad: str = "optimizer", micro_batches: int = 1, precision: str = "fp32",
              edit=None, edit_before_backward: bool = False, after_step=None, first: int = 0,
              seed: int = 11) -> set[str]:
-    """The one lockstep loop of the parity tests.
+    """The usual training loop as a pattern, run by `drive` on (model `m1`, native oracle
+    `ref`) and (model `m2`, Cotangent's `opt`).
 
     Steps `first .. first + steps - 1`: zero the gradients (`zero_grad`), run `micro_batches`
-    backwards per step (loss bytes compared, then every gradient), apply `edit(step, (model,
-    optimizer))` to each side if given (after the backward, or before zeroing the gradients
-    with `edit_before_backward`), step the native oracle `ref` and `opt`, compare the
-    total norm and every parameter, gradient and state entry, then call `after_step(step)`.
+    backwards per step (each a point: the loss and every gradient compared), apply
+    ``edit(step, (model, optimizer))`` to each side if given (after the backward, or before
+    zeroing the gradients with `edit_before_backward`; a point), step, compare the total norm
+    and every parameter, gradient and state entry (a point), then call ``after_step(step)``.
     Returns the observations (see `OBSERVATIONS`). `ref` and `opt` may also be plain
     optimizers (native or Cotangent, no clipping), e.g. one resumed from a checkpoint."""
-    names = [n for n, _ in m1.named_parameters()]
-    gen = torch.Generator().manual_seed(seed + first)
     max_norm = getattr(ref, "max_norm", None)
-    ref_opt = getattr(ref, "optimizer", ref)
-    seen: set[str] = set() if max_norm is not None else {"no-clip"}
-    for step in range(first, first + steps):
-        if edit is not None and edit_before_backward:
-            edit(step, (m1, ref_opt))
-            edit(step, (m2, opt))
-        _zero(ref, m1, zero_grad)
-        _zero(opt, m2, zero_grad)
-        for micro in range(micro_batches):
-            x = batch(gen, step)
-            losses = []
-            for m in (m1, m2):
+    native = Side(m1, True, opts=(getattr(ref, "optimizer", ref),))
+    ours = Side(m2, False, opts=(opt,))
+    stepper = {native: ref, ours: opt}
+
+    def loop(side):
+        model, o = side.model, side.opts[0]
+        gen = torch.Generator().manual_seed(seed + first)
+        for step in range(first, first + steps):
+            if edit is not None and edit_before_backward:
+                edit(step, (model, o))
+                yield f"step {step}: edited"
+            _zero(stepper[side], model, zero_grad)
+            for micro in range(micro_batches):
+                x = batch(gen, step)
                 with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
-                    value = loss(m, x, step) / micro_batches
+                    value = loss(model, x, step) / micro_batches
                 value.backward()
-                losses.append(value)
-            assert_same_bits(*losses, f"{what}, step {step}.{micro}: loss")
-            assert_same_update(m1.parameters(), ref_opt.state, m2.parameters(), opt.state,
-                               f"{what}, step {step}.{micro} after backward", names)
-        if edit is not None and not edit_before_backward:
-            edit(step, (m1, ref_opt))
-            edit(step, (m2, opt))
-        if any(p.grad is None for p in m2.parameters() if p.requires_grad):
-            seen.add("skipped")
-        total = ref.step()
-        opt.step()
-        if max_norm is not None:
-            assert_same_bits(total, opt.last_total_norm, f"{what}, step {step}: total norm")
-            seen.add("clip-active" if total > max_norm else "clip-inactive")
-        assert_same_update(m1.parameters(), ref_opt.state, m2.parameters(), opt.state,
-                           f"{what}, step {step}", names)
-        if isinstance(opt, PackedAdamW):
-            calls = opt.call_summary()
-            if calls["calls"] < calls["parameters"]:
-                seen.add("merged")
-            if any(layout["batched_buckets"] for layout in opt.layout_summary()):
-                seen.add("batched-norms")
-        if isinstance(opt, cotangent.AdamW):
-            path = opt.update_path()
-            if path["single_pass"]:
-                seen.add("single-pass")
-            if path["clip_in_pass"]:
-                seen.add("clip-in-pass")
-            if path["replayed"]:
-                seen.add("replayed")
-        if after_step is not None:
-            after_step(step)
+                side.extra["loss"] = value.detach()
+                yield f"step {step}.{micro}: after backward"
+            if edit is not None and not edit_before_backward:
+                edit(step, (model, o))
+                yield f"step {step}: edited"
+            if any(p.grad is None for p in model.parameters() if p.requires_grad):
+                side.seen.add("skipped")
+            total = stepper[side].step()
+            if max_norm is not None:
+                side.norms.append(total if side.native else o.last_total_norm)
+                if side.native:
+                    side.seen.add("clip-active" if total > max_norm else "clip-inactive")
+            observe(o, side.seen)
+            yield step
+
+    def at_point(value):
+        if after_step is not None and isinstance(value, int):
+            after_step(value)
+
+    drive(loop, native, ours, what, at_point=at_point)
+    seen = native.seen | ours.seen | (set() if max_norm is not None else {"no-clip"})
     if {"clip-active", "clip-inactive"} <= seen:  # mixed: neither holds on every step
         seen -= {"clip-active", "clip-inactive"}
     return seen
+
+
+def lockstep_params(params_n, opt_n, params_o, opt_o, steps: int, what: str, *, grads) -> None:
+    """Parameters without a model, run by `drive`: each step ``grads(step)`` (called once per
+    step, its tensors cloned into each side's ``.grad``, in order; None: no gradient), then
+    both optimizers step and every parameter, gradient and state entry is compared."""
+    native = Side(nn.ParameterList(params_n), True, opts=(opt_n,))
+    ours = Side(nn.ParameterList(params_o), False, opts=(opt_o,))
+    drawn: dict = {}
+
+    def loop(side):
+        params, o = list(side.model.parameters()), side.opts[0]
+        for step in range(steps):
+            if step not in drawn:
+                drawn[step] = grads(step)
+            for p, g in zip(params, drawn[step], strict=True):
+                p.grad = None if g is None else g.clone()
+            o.step()
+            yield step
+
+    drive(loop, native, ours, what)
+
+
+def observe(opt, seen: set[str]) -> None:
+    """What Cotangent's optimizer shows after a step (`OBSERVATIONS`)."""
+    if isinstance(opt, PackedAdamW):
+        calls = opt.call_summary()
+        if calls["calls"] < calls["parameters"]:
+            seen.add("merged")
+        if any(layout["batched_buckets"] for layout in opt.layout_summary()):
+            seen.add("batched-norms")
+    if isinstance(opt, cotangent.AdamW):
+        path = opt.update_path()
+        if path["single_pass"]:
+            seen.add("single-pass")
+        if path["clip_in_pass"]:
+            seen.add("clip-in-pass")
+        if path["replayed"]:
+            seen.add("replayed")

@@ -28,6 +28,7 @@ from cotangent.muon_adamw import muon_groups, MuonAdamW, recompile_room
 from cotangent.occurrence import MODES, OccurrenceAggregator
 from torch import nn
 
+import cases
 from bitwise import assert_same_bits, assert_same_update, same_bits
 
 
@@ -65,20 +66,15 @@ def loss_of(model, step, gen):
     return out.square().mean()
 
 
-def lockstep(native, ours, opt_n, opt_o, steps=5, hook=None):
-    gen_n, gen_o = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
-    checks = 0
-    for step in range(steps):
-        for model, opt, gen in ((native, opt_n, gen_n), (ours, opt_o, gen_o)):
-            loss_of(model, step, gen).backward()
-            if hook is not None:
-                hook(model, step)
-            opt.step()
-        checks += assert_same_update(native.parameters(), opt_n.state, ours.parameters(),
-                                     opt_o.state, f"step {step}")
-        for opt in (opt_n, opt_o):
-            opt.zero_grad()
-    return checks
+def lockstep(native, ours, opt_n, opt_o, steps=5, hook=None, *, seed=7, loss=loss_of):
+    """`cases.lockstep` (the one model-level driver) on this file's models: each side's batches
+    from its own generator seeded `seed` (``loss(model, step, gen)``), ``hook(model, step)``
+    after each backward, every parameter, gradient and state entry compared after every step.
+    Returns the observations."""
+    return cases.lockstep(native, opt_n, ours, opt_o, steps, type(opt_o).__name__,
+                          batch=lambda gen, step: gen,
+                          loss=lambda model, gen, step: loss(model, step, gen), seed=seed,
+                          edit=None if hook is None else lambda step, side: hook(side[0], step))
 
 
 def signed_zero_grads(model, step):
@@ -108,8 +104,7 @@ def test_muon_equals_torch_muon(kwargs):
     kw_n = {**kw, "lr": kw["lr"].clone()} if isinstance(kw["lr"], torch.Tensor) else kw
     opt_n = torch.optim.Muon(native.parameters(), **kw_n)
     opt_o = cotangent.Muon(ours.parameters(), **kw)
-    checks = lockstep(native, ours, opt_n, opt_o, hook=signed_zero_grads)
-    assert checks >= 5 * 6 * 3
+    lockstep(native, ours, opt_n, opt_o, hook=signed_zero_grads)
     summary = opt_o.batch_summary()
     batch = next(b for b in summary if b["shape"] == [48, 48])
     assert batch["matrices"] == 3
@@ -273,7 +268,7 @@ def test_comparison_catches_one_ulp():
 
 def _seeded_grads_lockstep(shapes_per_group, steps, kw, scale=1.0, grad_seed=100):
     """Native and cotangent.Muon on parameters (randn * scale) whose gradients are drawn from
-    a seeded generator (no backward); returns the number of tensors compared."""
+    a seeded generator (no backward), through `cases.lockstep_params`."""
     def params():
         g = torch.Generator().manual_seed(1)
         return [[nn.Parameter(torch.randn(*shape, generator=g) * scale) for shape in shapes]
@@ -283,16 +278,13 @@ def _seeded_grads_lockstep(shapes_per_group, steps, kw, scale=1.0, grad_seed=100
     opt_o = cotangent.Muon([{"params": ps} for ps in groups_o], **kw)
     flat_n = [p for ps in groups_n for p in ps]
     flat_o = [p for ps in groups_o for p in ps]
-    checks = 0
-    for step in range(steps):
-        for opt, flat in ((opt_n, flat_n), (opt_o, flat_o)):
-            g = torch.Generator().manual_seed(grad_seed + step)
-            opt.zero_grad()
-            for p in flat:
-                p.grad = torch.randn(p.shape, generator=g)
-            opt.step()
-        checks += assert_same_update(flat_n, opt_n.state, flat_o, opt_o.state, f"step {step}")
-    return checks
+
+    def grads(step):
+        g = torch.Generator().manual_seed(grad_seed + step)
+        return [torch.randn(p.shape, generator=g) for p in flat_n]
+
+    cases.lockstep_params(flat_n, opt_n, flat_o, opt_o, steps, "Muon, seeded gradients",
+                          grads=grads)
 
 
 @pytest.mark.parametrize("n,shape,steps,kw,scale,grad_seed", [
@@ -346,7 +338,7 @@ def test_copies_and_pickles_continue_as_natives_do():
         lockstep(native, ours, opt_n, opt_o, steps=2)
         native2, opt_n2 = copier((native, opt_n))
         ours2, opt_o2 = copier((ours, opt_o))
-        assert lockstep(native2, ours2, opt_n2, opt_o2, steps=2) > 0
+        lockstep(native2, ours2, opt_n2, opt_o2, steps=2)
         lockstep(native, ours, opt_n, opt_o, steps=1)  # the originals go on, untouched
 
 
@@ -355,16 +347,14 @@ def _scripted_lockstep(kw, n, shape, dtype, steps, seed, scales=(1.0,)):
     base = [(torch.randn(*shape, generator=g) * 0.1).to(dtype) for _ in range(n)]
     pn = [nn.Parameter(b.clone()) for b in base]
     po = [nn.Parameter(b.clone()) for b in base]
-    opt_n, opt_o = torch.optim.Muon(pn, **kw), cotangent.Muon(po, **kw)
-    for step in range(steps):
+
+    def grads(step):
         scale = scales[int(torch.randint(len(scales), (1,), generator=g))] if len(
             scales) > 1 else scales[0]
-        grads = [(torch.randn(*shape, generator=g) * scale).to(dtype) for _ in range(n)]
-        for p, q, grad in zip(pn, po, grads):
-            p.grad, q.grad = grad.clone(), grad.clone()
-        opt_n.step()
-        opt_o.step()
-        assert_same_update(pn, opt_n.state, po, opt_o.state, f"step {step}")
+        return [(torch.randn(*shape, generator=g) * scale).to(dtype) for _ in range(n)]
+
+    cases.lockstep_params(pn, torch.optim.Muon(pn, **kw), po, cotangent.Muon(po, **kw), steps,
+                          "Muon, scripted gradients", grads=grads)
 
 
 @pytest.mark.parametrize("case", ["fp16-nan-sign", "fp32-large-values"])
@@ -706,24 +696,8 @@ def special_grads(model, step):
         model.down.weight.grad[2].fill_(-0.0)
 
 
-def lockstep_muon_adamw(ref, ours, opt_r, opt_o, steps=6, hook=special_grads, aggs=None):
-    gens = [torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)]
-    diags = []
-    for step in range(steps):
-        for i, (model, opt, gen) in enumerate(((ref, opt_r, gens[0]), (ours, opt_o, gens[1]))):
-            lm_loss(model, step, gen).backward()
-            if hook is not None:
-                hook(model, step)
-            if aggs:
-                aggs[i].before_step()
-            opt.step()
-            if aggs:
-                diags.append(aggs[i].after_step())
-        assert_same_update(ref.parameters(), opt_r.state, ours.parameters(), opt_o.state,
-                           f"step {step}")
-        for opt in (opt_r, opt_o):
-            opt.zero_grad(set_to_none=True)
-    return diags
+def lockstep_muon_adamw(ref, ours, opt_r, opt_o, steps=6, hook=special_grads):
+    return lockstep(ref, ours, opt_r, opt_o, steps, hook, seed=3, loss=lm_loss)
 
 
 MUON_ADAMW_CASES = [

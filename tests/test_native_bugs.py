@@ -21,6 +21,7 @@ from torch import nn
 import cotangent
 import cotangent.muon as cm
 import cotangent.muon_batched as cmb
+import cases
 from bitwise import assert_same_bits, assert_same_update, same_bits
 from cotangent import _compat, native_bugs
 from cotangent.calibration import sprinkle_special_values
@@ -114,21 +115,15 @@ def seeded_grads(params, dtype, step, seed, specials):
 
 
 def lockstep(kw, specs, dtype, steps, *, seed=0, specials=False):
-    """torch.optim.Muon and cotangent.Muon on equal parameters and seeded gradients; after
-    every step every parameter, gradient and momentum buffer byte-equal.
-    Returns (native params, our optimizer)."""
+    """torch.optim.Muon and cotangent.Muon on equal parameters and seeded gradients through
+    `cases.lockstep_params` (after every step every parameter, gradient and momentum buffer
+    byte-equal). Returns (native params, our optimizer)."""
     gn, go = params_of(specs, dtype, seed), params_of(specs, dtype, seed)
     opt_n = torch.optim.Muon([{"params": ps} for ps in gn], **kw)
     opt_o = cotangent.Muon([{"params": ps} for ps in go], **kw)
     flat_n, flat_o = [p for ps in gn for p in ps], [p for ps in go for p in ps]
-    for step in range(steps):
-        grads = seeded_grads(flat_n, dtype, step, seed, specials)
-        for flat, opt in ((flat_n, opt_n), (flat_o, opt_o)):
-            opt.zero_grad()
-            for p, gr in zip(flat, grads):
-                p.grad = gr.clone()
-            opt.step()
-        assert_same_update(flat_n, opt_n.state, flat_o, opt_o.state, f"step {step}")
+    cases.lockstep_params(flat_n, opt_n, flat_o, opt_o, steps, "Muon",
+                          grads=lambda step: seeded_grads(flat_n, dtype, step, seed, specials))
     return flat_n, opt_o
 
 
@@ -293,7 +288,7 @@ def test_warns_once_per_process():
     assert len(caught) == 1
     message = str(caught[0].message)
     assert BUG in message and "#194664" in message and "nesterov=False" in message
-    assert caught[0].filename == __file__
+    assert caught[0].filename == cases.__file__  # (the line calling opt.step(): the driver's)
     assert native_bugs.warned(BUG)
     assert recorded(lambda: lockstep(dict(lr=0.02, nesterov=False), LONE, BF16, 2)) == []
 

@@ -51,9 +51,7 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn, SWALR
 from torch.utils.checkpoint import checkpoint
 
 from bitwise import assert_same_bits, assert_same_update, same_bits
-
-
-HP = dict(lr=5e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+from cases import compare, drive, HP, MAX_NORM, Side
 
 
 IMPLS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
@@ -70,114 +68,20 @@ def across(variants, *, full=()):
     return pairs + [(ALL[(k + 1) % len(ALL)], v) for k, v in enumerate(rest)]
 
 
-MAX_NORM = 0.05  # below the gradient norms of these models: clipping is active
-
-
 def net() -> nn.Sequential:
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(8, 16), nn.LayerNorm(16), nn.GELU(), nn.Linear(16, 16),
                          nn.GELU(), nn.Linear(16, 8))
 
 
-class Side:
-    """One arm of a pattern: the model, the optimizers it built, the clip norms and extras."""
-
-    def __init__(self, model: nn.Module, native: bool, impl: str) -> None:
-        self.model, self.native, self.impl = model, native, impl
-        self.opts: list[torch.optim.Optimizer] = []  # compared after every step
-        self.norms: list[torch.Tensor | None] = []  # one per clipped step
-        self.extra: dict[str, torch.Tensor] = {}  # anything else the pattern compares
-
-    def adamw(self, params, *, max_norm=MAX_NORM, clip_order=None, **kw):
-        """`torch.optim.AdamW(params, ...)` natively; `cotangent.AdamW(params, ...,
-        max_norm=max_norm, clip_order=clip_order)` on the Cotangent side."""
-        kw = {**HP, **IMPLS[self.impl], **kw}
-        if self.native:
-            opt = torch.optim.AdamW(params, **kw)
-        else:
-            opt = cotangent.AdamW(params, max_norm=max_norm, clip_order=clip_order, **kw)
-        self.opts.append(opt)
-        return opt
-
-    def clip(self, params=None) -> None:
-        """Where native code calls `clip_grad_norm_(model.parameters(), MAX_NORM)`."""
-        if self.native:
-            params = self.model.parameters() if params is None else params
-            self.norms.append(torch.nn.utils.clip_grad_norm_(params, MAX_NORM))
-
-    def stepped(self, opt) -> None:
-        """After a clipping `opt.step()`: the norm Cotangent's step computed."""
-        if not self.native:
-            self.norms.append(opt.last_total_norm)
-
-    def step(self, opt, params=None) -> None:
-        self.clip(params)
-        opt.step()
-        self.stepped(opt)
-
-    @staticmethod
-    def batch(i: int, rows: int = 4):
-        gen = torch.Generator().manual_seed(1000 + i)
-        return torch.randn(rows, 8, generator=gen), torch.randn(rows, 8, generator=gen)
-
-    def loss(self, x, y, model=None):
-        return F.mse_loss((self.model if model is None else model)(x), y)
-
-
-def _same_value(a, b) -> bool:
-    if torch.is_tensor(a) or torch.is_tensor(b):
-        return torch.is_tensor(a) and torch.is_tensor(b) and same_bits(a, b)
-    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
-        return len(a) == len(b) and all(map(_same_value, a, b))
-    return type(a) is type(b) and (a == b or (a != a and b != b))
-
-
-def compare(native: Side, ours: Side, what: str) -> int:
-    """Everything the two sides hold, byte for byte; returns the number of comparisons."""
-    # the clip norm first: a difference there is the cause of the others
-    assert len(native.norms) == len(ours.norms), f"{what}: clip count"
-    for i, (a, b) in enumerate(zip(native.norms, ours.norms)):
-        assert_same_bits(a, b, f"{what}: total norm of clip {i}")
-    named1 = list(native.model.named_parameters())
-    named2 = list(ours.model.named_parameters())
-    assert [n for n, _ in named1] == [n for n, _ in named2], what
-    names = [n for n, _ in named1]
-    index1 = {id(p): i for i, (_, p) in enumerate(named1)}
-    index2 = {id(p): i for i, (_, p) in enumerate(named2)}
-    assert len(native.opts) == len(ours.opts), what
-    state1 = {p: s for o in native.opts for p, s in o.state.items()}
-    state2 = {p: s for o in ours.opts for p, s in o.state.items()}
-    checks = assert_same_update([p for _, p in named1], state1, [p for _, p in named2], state2,
-                                what, names=names)
-    for k, (o1, o2) in enumerate(zip(native.opts, ours.opts)):
-        assert len(o1.param_groups) == len(o2.param_groups), f"{what}: optimizer {k} groups"
-        for gi, (g1, g2) in enumerate(zip(o1.param_groups, o2.param_groups)):
-            assert set(g1) == set(g2), f"{what}: keys of group {gi}: {sorted(set(g1) ^ set(g2))}"
-            assert ([index1.get(id(p), -1) for p in g1["params"]]
-                    == [index2.get(id(p), -1) for p in g2["params"]]), f"{what}: group {gi} params"
-            for key in g1:
-                if key != "params":
-                    assert _same_value(g1[key], g2[key]), (
-                        f"{what}: group {gi} {key}: {g1[key]!r} vs {g2[key]!r}")
-                    checks += 1
-    assert native.extra.keys() == ours.extra.keys(), what
-    for key in native.extra:
-        assert_same_bits(native.extra[key], ours.extra[key], f"{what}: {key}")
-    return checks + len(native.norms) + len(native.extra)
-
-
-def lockstep(pattern, impl: str, what: str, *, make=net, clipped: bool | None = True, **kw):
-    """Run `pattern(side, **kw)` on a native and a Cotangent side from one initial model; every
-    `yield` of the pattern is a point where both sides must hold the same bytes. `clipped`:
-    the clip must have been active (True), there must be no clip (False), or either (None)."""
+def run_pattern(pattern, impl: str, what: str, *, make=net, clipped: bool | None = True, **kw):
+    """Run ``pattern(side, **kw)`` on a native and a Cotangent `Side` from one initial model
+    through `cases.drive` (every ``yield`` of the pattern is a point where both sides must hold
+    the same bytes). `clipped`: the clip must have been active (True), there must be no clip
+    (False), or either (None)."""
     model = make()
     native, ours = Side(model, True, impl), Side(copy.deepcopy(model), False, impl)
-    runs = (pattern(native, **kw), pattern(ours, **kw))
-    steps = 0
-    for _ in zip(*runs):
-        steps += 1
-        assert compare(native, ours, f"{what} [{impl}], step {steps}") > 0
-    assert all(next(r, "done") == "done" for r in runs), f"{what}: the sides ran apart"
+    steps = drive(lambda side: pattern(side, **kw), native, ours, f"{what} [{impl}]")
     assert steps >= 3, what
     if clipped:  # clipping really changed the gradients at least once
         assert any(float(n) > MAX_NORM for n in native.norms), f"{what}: clipping never active"
@@ -230,7 +134,7 @@ def llrd_with_manual_warmup(side, clip_order):
 @pytest.mark.parametrize("impl, clip_order", across(["snapshot", "module", "callable"],
                                                     full=["snapshot"]))
 def test_layerwise_lr_decay_groups_with_manual_warmup(impl, clip_order):
-    lockstep(llrd_with_manual_warmup, impl, "LLRD + warmup", clip_order=clip_order)
+    run_pattern(llrd_with_manual_warmup, impl, "LLRD + warmup", clip_order=clip_order)
 
 
 def dino_schedules(side):
@@ -282,7 +186,7 @@ def dino_schedules(side):
 
 @pytest.mark.parametrize("impl", ALL)
 def test_dino_schedules_per_parameter_clipping_and_cancelled_last_layer(impl):
-    lockstep(dino_schedules, impl, "DINO", clipped=False)
+    run_pattern(dino_schedules, impl, "DINO", clipped=False)
 
 
 def one_cycle(side):
@@ -303,7 +207,7 @@ def one_cycle(side):
 
 @pytest.mark.parametrize("impl", ALL)
 def test_one_cycle_lr_with_cycle_momentum(impl):
-    lockstep(one_cycle, impl, "OneCycleLR")
+    run_pattern(one_cycle, impl, "OneCycleLR")
 
 
 def plateau(side):
@@ -325,7 +229,7 @@ def plateau(side):
 
 @pytest.mark.parametrize("impl", ["foreach", "fused"])
 def test_reduce_lr_on_plateau(impl):
-    lockstep(plateau, impl, "ReduceLROnPlateau")
+    run_pattern(plateau, impl, "ReduceLROnPlateau")
 
 
 def frozen_then_unfrozen(side, set_to_none):
@@ -351,7 +255,7 @@ def frozen_then_unfrozen(side, set_to_none):
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("impl", ALL)
 def test_layer_frozen_at_construction_unfrozen_later(impl, set_to_none):
-    lockstep(frozen_then_unfrozen, impl, "unfrozen later", set_to_none=set_to_none)
+    run_pattern(frozen_then_unfrozen, impl, "unfrozen later", set_to_none=set_to_none)
 
 
 def frozen_mid_run(side, set_to_none):
@@ -375,7 +279,7 @@ def frozen_mid_run(side, set_to_none):
 @pytest.mark.parametrize("set_to_none", [True, False])
 @pytest.mark.parametrize("impl", ALL)
 def test_layer_frozen_mid_run(impl, set_to_none):
-    lockstep(frozen_mid_run, impl, "frozen mid-run", set_to_none=set_to_none)
+    run_pattern(frozen_mid_run, impl, "frozen mid-run", set_to_none=set_to_none)
 
 
 def gradual_unfreezing(side, clip_order):
@@ -409,7 +313,7 @@ def gradual_unfreezing(side, clip_order):
 
 @pytest.mark.parametrize("impl, clip_order", across(["snapshot", "module"], full=["snapshot"]))
 def test_gradual_unfreezing_with_add_param_group(impl, clip_order):
-    lockstep(gradual_unfreezing, impl, "gradual unfreezing", clip_order=clip_order)
+    run_pattern(gradual_unfreezing, impl, "gradual unfreezing", clip_order=clip_order)
 
 
 class LoRALinear(nn.Module):
@@ -457,7 +361,7 @@ def lora_mid_run(side):
 
 @pytest.mark.parametrize("impl", ALL)
 def test_lora_adapters_added_mid_run(impl):
-    lockstep(lora_mid_run, impl, "LoRA")
+    run_pattern(lora_mid_run, impl, "LoRA")
 
 
 def lora_with_trainable_head(side, how):
@@ -485,7 +389,7 @@ def lora_with_trainable_head(side, how):
 
 @pytest.mark.parametrize("impl, how", across(["module", "callable"], full=["module"]))
 def test_lora_with_trainable_head_and_live_clip_order(impl, how):
-    lockstep(lora_with_trainable_head, impl, "LoRA + trainable head", how=how)
+    run_pattern(lora_with_trainable_head, impl, "LoRA + trainable head", how=how)
 
 
 def lora_with_clip_order_snapshot(side):
@@ -512,7 +416,7 @@ def test_lora_added_under_a_clip_order_snapshot(impl):
     """A snapshot does not list the adapters: as native `clip_grad_norm_(snapshot)`, the
     adapters are updated unclipped while the snapshot's gradients are clipped (so no single
     multiply over the whole gradient buffer)."""
-    lockstep(lora_with_clip_order_snapshot, impl, "LoRA under a snapshot")
+    run_pattern(lora_with_clip_order_snapshot, impl, "LoRA under a snapshot")
 
 
 def pruned_mid_run(side, clip):
@@ -542,7 +446,7 @@ def pruned_mid_run(side, clip):
 
 @pytest.mark.parametrize("impl, clip", across(["optimizer", "model"], full=["model"]))
 def test_magnitude_pruning_mid_run(impl, clip):
-    lockstep(pruned_mid_run, impl, "pruning", clip=clip)
+    run_pattern(pruned_mid_run, impl, "pruning", clip=clip)
 
 
 def ema(side):
@@ -566,7 +470,7 @@ def ema(side):
 
 @pytest.mark.parametrize("impl", ["fused", "for-loop"])
 def test_ema_with_averaged_model(impl):
-    lockstep(ema, impl, "EMA")
+    run_pattern(ema, impl, "EMA")
 
 
 def swa(side):
@@ -596,7 +500,7 @@ def swa(side):
 @pytest.mark.filterwarnings("ignore:.*lr_scheduler")
 @pytest.mark.parametrize("impl", ["foreach", "for-loop"])
 def test_swa_with_swalr(impl):
-    lockstep(swa, impl, "SWA")
+    run_pattern(swa, impl, "SWA")
 
 
 class SAM(torch.optim.Optimizer):
@@ -665,14 +569,14 @@ def sam(side, restore, adaptive):
 
 @pytest.mark.parametrize("impl, adaptive", across([False, True], full=[False]))
 def test_sam_restoring_weights_in_place(impl, adaptive):
-    lockstep(sam, impl, "SAM copy_", restore="copy_", adaptive=adaptive)
+    run_pattern(sam, impl, "SAM copy_", restore="copy_", adaptive=adaptive)
 
 
 @pytest.mark.parametrize("impl", ALL)
 def test_sam_restoring_weights_by_data_assignment(impl):
     """davda54/sam restores with ``p.data = old_p``: the parameter's storage is replaced every
     step, and the base optimizer updates `old_p` from then on; Cotangent follows it there."""
-    lockstep(sam, impl, "SAM p.data", restore="data", adaptive=False)
+    run_pattern(sam, impl, "SAM p.data", restore="data", adaptive=False)
 
 
 class Lookahead(torch.optim.Optimizer):
@@ -741,7 +645,7 @@ def lookahead(side):
 
 @pytest.mark.parametrize("impl", ALL)
 def test_lookahead_slow_weights_in_optimizer_state(impl):
-    lockstep(lookahead, impl, "Lookahead")
+    run_pattern(lookahead, impl, "Lookahead")
 
 
 def build(side, groups):
@@ -788,7 +692,7 @@ def save_whole_objects(side, tmp_path, groups):
 @pytest.mark.parametrize("impl, groups", across(
     ["one group", "llrd + snapshot", "llrd + module", "llrd + callable"], full=["one group"]))
 def test_torch_save_of_whole_model_and_optimizer_then_resume(impl, groups, tmp_path):
-    lockstep(save_whole_objects, impl, "torch.save whole", tmp_path=tmp_path, groups=groups)
+    run_pattern(save_whole_objects, impl, "torch.save whole", tmp_path=tmp_path, groups=groups)
 
 
 def deepcopy_together(side, groups):
@@ -821,7 +725,7 @@ def deepcopy_together(side, groups):
 @pytest.mark.parametrize("impl, groups", across(
     ["one group", "llrd + snapshot", "llrd + module", "llrd + callable"], full=["one group"]))
 def test_deepcopy_of_model_and_optimizer_together(impl, groups):
-    lockstep(deepcopy_together, impl, "deepcopy together", groups=groups)
+    run_pattern(deepcopy_together, impl, "deepcopy together", groups=groups)
 
 
 def rollback_on_spike(side, deep):
@@ -849,7 +753,7 @@ def rollback_on_spike(side, deep):
 
 @pytest.mark.parametrize("impl, deep", across([True, False], full=[True]))
 def test_state_dict_rollback_mid_run(impl, deep):
-    lockstep(rollback_on_spike, impl, "rollback", deep=deep)
+    run_pattern(rollback_on_spike, impl, "rollback", deep=deep)
 
 
 def optimizer_rebuilt(side):
@@ -877,7 +781,7 @@ def optimizer_rebuilt(side):
 @pytest.mark.filterwarnings("ignore:.*lr_scheduler")
 @pytest.mark.parametrize("impl", ALL)
 def test_optimizer_rebuilt_mid_run_while_the_old_one_lives(impl):
-    lockstep(optimizer_rebuilt, impl, "optimizer rebuilt")
+    run_pattern(optimizer_rebuilt, impl, "optimizer rebuilt")
 
 
 class CheckpointedNet(nn.Module):
@@ -910,7 +814,7 @@ def checkpointed(side):
 
 @pytest.mark.parametrize("impl, use_reentrant", across([True, False], full=[True]))
 def test_gradient_checkpointing(impl, use_reentrant):
-    lockstep(checkpointed, impl, "checkpointing",
+    run_pattern(checkpointed, impl, "checkpointing",
              make=lambda: CheckpointedNet(use_reentrant))
 
 
@@ -952,7 +856,7 @@ def accumulation(side):
 
 @pytest.mark.parametrize("impl", ALL)
 def test_gradient_accumulation_with_no_grad_micro_steps(impl):
-    lockstep(accumulation, impl, "accumulation", make=TwoHeads)
+    run_pattern(accumulation, impl, "accumulation", make=TwoHeads)
 
 
 def keep_grads(side):
@@ -972,7 +876,7 @@ def keep_grads(side):
 
 @pytest.mark.parametrize("impl", ALL)
 def test_zero_grad_set_to_none_false(impl):
-    lockstep(keep_grads, impl, "set_to_none=False", make=TwoHeads)
+    run_pattern(keep_grads, impl, "set_to_none=False", make=TwoHeads)
 
 
 def model_zero_grad(side, set_to_none):
@@ -990,7 +894,7 @@ def model_zero_grad(side, set_to_none):
 
 @pytest.mark.parametrize("impl, set_to_none", across([True, False], full=[True]))
 def test_model_zero_grad_instead_of_optimizer_zero_grad(impl, set_to_none):
-    lockstep(model_zero_grad, impl, "model.zero_grad", make=TwoHeads, set_to_none=set_to_none)
+    run_pattern(model_zero_grad, impl, "model.zero_grad", make=TwoHeads, set_to_none=set_to_none)
 
 
 def manual_grads(side):
@@ -1018,7 +922,7 @@ def manual_grads(side):
 
 @pytest.mark.parametrize("impl", ALL)
 def test_autograd_grad_and_manual_grad_assignment(impl):
-    lockstep(manual_grads, impl, "autograd.grad", make=TwoHeads)
+    run_pattern(manual_grads, impl, "autograd.grad", make=TwoHeads)
 
 
 def closure_step(side):
@@ -1044,7 +948,7 @@ def closure_step(side):
 
 @pytest.mark.parametrize("impl", ALL)
 def test_step_with_closure(impl):
-    lockstep(closure_step, impl, "closure")
+    run_pattern(closure_step, impl, "closure")
 
 
 def value_then_norm_clipping(side, global_clip):
@@ -1079,7 +983,7 @@ def value_then_norm_clipping(side, global_clip):
 
 @pytest.mark.parametrize("impl, global_clip", across([True, False], full=[True]))
 def test_dqn_clip_grad_value_amsgrad_and_soft_target_update(impl, global_clip):
-    lockstep(value_then_norm_clipping, impl, "DQN", clipped=global_clip,
+    run_pattern(value_then_norm_clipping, impl, "DQN", clipped=global_clip,
              global_clip=global_clip)
 
 
@@ -1103,7 +1007,7 @@ def own_clip_call(side, which):
 
 @pytest.mark.parametrize("impl, which", across(["cotangent", "torch"], full=["cotangent"]))
 def test_own_clip_call_with_max_norm_none(impl, which):
-    lockstep(own_clip_call, impl, "own clip call", clipped=False, which=which)
+    run_pattern(own_clip_call, impl, "own clip call", clipped=False, which=which)
 
 
 def head_reset(side):
@@ -1129,7 +1033,7 @@ def head_reset(side):
 
 @pytest.mark.parametrize("impl", ALL)
 def test_head_reset_with_moments_zeroed_in_place(impl):
-    lockstep(head_reset, impl, "head reset")
+    run_pattern(head_reset, impl, "head reset")
 
 
 class GAN(nn.Module):
@@ -1190,7 +1094,7 @@ def gan(side, variant):
 @pytest.mark.parametrize("impl, variant", across(["dcgan", "wgan-gp", "pix2pix"],
                                                  full=["dcgan"]))
 def test_gan_with_two_optimizers(impl, variant):
-    lockstep(gan, impl, f"GAN {variant}", make=GAN, variant=variant)
+    run_pattern(gan, impl, f"GAN {variant}", make=GAN, variant=variant)
 
 
 class SACAE(nn.Module):
@@ -1231,7 +1135,7 @@ def shared_encoder(side):
 def test_two_optimizers_over_shared_parameters(impl):
     """The second packed optimizer over the encoder packs it into its own buffer; the first
     follows it there, and both update it, as native's do."""
-    lockstep(shared_encoder, impl, "shared encoder", make=SACAE)
+    run_pattern(shared_encoder, impl, "shared encoder", make=SACAE)
 
 
 def ddp(side, bucket_view):
@@ -1255,7 +1159,7 @@ def ddp(side, bucket_view):
 
 @pytest.mark.parametrize("impl, bucket_view", [("fused", True), ("for-loop", False)])
 def test_ddp_single_rank_with_no_sync(impl, bucket_view, single_rank_group):
-    lockstep(ddp, impl, "DDP", bucket_view=bucket_view)
+    run_pattern(ddp, impl, "DDP", bucket_view=bucket_view)
 
 
 def zeroing_habits(side, how):
@@ -1287,7 +1191,7 @@ def zeroing_habits(side, how):
 @pytest.mark.parametrize("how", ["detach_ + zero_", "never", "before step"])
 @pytest.mark.parametrize("impl", ALL)
 def test_gradient_zeroing_habits(impl, how):
-    lockstep(zeroing_habits, impl, f"zeroing {how}", clipped=how != "before step", how=how)
+    run_pattern(zeroing_habits, impl, f"zeroing {how}", clipped=how != "before step", how=how)
 
 
 def clipped_twice(side):
@@ -1309,7 +1213,7 @@ def clipped_twice(side):
 
 @pytest.mark.parametrize("impl", ALL)
 def test_own_clip_left_in_place_and_max_norm(impl):
-    native, _ = lockstep(clipped_twice, impl, "clipped twice", clipped=None)
+    native, _ = run_pattern(clipped_twice, impl, "clipped twice", clipped=None)
     assert all(float(n) <= MAX_NORM * 1.0001 for n in native.norms)  # the second clip's input
 
 
@@ -1343,7 +1247,7 @@ def hogwild(side):
 @pytest.mark.parametrize("impl", ALL)
 def test_hogwild_shared_memory_workers(impl):
     """Shared-memory parameters stay where they are (the workers' updates reach the parent)."""
-    native, _ = lockstep(hogwild, impl, "Hogwild")
+    native, _ = run_pattern(hogwild, impl, "Hogwild")
     assert len(native.norms) == 6 and all(float(n) > MAX_NORM for n in native.norms)
 
 
@@ -1371,7 +1275,7 @@ def maml(side):
 
 @pytest.mark.parametrize("impl", ["fused", "foreach"])
 def test_maml_second_order_through_functional_call(impl):
-    lockstep(maml, impl, "MAML")
+    run_pattern(maml, impl, "MAML")
 
 
 def master_weights(side):
@@ -1399,7 +1303,7 @@ def master_weights(side):
 
 @pytest.mark.parametrize("impl", ALL)
 def test_float32_master_weights_for_a_bfloat16_model(impl):
-    lockstep(master_weights, impl, "master weights")
+    run_pattern(master_weights, impl, "master weights")
 
 
 def new_task_head(side, order, clip_order):
@@ -1436,7 +1340,7 @@ def new_task_head(side, order, clip_order):
     *[(impl, "attach, then add", "param_groups") for impl in ALL],
     ("fused", "attach, then add", "model"), ("for-loop", "add, then attach", "model")])
 def test_new_task_head_added_mid_run(impl, order, clip_order):
-    lockstep(new_task_head, impl, "new head", order=order, clip_order=clip_order)
+    run_pattern(new_task_head, impl, "new head", order=order, clip_order=clip_order)
 
 
 def test_a_second_group_without_a_clip_order_is_refused_mid_run():
@@ -1492,14 +1396,14 @@ def parametrized_mid_run(side, kind):
 
 @pytest.mark.parametrize("impl", ["fused", "for-loop"])
 def test_parametrization_registered_mid_run(impl):
-    lockstep(parametrized_mid_run, impl, "parametrization", kind="symmetric")
+    run_pattern(parametrized_mid_run, impl, "parametrization", kind="symmetric")
 
 
 @pytest.mark.parametrize("impl", ALL)
 def test_orthogonal_parametrization_mid_run(impl):
     """`orthogonal()` sets the Parameter to new storage (`original.set_(...)`, so that native
     optimizers keep it): Cotangent follows it there."""
-    lockstep(parametrized_mid_run, impl, "orthogonal", kind="orthogonal")
+    run_pattern(parametrized_mid_run, impl, "orthogonal", kind="orthogonal")
 
 
 def lr_zero_freeze(side):
@@ -1525,7 +1429,7 @@ def lr_zero_freeze(side):
 
 @pytest.mark.parametrize("impl", ALL)
 def test_backbone_frozen_by_lr_zero_then_warmed_up(impl):
-    lockstep(lr_zero_freeze, impl, "lr = 0")
+    run_pattern(lr_zero_freeze, impl, "lr = 0")
 
 
 class MoCo(nn.Module):
@@ -1568,7 +1472,7 @@ def moco_v3(side):
 def test_moco_v3_momentum_encoder_updated_by_data_assignment(impl):
     """MoCo v3 updates its (frozen, never stepped) momentum encoder with ``param_m.data = ...``
     every iteration: replaced storages, followed like native."""
-    lockstep(moco_v3, impl, "MoCo v3", make=MoCo)
+    run_pattern(moco_v3, impl, "MoCo v3", make=MoCo)
 
 
 def step_in_backward(side):
@@ -1597,7 +1501,7 @@ def step_in_backward(side):
 
 @pytest.mark.parametrize("impl", ALL)
 def test_optimizer_step_in_backward_hooks(impl):
-    lockstep(step_in_backward, impl, "step in backward")
+    run_pattern(step_in_backward, impl, "step in backward")
 
 
 @pytest.mark.slow
@@ -1629,7 +1533,7 @@ def compiled_lm(side):
 
 
 def _compiled_run(impl):
-    lockstep(compiled_lm, impl, "compiled model", make=lambda: build_model("tiny-transformer", 9))
+    run_pattern(compiled_lm, impl, "compiled model", make=lambda: build_model("tiny-transformer", 9))
 
 
 @pytest.mark.slow
