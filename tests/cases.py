@@ -311,8 +311,10 @@ class Side:
     the other; `clip` is native code's `clip_grad_norm_` call; `step` is both."""
 
     def __init__(self, model: nn.Module, native: bool, impl: str = "fused",
-                 opts: tuple = ()) -> None:
+                 opts: tuple = (), *, share: bool = False, groups: bool = True) -> None:
         self.model, self.native, self.impl = model, native, impl
+        self.share = share  # holds its ZeRO-1 share's state only (`compare` then compares that)
+        self.groups = groups  # whether its optimizers' param groups are compared
         self.opts: list = list(opts)  # compared after every point
         self.norms: list = []  # one per clipped step
         self.extra: dict = {}  # anything else the pattern compares (tensors)
@@ -362,6 +364,16 @@ def _same_value(a, b) -> bool:
     return type(a) is type(b) and (a == b or (a != a and b != b))
 
 
+def _state(opt) -> dict:
+    """An optimizer's state; torch's ZeroRedundancyOptimizer's: its share's (``opt.optim``)."""
+    if torch.distributed.is_available():
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+
+        if isinstance(opt, ZeroRedundancyOptimizer):
+            return opt.optim.state
+    return opt.state
+
+
 def compare(native: Side, ours: Side, what: str) -> int:
     """Everything the two sides hold, byte for byte (`bitwise.assert_same_update`, the one byte
     comparison): every total norm, parameter, gradient and state entry, every param group's
@@ -377,11 +389,14 @@ def compare(native: Side, ours: Side, what: str) -> int:
     index1 = {id(p): i for i, (_, p) in enumerate(named1)}
     index2 = {id(p): i for i, (_, p) in enumerate(named2)}
     assert len(native.opts) == len(ours.opts), what
-    state1 = {p: s for o in native.opts for p, s in o.state.items()}
-    state2 = {p: s for o in ours.opts for p, s in o.state.items()}
+    state1 = {p: s for o in native.opts for p, s in _state(o).items()}
+    state2 = {p: s for o in ours.opts for p, s in _state(o).items()}
+    if ours.share:  # ZeRO-1: native's state of the parameters in this rank's share only
+        held = {index2.get(id(q)) for q in state2}
+        state1 = {p: s for p, s in state1.items() if index1.get(id(p)) in held}
     checks = assert_same_update([p for _, p in named1], state1, [p for _, p in named2], state2,
                                 what, names=names)
-    for k, (o1, o2) in enumerate(zip(native.opts, ours.opts)):
+    for k, (o1, o2) in enumerate(zip(native.opts, ours.opts) if ours.groups else ()):
         assert len(o1.param_groups) == len(o2.param_groups), f"{what}: optimizer {k} groups"
         for gi, (g1, g2) in enumerate(zip(o1.param_groups, o2.param_groups)):
             assert set(g1) == set(g2), f"{what}: keys of group {gi}: {sorted(set(g1) ^ set(g2))}"
@@ -472,12 +487,15 @@ def lockstep(m1, ref, m2, opt, steps: int, what: str, *, loss=square, batch=vect
     return seen
 
 
-def lockstep_params(params_n, opt_n, params_o, opt_o, steps: int, what: str, *, grads) -> None:
+def lockstep_params(params_n, opt_n, params_o, opt_o, steps: int, what: str, *, grads,
+                    max_norm: float | None = None, share: bool = False) -> None:
     """Parameters without a model, run by `drive`: each step ``grads(step)`` (called once per
-    step, its tensors cloned into each side's ``.grad``, in order; None: no gradient), then
-    both optimizers step and every parameter, gradient and state entry is compared."""
+    step, its tensors cloned into each side's ``.grad``, in order; None: no gradient), native's
+    ``clip_grad_norm_(params_n, max_norm)`` where `max_norm` is given (Cotangent's optimizer
+    clips in its step), both steps, and every total norm, parameter, gradient and state entry
+    compared (`share`: Cotangent's optimizer holds its ZeRO-1 share's state only)."""
     native = Side(nn.ParameterList(params_n), True, opts=(opt_n,))
-    ours = Side(nn.ParameterList(params_o), False, opts=(opt_o,))
+    ours = Side(nn.ParameterList(params_o), False, opts=(opt_o,), share=share)
     drawn: dict = {}
 
     def loop(side):
@@ -487,7 +505,11 @@ def lockstep_params(params_n, opt_n, params_o, opt_o, steps: int, what: str, *, 
                 drawn[step] = grads(step)
             for p, g in zip(params, drawn[step], strict=True):
                 p.grad = None if g is None else g.clone()
+            if max_norm is not None and side.native:
+                side.norms.append(torch.nn.utils.clip_grad_norm_(params, max_norm))
             o.step()
+            if max_norm is not None and not side.native:
+                side.norms.append(o.last_total_norm)
             yield step
 
     drive(loop, native, ours, what)

@@ -7,6 +7,13 @@ Each configuration crosses: fused / for-loop AdamW, `gradient_as_bucket_view` of
 model without them), `no_sync()` accumulation, and the optimizer built before / after wrapping.
 Workers report through a queue read with a timeout, so a crashed rank fails the test instead of
 hanging it. CPU, torch 2.13.0.
+
+ZeRO-1 (against native AdamW and torch's ZeroRedundancyOptimizer) and FSDP2 (`fully_shard`,
+HSDP meshes, DCP checkpoints) are compared the same way. Every native-vs-Cotangent run on a rank
+goes through the one model-level driver (`cases.drive`, or `cases.lockstep_params` for lists of
+parameters): each training loop is a pattern, both sides compared after every step (a ZeRO-1
+side's state for its share, DTensors by their local shards); a rank reports its first
+difference per configuration as a finding instead of raising.
 """
 
 from __future__ import annotations
@@ -48,15 +55,30 @@ class Net(nn.Module):
         return h + self.rank0(x) if use_rank0 else h
 
 
+def _driven(label: str, pattern, native, ours) -> list[str]:
+    """`cases.drive` on this rank, its first difference returned as a finding (the rank goes on
+    to its next check) rather than raised."""
+    from cases import drive
+
+    try:
+        drive(pattern, native, ours, label)
+    except AssertionError as e:
+        return [str(e)]
+    return []
+
+
 def _run_config(rank: int, cfg: dict) -> list[str]:
-    """Train native and Cotangent side by side on this rank; return the differences."""
+    """Train native and Cotangent side by side on this rank (`cases.drive`: every parameter,
+    gradient, state entry and total norm compared after every step); return the
+    differences."""
     import cotangent
+    from cases import Side
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     flags = {"fused": dict(fused=True), "for-loop": dict(foreach=False)}[cfg["impl"]]
     torch.manual_seed(0)
     base = Net(cfg["unused"])
-    sides = []
+    sides, wrapped = [], {}
     for kind in ("native", "cotangent"):
         model = copy.deepcopy(base)
         opt = None
@@ -67,8 +89,12 @@ def _run_config(rank: int, cfg: dict) -> list[str]:
         if opt is None:
             opt = (torch.optim.AdamW(model.parameters(), lr=1e-2, **flags) if kind == "native"
                    else cotangent.AdamW(model.parameters(), lr=1e-2, max_norm=0.05, **flags))
+        sides.append(Side(model, kind == "native", opts=(opt,)))
+        wrapped[model] = ddp
+
+    def loop(side):
+        model, opt, ddp = side.model, side.opts[0], wrapped[side.model]
         gen = torch.Generator().manual_seed(rank)
-        norms = []
         for step in range(4):
             if cfg.get("module_zero_grad"):
                 model.zero_grad(set_to_none=True)
@@ -80,14 +106,14 @@ def _run_config(rank: int, cfg: dict) -> list[str]:
                 last = k == micro - 1
                 with (ddp.no_sync() if not last else torch.enable_grad()):
                     ddp(x, cfg["unused"] and rank == 0).square().mean().backward()
-            if kind == "native":
-                norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+            if side.native:
+                side.norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
             opt.step()
-            if kind == "cotangent":
-                norms.append(opt.last_total_norm)
-        sides.append((model, opt, norms))
-    (m1, o1, n1), (m2, o2, n2) = sides
-    return _differences(str(cfg), m1, o1, n1, m2, o2, n2, state_of_2_only=False)
+            if not side.native:
+                side.norms.append(opt.last_total_norm)
+            yield step
+
+    return _driven(str(cfg), loop, *sides)
 
 
 def _worker(rank: int, world: int, port: int, checks: str, results) -> None:
@@ -165,46 +191,38 @@ FLAGS = {"fused": dict(fused=True), "for-loop": dict(foreach=False),
          "foreach": dict(foreach=True)}
 
 
-def _train(ddp, opt, clip_params, inputs, rank: int, unused: bool, extra=None) -> list:
-    """The native loop (clip_params given: clip_grad_norm_ then step) or Cotangent's (None:
-    the optimizer clips); returns the total norm of every step. `extra`: a parameter outside
-    the model that gets the same gradient on every rank after each backward."""
-    norms = []
-    for i, x in enumerate(inputs):
-        opt.zero_grad()
-        ddp(x, unused and rank == 0).square().mean().backward()
-        if extra is not None:
-            extra.grad = torch.linspace(-1.0, 1.0, extra.numel()).reshape(extra.shape) * (i + 1)
-        if clip_params is not None:
-            norms.append(torch.nn.utils.clip_grad_norm_(clip_params, 0.05))
-        opt.step()
-        if clip_params is None:
-            norms.append(opt.last_total_norm)
-    return norms
+class _WithExtra(nn.Module):
+    """A model and a parameter outside it (added to the optimizer later), compared together."""
+
+    def __init__(self, model: nn.Module, extra: nn.Parameter) -> None:
+        super().__init__()
+        self.model, self.extra = model, extra
 
 
-def _differences(label: str, m1, o1, n1, m2, o2, n2, *, state_of_2_only: bool) -> list[str]:
-    """Parameters, gradients, norms and state of side 2 against side 1, byte for byte; with
-    `state_of_2_only`, only the state side 2 holds (a ZeRO share) is compared."""
-    from cotangent.verify import first_difference
-
-    problems = []
-    for (name, p), q in zip(m1.named_parameters(), m2.parameters()):
-        for what, a, b in ((name, p.detach(), q.detach()), (f"grad of {name}", p.grad, q.grad)):
-            if (d := first_difference(a, b)) is not None:
-                problems.append(f"{what}: {d}")
-        s1, s2 = o1.state.get(p, {}), o2.state.get(q, {})
-        if state_of_2_only and not s2:
-            continue
-        if set(s1) != set(s2):
-            problems.append(f"state keys of {name}: {sorted(s1)} vs {sorted(s2)}")
-        for key in set(s1) & set(s2):
-            if (d := first_difference(s1[key], s2[key])) is not None:
-                problems.append(f"{key} of {name}: {d}")
-    for i, (a, b) in enumerate(zip(n1, n2)):
-        if (d := first_difference(a, b)) is not None:
-            problems.append(f"total norm {i}: {d}")
-    return [f"{label}: {p}" for p in problems]
+def _zero_loop(rank: int, unused: bool, inputs: list, wrapped: dict):
+    """The pattern (`cases.drive`) of DDP training under ZeRO: per input, zero_grad, the DDP
+    backward (`wrapped`: model -> its DDP), a parameter outside the model (`_WithExtra`) given
+    the same gradient on every rank, native's clip_grad_norm_ of every parameter or the
+    optimizer's own clip, the step; a point after every step."""
+    def loop(side):
+        holder = side.model
+        model = holder.model if isinstance(holder, _WithExtra) else holder
+        opt = side.opts[0]
+        for i, x in enumerate(inputs):
+            opt.zero_grad()
+            wrapped[model](x, unused and rank == 0).square().mean().backward()
+            if isinstance(holder, _WithExtra):
+                extra = holder.extra
+                extra.grad = torch.linspace(-1.0, 1.0, extra.numel()).reshape(extra.shape) * (i + 1)
+            if side.native:  # (the model's parameters, then the added one: param-group order)
+                clipped = list(model.parameters()) + (
+                    [holder.extra] if isinstance(holder, _WithExtra) else [])
+                side.norms.append(torch.nn.utils.clip_grad_norm_(clipped, 0.05))
+            opt.step()
+            if not side.native:
+                side.norms.append(opt.last_total_norm)
+            yield i
+    return loop
 
 
 def _state_dict_differences(a: dict, b: dict) -> list[str]:
@@ -236,31 +254,35 @@ def _zero_config(rank: int, world: int, cfg: dict) -> list[str]:
     gen = torch.Generator().manual_seed(rank)
     inputs = [torch.randn(4, 8, generator=gen) for _ in range(6)]
     label = f"ZeRO-1 {cfg}"
+    wrapped: dict = {}  # model -> its DDP
 
-    def side(kind: str, model=None):
+    def arm(kind: str, model=None):
+        """A `cases.Side`: native AdamW, torch's ZeroRedundancyOptimizer, or Cotangent's."""
+        from cases import Side
+
         model = model if model is not None else copy.deepcopy(base)
-        ddp = DDP(model, find_unused_parameters=cfg["unused"])
+        wrapped[model] = DDP(model, find_unused_parameters=cfg["unused"])
         if kind == "native":
             opt = torch.optim.AdamW(model.parameters(), **kw)
-        elif kind == "native-zero":
-            opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **kw)
+        elif kind == "native-zero":  # (its param groups keep only the arguments it was
+            # given: not compared)
+            zero = ZeroRedundancyOptimizer(model.parameters(), torch.optim.AdamW, **kw)
+            return Side(model, True, opts=(zero,), share=True, groups=False)
         else:
             # clip order stated: a second param group joins later (native clips the groups)
             opt = cotangent.AdamW(model.parameters(), max_norm=0.05, shard="zero1",
                                   shard_norms=cfg["norms"], clip_order="param_groups", **kw)
-        return model, ddp, opt
+        return Side(model, kind == "native", opts=(opt,), share=kind != "native")
 
-    native, zero, ours = side("native"), side("native-zero"), side("cotangent")
-    runs = {}
-    for name, (model, ddp, opt) in (("native", native), ("native-zero", zero),
-                                    ("cotangent", ours)):
-        clip = None if name == "cotangent" else list(model.parameters())
-        runs[name] = _train(ddp, opt, clip, inputs[:4], rank, cfg["unused"])
-    (m1, _, o1), (m2, _, o2), (m3, _, o3) = native, zero, ours
-    problems = _differences(f"{label} native ZeRO vs native", m1, o1, runs["native"],
-                            m2, o2.optim, runs["native-zero"], state_of_2_only=True)
-    problems += _differences(f"{label} cotangent vs native", m1, o1, runs["native"],
-                             m3, o3, runs["cotangent"], state_of_2_only=True)
+    def loop(part):
+        return _zero_loop(rank, cfg["unused"], part, wrapped)
+
+    # torch's ZeRO against native AdamW (the shares' state), then Cotangent's
+    native, zero = arm("native"), arm("native-zero")
+    problems = _driven(f"{label} native ZeRO vs native", loop(inputs[:4]), native, zero)
+    native, ours = arm("native"), arm("cotangent")
+    problems += _driven(f"{label} cotangent vs native", loop(inputs[:4]), native, ours)
+    m1, o1, m3, o3 = native.model, native.opts[0], ours.model, ours.opts[0]
 
     # shard_norms="share": the total norm from the gathered per-tensor norms is the one from
     # every norm computed here
@@ -317,46 +339,43 @@ def _zero_config(rank: int, world: int, cfg: dict) -> list[str]:
 
     # resume: the native state dict into a fresh sharded optimizer, two more steps each
     saved = copy.deepcopy(o1.state_dict())  # (a loaded tensor of equal dtype is shared)
-    resumed = side("cotangent", copy.deepcopy(m1))
-    resumed[2].load_state_dict(saved)
-    n1 = _train(native[1], o1, list(m1.parameters()), inputs[4:], rank, cfg["unused"])
-    n4 = _train(resumed[1], resumed[2], None, inputs[4:], rank, cfg["unused"])
-    problems += _differences(f"{label} resumed from native", m1, o1, n1, resumed[0], resumed[2],
-                             n4, state_of_2_only=True)
+    resumed = arm("cotangent", copy.deepcopy(m1))
+    resumed.opts[0].load_state_dict(saved)
+    native.norms.clear()
+    problems += _driven(f"{label} resumed from native", loop(inputs[4:]), native, resumed)
 
-    m4, o4 = resumed[0], resumed[2]
-    # negative control: the comparison sees one ULP in a parameter and in a moment
+    m4, o4 = resumed.model, resumed.opts[0]
+    # negative control: the comparison sees one ULP in a moment, then in a parameter
+    from cases import compare
+
     q = next(q for q in m4.parameters() if o4.state.get(q))
     moment = o4.state[q]["exp_avg"]
     kept = (q.detach().clone(), moment.clone())
-    with torch.no_grad():
-        q.copy_(torch.nextafter(q, torch.full_like(q, float("inf"))))
-        o4.state[q]["exp_avg"].view(-1)[0] = torch.nextafter(
-            o4.state[q]["exp_avg"].view(-1)[0], torch.tensor(float("inf")))
-    seen = _differences("control", m1, o1, n1, m4, o4, n4, state_of_2_only=True)
-    if not (any("exp_avg of" in p for p in seen) and any("ULP" in p for p in seen)):
-        problems.append(f"{label}: a 1-ULP change went unseen: {seen}")
+    for what, nudged in (("exp_avg of", moment.view(-1)), ("parameter", q.detach().view(-1))):
+        with torch.no_grad():
+            nudged[0] = torch.nextafter(nudged[0], torch.tensor(float("inf")))
+        try:
+            compare(native, resumed, "control")
+            problems.append(f"{label}: a 1-ULP change of a {what!r} went unseen")
+        except AssertionError as e:
+            if what not in str(e) or "1 ULP" not in str(e):
+                problems.append(f"{label}: a 1-ULP change of a {what!r} seen as {e}")
     with torch.no_grad():  # undone: the run goes on
         q.copy_(kept[0])
         moment.copy_(kept[1])
 
-    # a param group added on every rank: ownership moves, the state moves with it
+    # a param group added on every rank: ownership moves, the state moves with it (the added
+    # parameter compared with the model's: `_WithExtra`)
     owned_before = {id(q) for q in o4.state}
     extras = [torch.nn.Parameter(torch.linspace(0.0, 1.0, 400)) for _ in range(2)]
     o1.add_param_group({"params": [extras[0]]})
     o4.add_param_group({"params": [extras[1]]})
     if {id(q) for q in o4.state} == owned_before:
         problems.append(f"{label}: adding a 400-element parameter moved no state")
-    n1 += _train(native[1], o1, list(m1.parameters()) + extras[:1], inputs[:2], rank,
-                 cfg["unused"], extras[0])
-    n4 += _train(resumed[1], o4, None, inputs[:2], rank, cfg["unused"], extras[1])
-    problems += _differences(f"{label} after add_param_group", m1, o1, n1, m4, o4, n4,
-                             state_of_2_only=True)
-    held = o4.state.get(extras[1], {})
-    pairs = [(extras[0].detach(), extras[1].detach())] + [
-        (o1.state[extras[0]][k], v) for k, v in held.items()]
-    problems += [f"{label} added parameter: {d}" for a, b in pairs
-                 if (d := first_difference(a, b)) is not None]
+    native.model, resumed.model = _WithExtra(m1, extras[0]), _WithExtra(m4, extras[1])
+    native.norms.clear()
+    resumed.norms.clear()
+    problems += _driven(f"{label} after add_param_group", loop(inputs[:2]), native, resumed)
     return problems
 
 
@@ -406,6 +425,7 @@ def _zero_in_place_checks(rank: int, world: int) -> list[str]:
     rank (nothing modified) instead of leaving the other rank in the broadcast; parameters that
     share memory are refused before anything is modified."""
     import cotangent
+    from cases import lockstep_params
     from cotangent.verify import first_difference
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -476,16 +496,16 @@ def _zero_in_place_checks(rank: int, world: int) -> list[str]:
                              shard="zero1")
     if sorted(set(o_ours.share_of(q) for q in qs)) != list(range(world)):
         problems.append("the odd parameters were not spread over every rank")
-    for i in range(2):
-        for p, q in zip(ps, qs):
-            g = torch.cos(torch.arange(p.numel(), dtype=p.dtype) * (i + 1)).reshape(p.shape)
-            p.grad, q.grad = g.clone(), g.clone()
-        torch.nn.utils.clip_grad_norm_(ps, 1.0)
-        o_native.step()
-        o_ours.step()
-    problems += [f"odd parameter {i}: {d}" for i, (a, b) in enumerate(zip(ps, qs))
-                 if (d := first_difference(a.detach(), b.detach())) is not None]
 
+    def cosines(i):
+        return [torch.cos(torch.arange(p.numel(), dtype=p.dtype) * (i + 1)).reshape(p.shape)
+                for p in ps]
+
+    try:
+        lockstep_params(ps, o_native, qs, o_ours, 2, "odd parameters", grads=cosines,
+                        max_norm=1.0, share=True)
+    except AssertionError as e:
+        problems.append(str(e))
     # one rank's own state is bad: both ranks raise, nothing is modified
     mine = next(q for q in qs if o_ours.share_of(q) == rank and q.numel())
     if rank == 0:
@@ -520,26 +540,20 @@ def _zero_in_place_checks(rank: int, world: int) -> list[str]:
 
 
 def _native_vs_zero(rank: int, make, norms: str, steps: int = 2, **kw) -> list[str]:
-    """`make()` parameters (with gradients set per step by `grads(params, step)`) stepped by
-    clip_grad_norm_ + torch.optim.AdamW and by ZeRO-1; the parameters' and gradients' bytes."""
+    """`make()` parameters (with gradients set per step by `grads(step)`) stepped by
+    clip_grad_norm_ + torch.optim.AdamW and by ZeRO-1 (`cases.lockstep_params`)."""
     import cotangent
-    from cotangent.verify import first_difference
+    from cases import lockstep_params
 
     (ps, grads), (qs, _) = make(), make()
     native = torch.optim.AdamW(ps, lr=0.1, **kw)
     ours = cotangent.AdamW(qs, lr=0.1, max_norm=0.5, shard="zero1", shard_norms=norms, **kw)
-    problems = []
-    for i in range(steps):
-        for p, q, g in zip(ps, qs, grads(i)):
-            p.grad, q.grad = g.clone(), g.clone()
-        torch.nn.utils.clip_grad_norm_(ps, 0.5)
-        native.step()
-        ours.step()
-    for j, (p, q) in enumerate(zip(ps, qs)):
-        for what, a, b in (("parameter", p, q), ("gradient", p.grad, q.grad)):
-            if (d := first_difference(a.detach(), b.detach())) is not None:
-                problems.append(f"{what} {j}: {d}")
-    return problems
+    try:
+        lockstep_params(ps, native, qs, ours, steps, "ZeRO-1", grads=grads, max_norm=0.5,
+                        share=True)
+    except AssertionError as e:
+        return [str(e)]
+    return []
 
 
 def _same_on_every_rank(tensors: list) -> bool:
@@ -734,101 +748,83 @@ def _fsdp2_optimizer(model: nn.Module, cfg: dict, kind: str):
                            norm_type=cfg.get("norm_type", 2.0), **hp)
 
 
-def _fsdp2_steps(model, opt, cfg: dict, kind: str, gen, steps: int, losses, norms) -> None:
-    """`steps` training steps: native (clip_grad_norm_ then torch.optim.AdamW) or Cotangent
-    (cotangent.AdamW(max_norm=...)); appends each loss and total norm (local tensors)."""
+def _fsdp2_loop(rank: int, cfg: dict, steps: int = 3, resume: tuple | None = None):
+    """The pattern (`cases.drive`) of `steps` training steps of a side's fully_shard model:
+    native (clip_grad_norm_ then torch.optim.AdamW) or Cotangent (cotangent.AdamW(max_norm=...)),
+    each micro-batch's loss and each step's total norm (local tensors) recorded, a point after
+    every step. `resume` = (world, first, then): Cotangent's side instead runs two steps with
+    `first`'s optimizer, a torch.distributed.checkpoint state dict (`get_state_dict`), a fresh
+    model and `then`'s optimizer loading it (`set_state_dict`), and two more steps."""
     from cotangent import dtensor
 
     max_norm, norm_type = cfg.get("max_norm", 0.05), cfg.get("norm_type", 2.0)
-    params = [p for p in model.parameters() if p.requires_grad]
-    for _ in range(steps):
-        micro = 2 if cfg.get("accumulate") else 1
-        for k in range(micro):
-            if cfg.get("accumulate"):
-                model.set_requires_gradient_sync(k == micro - 1)
-            loss = model(torch.randn(4, 8, generator=gen)).square().mean()
-            loss.backward()
-            losses.append(loss.detach().clone())
-        norm = None
-        if kind == "native":
-            if max_norm is not None:
-                norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
-        elif cfg.get("explicit_clip"):
-            norm = opt.clip_grad_norm_()
-        opt.step()
-        if kind != "native" and max_norm is not None and not cfg.get("explicit_clip"):
-            norm = opt.last_total_norm
-        if norm is not None:
-            norms.append(dtensor.local(norm).clone())
-        opt.zero_grad()
+
+    def steps_of(side, kind, gen, count):
+        model, opt = side.model, side.opts[0]
+        params = [p for p in model.parameters() if p.requires_grad]
+        for step in range(count):
+            micro = 2 if cfg.get("accumulate") else 1
+            for k in range(micro):
+                if cfg.get("accumulate"):
+                    model.set_requires_gradient_sync(k == micro - 1)
+                loss = model(torch.randn(4, 8, generator=gen)).square().mean()
+                loss.backward()
+                side.extra[f"loss {k}"] = loss.detach().clone()
+            norm = None
+            if kind == "native":
+                if max_norm is not None:
+                    norm = torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type)
+            elif cfg.get("explicit_clip"):
+                norm = opt.clip_grad_norm_()
+            opt.step()
+            if kind != "native" and max_norm is not None and not cfg.get("explicit_clip"):
+                norm = opt.last_total_norm
+            if norm is not None:
+                side.norms.append(dtensor.local(norm).clone())
+            yield step
+            opt.zero_grad()
+
+    def loop(side):
+        gen = torch.Generator().manual_seed(rank)
+        if resume is None or side.native:
+            yield from steps_of(side, "native" if side.native else "cotangent", gen, steps)
+            return
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        world, first, then = resume
+        side.model = _fsdp2_model(cfg, world)
+        side.opts = [_fsdp2_optimizer(side.model, cfg, first)]
+        yield from steps_of(side, first, gen, 2)
+        model_sd, optim_sd = get_state_dict(side.model, side.opts[0])
+        side.model = _fsdp2_model(cfg, world)
+        side.opts = [_fsdp2_optimizer(side.model, cfg, then)]
+        set_state_dict(side.model, side.opts[0], model_state_dict=model_sd,
+                       optim_state_dict=optim_sd)
+        yield from steps_of(side, then, gen, 2)
+    return loop
 
 
-def _fsdp2_run(rank: int, world: int, cfg: dict, kind: str, steps: int = 3):
-    """A fully_shard model trained `steps` steps (`_fsdp2_steps`); returns the model, the
-    optimizer, each step's loss and total norm."""
+def _fsdp2_side(world: int, cfg: dict, kind: str):
+    from cases import Side
+
     model = _fsdp2_model(cfg, world)
-    opt = _fsdp2_optimizer(model, cfg, kind)
-    losses, norms = [], []
-    _fsdp2_steps(model, opt, cfg, kind, torch.Generator().manual_seed(rank), steps, losses,
-                 norms)
-    return model, opt, losses, norms
+    return Side(model, kind == "native", opts=(_fsdp2_optimizer(model, cfg, kind),))
 
 
-def _fsdp2_resumed(rank: int, world: int, cfg: dict, first: str, then: str):
-    """Two steps with `first`'s optimizer, a torch.distributed.checkpoint state dict
-    (`get_state_dict`), a fresh model and `then`'s optimizer loading it (`set_state_dict`),
-    two more steps: as `_fsdp2_run`'s result."""
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-
-    gen = torch.Generator().manual_seed(rank)
-    losses, norms = [], []
-    model = _fsdp2_model(cfg, world)
-    opt = _fsdp2_optimizer(model, cfg, first)
-    _fsdp2_steps(model, opt, cfg, first, gen, 2, losses, norms)
-    model_sd, optim_sd = get_state_dict(model, opt)
-    model = _fsdp2_model(cfg, world)
-    opt = _fsdp2_optimizer(model, cfg, then)
-    set_state_dict(model, opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
-    _fsdp2_steps(model, opt, cfg, then, gen, 2, losses, norms)
-    return model, opt, losses, norms
+def _fsdp2_compared(rank: int, world: int, cfg: dict, *, ours=None, steps: int = 3,
+                    resume: tuple | None = None):
+    """(Cotangent's side, the differences from native on this rank: `cases.drive` on
+    `_fsdp2_loop`). `ours`: Cotangent's side's config (default: `cfg`)."""
+    native = _fsdp2_side(world, cfg, "native")
+    side = _fsdp2_side(world, ours or cfg, "cotangent")
+    label = f"{ours or cfg}" + (f" resumed {resume[1]} -> {resume[2]}" if resume else "")
+    return side, _driven(label, _fsdp2_loop(rank, ours or cfg, steps, resume), native, side)
 
 
-def _fsdp2_differences(label: str, a, b) -> list[str]:
-    """Every local parameter shard, state tensor, step, loss and total norm of run `b` against
-    run `a`, byte for byte (`first_difference`)."""
-    from cotangent import dtensor
-    from cotangent.verify import first_difference
-
-    (m1, o1, l1, n1), (m2, o2, l2, n2) = a, b
-    problems = [] if len(n1) == len(n2) and len(l1) == len(l2) else ["step counts differ"]
-    pairs = [(f"loss {i}", x, y) for i, (x, y) in enumerate(zip(l1, l2))]
-    pairs += [(f"total norm {i}", x, y) for i, (x, y) in enumerate(zip(n1, n2))]
-    for (name, p), q in zip(m1.named_parameters(), m2.parameters()):
-        pairs.append((name, dtensor.local(p.detach()), dtensor.local(q.detach())))
-        s1, s2 = o1.state.get(p, {}), o2.state.get(q, {})
-        if set(s1) != set(s2):
-            problems.append(f"state keys of {name}: {sorted(s1)} vs {sorted(s2)}")
-        for key in sorted(set(s1) & set(s2)):
-            if type(s1[key]) is not type(s2[key]):
-                problems.append(f"{key} of {name}: {type(s1[key])} vs {type(s2[key])}")
-            pairs.append((f"{key} of {name}", dtensor.local(s1[key]), dtensor.local(s2[key])))
-    problems += [f"{what}: {d}" for what, x, y in pairs
-                 if (d := first_difference(x, y)) is not None]
-    return [f"{label}: {p}" for p in problems]
-
-
-def _fsdp2_compared(rank: int, world: int, cfg: dict):
-    """(native run, Cotangent run, their differences) for `cfg` on this rank."""
-    native = _fsdp2_run(rank, world, cfg, "native")
-    ours = _fsdp2_run(rank, world, cfg, "cotangent")
-    return native, ours, _fsdp2_differences(str(cfg), native, ours)
-
-
-def _fsdp2_control(rank: int, world: int, cfg: dict, native) -> list[str]:
-    """The comparison sees another implementation's bits: a foreach run differs from `native`
-    (a fused one)."""
-    other = _fsdp2_run(rank, world, dict(cfg, impl="foreach"), "cotangent")
-    if not _fsdp2_differences("control", native, other):
+def _fsdp2_control(rank: int, world: int, cfg: dict) -> list[str]:
+    """The comparison sees another implementation's bits: a foreach run differs from a fused
+    native one."""
+    if not _fsdp2_compared(rank, world, cfg, ours=dict(cfg, impl="foreach"))[1]:
         return ["control: fused and foreach runs compared equal"]
     return []
 
@@ -838,17 +834,15 @@ def _fsdp2_checks(rank: int, world: int) -> list[str]:
 
     problems = []
     for cfg in FSDP2_CONFIGS:
-        native, ours, found = _fsdp2_compared(rank, world, cfg)
+        ours, found = _fsdp2_compared(rank, world, cfg)
         problems += found
-        path = ours[1].update_path()
+        path = ours.opts[0].update_path()
         if path["path"] != "single-pass" or path["clip_in_pass"] != (
                 path["single_pass"] if cfg.get("max_norm", 0.05) == 0.05
                 and not cfg.get("explicit_clip") else 0):
             problems.append(f"{cfg}: update path {path}")  # (the shards took the single pass)
         if cfg is FSDP2_CONFIGS[0]:
-            problems += _fsdp2_control(rank, world, cfg, native)
-            # checkpoints (torch.distributed.checkpoint's get/set_state_dict) both ways: a run
-            # resumed is the uninterrupted one
+            problems += _fsdp2_control(rank, world, cfg)
             # the drop-in clip functions on DTensor gradients: native's own code
             import cotangent
             from cotangent import dtensor
@@ -860,10 +854,11 @@ def _fsdp2_checks(rank: int, world: int) -> list[str]:
             got = cotangent.get_total_norm(grads)
             if (d := first_difference(dtensor.local(ref), dtensor.local(got))) is not None:
                 problems.append(f"cotangent.get_total_norm on DTensors: {d}")
-            whole = _fsdp2_run(rank, world, cfg, "native", steps=4)
+            # checkpoints (torch.distributed.checkpoint's get/set_state_dict) both ways: a run
+            # resumed is the uninterrupted native one
             for first, then in (("cotangent", "native"), ("native", "cotangent")):
-                problems += _fsdp2_differences(f"resumed {first} -> {then}", whole,
-                                               _fsdp2_resumed(rank, world, cfg, first, then))
+                problems += _fsdp2_compared(rank, world, cfg, steps=4,
+                                            resume=(world, first, then))[1]
     return problems
 
 
@@ -876,12 +871,12 @@ HSDP_2X2_CONFIGS = [dict(impl="fused", hsdp="2x2"), dict(impl="foreach", hsdp="2
 def _hsdp_checks(rank: int, world: int) -> list[str]:
     problems = []
     for cfg in HSDP_2X2_CONFIGS:
-        native, ours, found = _fsdp2_compared(rank, world, cfg)
+        ours, found = _fsdp2_compared(rank, world, cfg)
         problems += found
         if cfg is HSDP_2X2_CONFIGS[0]:
-            problems += _fsdp2_control(rank, world, cfg, native)
-        if ours[1].update_path()["path"] != "single-pass":
-            problems.append(f"{cfg}: update path {ours[1].update_path()}")
+            problems += _fsdp2_control(rank, world, cfg)
+        if ours.opts[0].update_path()["path"] != "single-pass":
+            problems.append(f"{cfg}: update path {ours.opts[0].update_path()}")
     return problems
 
 

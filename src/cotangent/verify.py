@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from cotangent import dtensor
 from cotangent.clip_order import PARAM_GROUPS, normalize_clip_order
 from cotangent.adamw import AdamW
 from cotangent.reference import ReferenceUpdate
@@ -44,7 +45,10 @@ def ulp_distance(a: Tensor, b: Tensor) -> Tensor:
 def first_difference(a: Tensor | None, b: Tensor | None) -> str | None:
     """None when bit-identical (dtype, shape and every byte), else where and by how much they
     first differ: the count of differing elements, the first flat index, both values and their
-    distance in ULP (the one byte comparison of the library and its tests)."""
+    distance in ULP (the one byte comparison of the library and its tests). A DTensor is
+    compared by its local tensor (this rank's shard, `cotangent.dtensor.local`)."""
+    if a is not None and b is not None:
+        a, b = dtensor.local(a), dtensor.local(b)
     if a is None or b is None:
         return None if a is None and b is None else f"{'None' if a is None else 'tensor'} vs " \
                                                      f"{'None' if b is None else 'tensor'}"
