@@ -16,6 +16,7 @@ import torch
 import cotangent
 from bitwise import (assert_same_bits, assert_same_update, require_register_path,
                      require_single_pass_kernel, same_bits, threads)
+from cases import drive, Side
 from cotangent import _build, calibration, tensorlists
 from cotangent import singlepass as sp
 from cotangent.calibration import sprinkle_special_values
@@ -478,38 +479,43 @@ def native_vs_cotangent(*, foreach: bool, steps: int = 4, max_norm=None, special
     its ``clip_in_pass`` count against `clip_in_pass` where given (the same).
     `specials`: after each backward, both arms' gradients get inf, NaN (both signs, payloads),
     signed zeros and a subnormal written in. `edit(step, model, opt)` runs on both arms before
-    a step. Returns (native model, native optimizer, our model, our optimizer)."""
+    a step. A pattern run by `cases.drive`. Returns (native model, native optimizer, our model,
+    our optimizer)."""
     m1, m2 = models or (small_model(), small_model())
     native_adamw = {k: v.clone() if torch.is_tensor(v) else v for k, v in adamw.items()}
     ref = torch.optim.AdamW(m1.parameters(), foreach=foreach, fused=fused, **native_adamw)
     opt = cotangent.AdamW(m2.parameters(), foreach=foreach, fused=fused, max_norm=max_norm,
                           **adamw)
-    gen = torch.Generator().manual_seed(1)
-    for step in range(steps):
-        x = torch.randn(4, IN, generator=gen).to(next(m1.parameters()).dtype)
-        if edit is not None:
-            edit(step, m1, ref)
-            edit(step, m2, opt)
-        for m in (m1, m2):
-            m(x).square().mean().backward()
+    what = f"foreach={foreach} {adamw} max_norm={max_norm}"
+
+    def loop(side):  # (a pattern for `cases.drive`)
+        model, o = side.model, side.opts[0]
+        gen = torch.Generator().manual_seed(1)
+        for step in range(steps):
+            x = torch.randn(4, IN, generator=gen).to(next(model.parameters()).dtype)
+            if edit is not None:
+                edit(step, model, o)
+            model(x).square().mean().backward()
             if specials:
-                for p in m.parameters():
+                for p in model.parameters():
                     write_specials(p.grad, step)
-        if max_norm is not None:
-            total = torch.nn.utils.clip_grad_norm_(m1.parameters(), max_norm)
-        ref.step()
-        opt.step()
-        what = f"foreach={foreach} {adamw} max_norm={max_norm}, step {step}"
-        assert_same_update(m1.parameters(), ref.state, m2.parameters(), opt.state, what)
-        if max_norm is not None:
-            assert_same_bits(opt.last_total_norm, total, f"{what}: total norm")
+            if max_norm is not None and side.native:
+                side.norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+            o.step()
+            if max_norm is not None and not side.native:
+                side.norms.append(o.last_total_norm)
+            yield step
+            o.zero_grad()
+
+    def check_path(step):
         want = path(step) if callable(path) else path
-        assert opt.update_path()["path"] == want, (what, opt.update_path())
+        assert opt.update_path()["path"] == want, (what, step, opt.update_path())
         if clip_in_pass is not None:
             want = clip_in_pass(step) if callable(clip_in_pass) else clip_in_pass
-            assert opt.update_path()["clip_in_pass"] == want, (what, opt.update_path())
-        ref.zero_grad()
-        opt.zero_grad()
+            assert opt.update_path()["clip_in_pass"] == want, (what, step, opt.update_path())
+
+    drive(loop, Side(m1, True, opts=(ref,)), Side(m2, False, opts=(opt,)), what,
+          at_point=check_path)
     return m1, ref, m2, opt
 
 
