@@ -425,7 +425,7 @@ def _zero_in_place_checks(rank: int, world: int) -> list[str]:
     rank (nothing modified) instead of leaving the other rank in the broadcast; parameters that
     share memory are refused before anything is modified."""
     import cotangent
-    from cases import lockstep_params
+    from cases import lockstep_params, Side
     from cotangent.verify import first_difference
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -438,26 +438,30 @@ def _zero_in_place_checks(rank: int, world: int) -> list[str]:
     native = torch.optim.AdamW(models[0].parameters(), lr=1e-2, fused=True)
     ours = cotangent.AdamW(models[1].parameters(), lr=1e-2, fused=True, max_norm=0.05,
                            shard="zero1")
-    ddps = [DDP(m) for m in models]
+    wrapped = {m: DDP(m) for m in models}
     ptrs = [q.data_ptr() for q in models[1].parameters()]
-    for x in inputs:
-        for ddp, opt in zip(ddps, (native, ours)):
+
+    def in_place(side):  # (a pattern for `cases.drive`)
+        model, opt = side.model, side.opts[0]
+        for i, x in enumerate(inputs):
             opt.zero_grad()
-            if any(q.grad is not None for q in ddp.module.parameters()):
+            if any(q.grad is not None for q in model.parameters()):
                 problems.append("a .grad survived zero_grad()")
-            ddp(x, False).square().mean().backward()
-        grads = [q.grad for q in models[1].parameters()]
-        torch.nn.utils.clip_grad_norm_(models[0].parameters(), 0.05)
-        native.step()
-        ours.step()
-        if any(a is not q.grad for a, q in zip(grads, models[1].parameters())):
-            problems.append("step() replaced a .grad (autograd's tensor must stay)")
+            wrapped[model](x, False).square().mean().backward()
+            grads = [q.grad for q in model.parameters()]
+            if side.native:
+                side.norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
+            opt.step()
+            if not side.native:
+                side.norms.append(opt.last_total_norm)
+                if any(g is not q.grad for g, q in zip(grads, model.parameters())):
+                    problems.append("step() replaced a .grad (autograd's tensor must stay)")
+            yield i
+
+    problems += _driven("in place", in_place, Side(models[0], True, opts=(native,)),
+                        Side(models[1], False, opts=(ours,), share=True))
     if [q.data_ptr() for q in models[1].parameters()] != ptrs:
         problems.append("a parameter moved")
-    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
-        for what, x, y in ((name, a, b), (f"grad of {name}", a.grad, b.grad)):
-            if (d := first_difference(x.detach(), y.detach())) is not None:
-                problems.append(f"in place, {what}: {d}")
 
     # a gradient assigned once and refilled in place (zero_grad(set_to_none=False) + copy_)
     ps = [torch.nn.Parameter(torch.linspace(-1, 1, n)) for n in (64, 96, 32)]
@@ -467,18 +471,27 @@ def _zero_in_place_checks(rank: int, world: int) -> list[str]:
     held = [torch.zeros_like(q) for q in qs]
     for q, g in zip(qs, held):
         q.grad = g
-    for i in range(3):
-        o_native.zero_grad(set_to_none=False)
-        o_ours.zero_grad(set_to_none=False)
-        for p, g in zip(ps, held):
-            fill = torch.sin(torch.arange(p.numel(), dtype=torch.float32) * (i + 1))
-            p.grad = fill.clone() if p.grad is None else p.grad.copy_(fill)
-            g.copy_(fill)
-        torch.nn.utils.clip_grad_norm_(ps, 0.5)
-        o_native.step()
-        o_ours.step()
-    problems += [f"refilled gradient, parameter {i}: {d}" for i, (a, b) in enumerate(zip(ps, qs))
-                 if (d := first_difference(a.detach(), b.detach())) is not None]
+
+    def refilled(side):  # (native: assigned, then refilled; Cotangent: `held`, refilled)
+        params, opt = list(side.model.parameters()), side.opts[0]
+        for i in range(3):
+            opt.zero_grad(set_to_none=False)
+            for p, g in zip(params, held):
+                fill = torch.sin(torch.arange(p.numel(), dtype=torch.float32) * (i + 1))
+                if side.native:
+                    p.grad = fill.clone() if p.grad is None else p.grad.copy_(fill)
+                else:
+                    g.copy_(fill)
+            if side.native:
+                side.norms.append(torch.nn.utils.clip_grad_norm_(params, 0.5))
+            opt.step()
+            if not side.native:
+                side.norms.append(opt.last_total_norm)
+            yield i
+
+    problems += _driven("refilled gradients", refilled,
+                        Side(nn.ParameterList(ps), True, opts=(o_native,)),
+                        Side(nn.ParameterList(qs), False, opts=(o_ours,), share=True))
 
     # what the broadcast sends: a parameter sent as it is (>= 1 MiB), one not contiguous, an
     # empty one, two dtypes (buckets split by owner and dtype), small ones bucketed
