@@ -6,7 +6,7 @@ source lines, the files they live in and the deepest stack of library frames.
 A steady-state step (the fourth, after three that created the state and proved the single
 pass: a step that replays the third's plan, `cotangent.replay`; with ``--full``, the full step
 that plans) of a 4-layer MLP (8 tensors, one param group, float32, CPU, clip on) runs under
-`sys.setprofile`; every function of the `cotangent` package it enters counts with all its
+`sys.settrace`; every function of the `cotangent` package it enters counts with all its
 source lines (docstring included; a comprehension counts as the lines of its function, once).
 This is the measure of issue 27's "lines read to follow one update from step() to the
 arithmetic": what a reader who opens every function the step calls reads. Beside it, the

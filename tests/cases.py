@@ -1,7 +1,11 @@
-"""The parity case table and its one lockstep runner (in the style of torch's OptimizerInfo).
+"""The parity case table (in the style of torch's OptimizerInfo) and the one model-level driver.
+
+`drive` runs a pattern (a generator written the way user code is) on a native and a Cotangent
+`Side` and compares everything they hold at every ``yield``; every model-level parity test,
+the ranks' runs included, is a pattern it runs.
 
 A `Case` is a training scenario: a model, a loss, param groups, optimizer options, clipping, a
-precision and a way of zeroing gradients. `run_case` trains it with the native oracle
+precision and a way of zeroing gradients. `run_case` trains it (`lockstep`) with the native oracle
 (`cotangent.ReferenceUpdate`: `clip_grad_norm_` + `torch.optim.AdamW`) and with
 `cotangent.AdamW` from one initial state, compares the loss, every gradient, the total norm,
 every parameter and every state entry byte for byte after every step
@@ -420,13 +424,20 @@ def drive(pattern, native: Side, ours: Side, what: str, *, at_point=None) -> int
     yielded. Returns the number of points; the sides must end together."""
     runs = (pattern(native), pattern(ours))
     points = 0
-    for _, value in zip(*runs):
+    while True:
+        reached = [next(run, _ENDED) for run in runs]  # (both advanced: neither end is missed)
+        if _ENDED in reached:
+            assert reached == [_ENDED, _ENDED], (
+                f"{what}: the sides ran apart after {points} points "
+                f"({'native' if reached[0] is _ENDED else 'Cotangent'}'s side ended first)")
+            return points
         points += 1
-        assert compare(native, ours, f"{what}, point {points} ({value})") > 0
+        assert compare(native, ours, f"{what}, point {points} ({reached[1]})") > 0
         if at_point is not None:
-            at_point(value)
-    assert all(next(r, "done") == "done" for r in runs), f"{what}: the sides ran apart"
-    return points
+            at_point(reached[1])
+
+
+_ENDED = object()  # `drive`: a pattern's end
 
 
 def lockstep(m1, ref, m2, opt, steps: int, what: str, *, loss=square, batch=vector_batch,

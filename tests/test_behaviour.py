@@ -27,13 +27,49 @@ from cotangent.harness.packed import PackedAdamW
 from hypothesis import given, settings, strategies as st
 
 from bitwise import assert_same_bits, assert_same_update, assert_step_refused, same_bits
-from cases import CASES, HP, lockstep, mlp, OBSERVATIONS, run_case, SINGLE_PASS_OBSERVATIONS
+from cases import (CASES, drive, HP, lockstep, mlp, OBSERVATIONS, run_case, Side,
+                   SINGLE_PASS_OBSERVATIONS)
 
 
 def compare(m1, o1, m2, o2, what):
     """Every parameter, gradient and state entry of two (model, optimizer) pairs, byte for byte."""
     assert_same_update(m1.parameters(), o1.state, m2.parameters(), o2.state, what,
                        [n for n, _ in m1.named_parameters()])
+
+
+# the model-level driver on itself: (points of the native side, of Cotangent's, a nudge of one
+# ULP into Cotangent's parameter at point 2) -> the error it must raise (None: none)
+DRIVE_SELF_CHECKS = {
+    "equal sides": (3, 3, False, None),
+    "native's side one point longer": (3, 2, False, r"after 2 points \(Cotangent's side ended"),
+    "Cotangent's side one point longer": (2, 3, False, r"after 2 points \(native's side ended"),
+    "one ULP in a parameter": (3, 3, True, r"point 2 .*parameter 0\.weight.*\(1 ULP\)"),
+}
+
+
+@pytest.mark.parametrize("name", list(DRIVE_SELF_CHECKS))
+def test_the_driver_sees_sides_that_end_apart_or_differ(name):
+    """`cases.drive` compares at every point and insists both patterns end together, whichever
+    side runs longer (a point of one side left uncompared would hide a difference)."""
+    native_points, our_points, nudge, error = DRIVE_SELF_CHECKS[name]
+    m1 = mlp()
+    m2 = copy.deepcopy(m1)
+    native = Side(m1, True, opts=(torch.optim.AdamW(m1.parameters(), **HP),))
+    ours = Side(m2, False, opts=(torch.optim.AdamW(m2.parameters(), **HP),))
+
+    def pattern(side):
+        for point in range(native_points if side.native else our_points):
+            if nudge and point == 1 and not side.native:
+                with torch.no_grad():
+                    w = side.model[0].weight.view(-1)
+                    w[0] = torch.nextafter(w[0], torch.tensor(float("inf")))
+            yield point
+
+    if error is None:
+        assert drive(pattern, native, ours, name) == native_points
+    else:
+        with pytest.raises(AssertionError, match=error):
+            drive(pattern, native, ours, name)
 
 
 @pytest.mark.slow

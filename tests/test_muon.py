@@ -67,7 +67,8 @@ def loss_of(model, step, gen):
 
 
 def lockstep(native, ours, opt_n, opt_o, steps=5, hook=None, *, seed=7, loss=loss_of):
-    """`cases.lockstep` (the one model-level driver) on this file's models: each side's batches
+    """`cases.lockstep` (the usual loop, run by the one model-level driver `cases.drive`) on this
+    file's models: each side's batches
     from its own generator seeded `seed` (``loss(model, step, gen)``), ``hook(model, step)``
     after each backward, every parameter, gradient and state entry compared after every step.
     Returns the observations."""

@@ -18,8 +18,10 @@ whose verdict it asks of `Step.decide` once). Anything else declines, before any
 modified, and the full step runs and remembers anew. `replay` checks what only Python sees
 first: the param groups, the optimizer's clip settings, a closure, a clip apart from the step,
 the switch's text and torch modes (what `singlepass.verdicts.off_reason` reads), a fork, the
-kernel build and the verdict cache: every function a replayed step calls lives in this module,
-`cotangent.adamw` (`run_step`) or `cotangent._compat`, then in C++.
+kernel build and the verdict cache. Once the plan holds the verdict for the clip coefficient's
+float32 class, every function a replayed step calls lives in this module, `cotangent.adamw`
+(`run_step`) or `cotangent._compat`, then in C++; the first replay of a plan, or a coefficient
+of a class it has not met, asks `singlepass.Step.decide` once from C++.
 """
 
 from __future__ import annotations
