@@ -1205,3 +1205,97 @@ def test_default_dtype_float64_before_the_probes_keeps_natives_bits_and_the_sing
         for problem, errors, path in runs:
             assert problem is None and errors == [None, None], (impl, problem, errors)
             assert path == "single-pass", (impl, path)
+
+
+# ------------------------------------------------------------------ containers with their own protocol
+
+class _SkipsFirst(list):
+    """A list whose iteration leaves out its first entry (native iterates it)."""
+
+    def __iter__(self):
+        return iter(list.__getitem__(self, slice(1, None)))
+
+
+class _HalvedLr(dict):
+    """A param group that reads its lr through ``__getitem__`` at half the stored value."""
+
+    def __getitem__(self, key):
+        value = super().__getitem__(key)
+        return value * 0.5 if key == "lr" else value
+
+
+def _mlp_pair(impl, group=None):
+    from cases import HP, IMPLS, mlp
+
+    m1 = mlp()
+    m2 = copy.deepcopy(m1)
+    make = (lambda m: list(m.parameters())) if group is None else (
+        lambda m: [group(params=list(m.parameters()))])
+    ref = cotangent.ReferenceUpdate(make(m1), max_norm=0.05, **HP, **IMPLS[impl])
+    opt = cotangent.AdamW(make(m2), max_norm=0.05, **HP, **IMPLS[impl])
+    return m1, ref, m2, opt
+
+
+@pytest.mark.parametrize("impl", ["for-loop", "foreach", "fused"])
+def test_a_params_list_subclass_is_refused_before_anything_moves(impl):
+    """A review's input: ``group["params"]`` replaced by a list subclass whose iteration
+    differs from its storage (native iterates it; the C++ readers read the storage) made the
+    full step create state for other parameters than native's and, with fused, corrupt the heap.
+    Now a TypeError before anything is modified, on a full step and on one the last step
+    planned (the replay declines a params list that is not exactly a list)."""
+    from cases import square
+
+    m1, ref, m2, opt = _mlp_pair(impl)
+    lockstep(m1, ref, m2, opt, 3, f"before ({impl})")
+    assert opt.update_path()["replayed"]
+    opt.zero_grad()
+    square(m2, torch.randn(4, 8), 0).backward()
+    opt.param_groups[0]["params"] = _SkipsFirst(opt.param_groups[0]["params"])
+    params = list(list.__iter__(opt.param_groups[0]["params"]))  # (its storage: all four)
+    before = [(p.detach().clone(), p.grad.clone()) for p in params]
+    states = {id(p): {k: v.clone() for k, v in opt.state[p].items()} for p in params}
+    with pytest.raises(TypeError, match="'params' is a _SkipsFirst, not a list"):
+        opt.step()
+    for p, (value, grad) in zip(params, before):
+        assert_same_bits(p.detach(), value, "parameter after the refusal")
+        assert_same_bits(p.grad, grad, "gradient after the refusal")
+        for key, kept in states[id(p)].items():
+            assert_same_bits(opt.state[p][key], kept, f"{key} after the refusal")
+
+
+@pytest.mark.parametrize("impl", ["for-loop", "foreach", "fused"])
+def test_a_param_group_reading_through_getitem_is_followed_and_never_replayed(impl):
+    """A review's input: a param group of a dict subclass whose ``__getitem__`` changes the lr.
+    Native reads through it, and so does the full step; the replay read the dict's storage and
+    stepped with the stored lr (different bytes, no error). Now such a group never replays:
+    native's bytes at every step (CPU, float32, torch 2.13.0)."""
+    m1, ref, m2, opt = _mlp_pair(impl, group=_HalvedLr)
+    replayed = []
+    lockstep(m1, ref, m2, opt, 5, f"dict subclass group ({impl})",
+             after_step=lambda step: replayed.append(opt.update_path()["replayed"]))
+    assert replayed == [False] * 5, replayed
+    assert opt.update_path()["path"] == "single-pass", opt.update_path()
+
+
+def test_a_max_norm_past_floats_range_after_a_plan_raises_natives_error():
+    """A review's input: ``max_norm`` set to an int no float holds (2**1100) after a step made
+    a plan: native's clip raises OverflowError, and so does Cotangent's step (the replay
+    declines; it raised struct.error), nothing modified."""
+    from cases import square
+
+    m1, ref, m2, opt = _mlp_pair("fused")
+    lockstep(m1, ref, m2, opt, 3, "before")
+    assert opt.update_path()["replayed"]
+    for m in (m1, m2):
+        m.zero_grad()
+        square(m, torch.randn(4, 8, generator=torch.Generator().manual_seed(3)), 0).backward()
+    with pytest.raises(OverflowError) as native:
+        torch.nn.utils.clip_grad_norm_(m1.parameters(), 2 ** 1100)
+    opt.max_norm = 2 ** 1100
+    before = [(p.detach().clone(), p.grad.clone()) for p in m2.parameters()]
+    with pytest.raises(OverflowError) as ours:
+        opt.step()
+    assert str(ours.value) == str(native.value)
+    for p, (value, grad) in zip(m2.parameters(), before):
+        assert_same_bits(p.detach(), value, "parameter after the error")
+        assert_same_bits(p.grad, grad, "gradient after the error")

@@ -182,14 +182,24 @@ SETTINGS_READ = ("betas", "amsgrad", "lr", "weight_decay", "eps", "maximize", "f
 
 def refuse_missing_settings(group: dict) -> None:
     """Native's KeyError for a setting deleted from a param group (the first it would read),
-    raised here before anything is modified.
+    and a ``"params"`` entry of another type than list or tuple (a list subclass may iterate
+    or index otherwise than its storage, which the C++ readers read), raised here before
+    anything is modified.
 
     Raises:
         KeyError: the setting's name.
+        TypeError: ``"params"`` is not a list or tuple.
     """
     for key in SETTINGS_READ:
         if key not in group:
             raise KeyError(key)
+    params = group["params"]
+    if type(params) not in (list, tuple):
+        raise TypeError(
+            f"a param group's 'params' is a {type(params).__name__}, not a list: cotangent.AdamW "
+            "reads a group's parameters as a list or tuple (torch.optim's add_param_group makes "
+            "it a list; a subclass's own iteration or indexing is not followed); assign "
+            "list(...)")
 
 
 def refuse_tensor_lr_with_foreach(group: dict) -> None:

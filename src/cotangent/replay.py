@@ -72,7 +72,10 @@ class Plan:
 def _max_norm(opt: AdamW) -> bytes | None:
     """``max_norm`` as a float's bytes (-0.0 is not 0.0; an int as its float), else None."""
     value = opt.max_norm
-    return struct.pack("d", value) if type(value) in (float, int) else None
+    try:
+        return struct.pack("d", value) if type(value) in (float, int) else None
+    except (OverflowError, struct.error):  # (an int past float's range: the full step raises)
+        return None
 
 
 def _same_settings(opt: AdamW, p: Plan) -> bool:
@@ -98,6 +101,8 @@ def remember(opt: AdamW, calls: list[Call], cut: StepClip | None, clip: bool,
             or prepared.dtype is not torch.float32 or not prepared.float32_steps
             or not prepared.disjoint or len(opt.param_groups) != 1
             or opt.param_groups[0] is not group or step._team is None
+            or type(opt.param_groups) is not list or type(group) is not dict
+            or type(group["params"]) is not list
             or getattr(opt, "grad_scale", None) is not None
             or getattr(opt, "found_inf", None) is not None):
         return None

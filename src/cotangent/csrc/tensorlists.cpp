@@ -573,7 +573,7 @@ class Replay {
     // 2. the lists, read and checked
     py::object params = py::reinterpret_borrow<py::object>(
         PyDict_GetItemString(group_.ptr(), "params"));
-    if (!params || !PyList_Check(params.ptr())) return py::none();
+    if (!params || !PyList_CheckExact(params.ptr())) return py::none();
     py::object read = read_group(params.cast<py::list>(), state, amsgrad_,
                                  at::GradMode::is_enabled());
     if (read.is_none()) return py::none();
