@@ -335,19 +335,24 @@ class Side:
         self.opts.append(opt)
         return opt
 
-    def clip(self, params=None) -> None:
-        """Where native code calls `clip_grad_norm_(model.parameters(), MAX_NORM)`."""
+    def clip(self, params=None, max_norm: float = MAX_NORM) -> None:
+        """Where native code calls `clip_grad_norm_(params or model.parameters(), max_norm)`."""
         if self.native:
             params = self.model.parameters() if params is None else params
-            self.norms.append(torch.nn.utils.clip_grad_norm_(params, MAX_NORM))
+            self.norms.append(torch.nn.utils.clip_grad_norm_(params, max_norm))
 
     def stepped(self, opt) -> None:
         """After a clipping `opt.step()`: the norm Cotangent's step computed."""
         if not self.native:
             self.norms.append(opt.last_total_norm)
 
-    def step(self, opt, params=None) -> None:
-        self.clip(params)
+    def step(self, opt, params=None, max_norm: float | None = MAX_NORM) -> None:
+        """Native's clip (of `params`, default the model's) then `opt.step()`; Cotangent's
+        `opt.step()` clipping itself. `max_norm` None: no clip."""
+        if max_norm is None:
+            opt.step()
+            return
+        self.clip(params, max_norm)
         opt.step()
         self.stepped(opt)
 
@@ -516,11 +521,7 @@ def lockstep_params(params_n, opt_n, params_o, opt_o, steps: int, what: str, *, 
                 drawn[step] = grads(step)
             for p, g in zip(params, drawn[step], strict=True):
                 p.grad = None if g is None else g.clone()
-            if max_norm is not None and side.native:
-                side.norms.append(torch.nn.utils.clip_grad_norm_(params, max_norm))
-            o.step()
-            if max_norm is not None and not side.native:
-                side.norms.append(o.last_total_norm)
+            side.step(o, params, max_norm)
             yield step
 
     drive(loop, native, ours, what)

@@ -106,11 +106,7 @@ def _run_config(rank: int, cfg: dict) -> list[str]:
                 last = k == micro - 1
                 with (ddp.no_sync() if not last else torch.enable_grad()):
                     ddp(x, cfg["unused"] and rank == 0).square().mean().backward()
-            if side.native:
-                side.norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
-            opt.step()
-            if not side.native:
-                side.norms.append(opt.last_total_norm)
+            side.step(opt, max_norm=0.05)
             yield step
 
     return _driven(str(cfg), loop, *sides)
@@ -214,13 +210,9 @@ def _zero_loop(rank: int, unused: bool, inputs: list, wrapped: dict):
             if isinstance(holder, _WithExtra):
                 extra = holder.extra
                 extra.grad = torch.linspace(-1.0, 1.0, extra.numel()).reshape(extra.shape) * (i + 1)
-            if side.native:  # (the model's parameters, then the added one: param-group order)
-                clipped = list(model.parameters()) + (
-                    [holder.extra] if isinstance(holder, _WithExtra) else [])
-                side.norms.append(torch.nn.utils.clip_grad_norm_(clipped, 0.05))
-            opt.step()
-            if not side.native:
-                side.norms.append(opt.last_total_norm)
+            # (native clips the model's parameters, then the added one: param-group order)
+            side.step(opt, list(model.parameters()) + (
+                [holder.extra] if isinstance(holder, _WithExtra) else []), 0.05)
             yield i
     return loop
 
@@ -449,11 +441,8 @@ def _zero_in_place_checks(rank: int, world: int) -> list[str]:
                 problems.append("a .grad survived zero_grad()")
             wrapped[model](x, False).square().mean().backward()
             grads = [q.grad for q in model.parameters()]
-            if side.native:
-                side.norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05))
-            opt.step()
+            side.step(opt, max_norm=0.05)
             if not side.native:
-                side.norms.append(opt.last_total_norm)
                 if any(g is not q.grad for g, q in zip(grads, model.parameters())):
                     problems.append("step() replaced a .grad (autograd's tensor must stay)")
             yield i
@@ -482,11 +471,7 @@ def _zero_in_place_checks(rank: int, world: int) -> list[str]:
                     p.grad = fill.clone() if p.grad is None else p.grad.copy_(fill)
                 else:
                     g.copy_(fill)
-            if side.native:
-                side.norms.append(torch.nn.utils.clip_grad_norm_(params, 0.5))
-            opt.step()
-            if not side.native:
-                side.norms.append(opt.last_total_norm)
+            side.step(opt, params, 0.5)
             yield i
 
     problems += _driven("refilled gradients", refilled,

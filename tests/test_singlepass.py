@@ -499,11 +499,7 @@ def native_vs_cotangent(*, foreach: bool, steps: int = 4, max_norm=None, special
             if specials:
                 for p in model.parameters():
                     write_specials(p.grad, step)
-            if max_norm is not None and side.native:
-                side.norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
-            o.step()
-            if max_norm is not None and not side.native:
-                side.norms.append(o.last_total_norm)
+            side.step(o, max_norm=max_norm)
             yield step
             o.zero_grad()
 
