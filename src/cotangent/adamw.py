@@ -3,7 +3,8 @@ tensor where the user and autograd left it.
 
 This module is the optimizer's surface: construction, `step()` (torch's hooks around
 `run_step`: the last step's plan replayed, `cotangent.replay`, or `cotangent.update.update`,
-the whole step read top to bottom: gather, clip, plan, multiply, update), `zero_grad()`, `clip_grad_norm_()`, state dicts, pickling, ZeRO-1's consolidation.
+the whole step read top to bottom: gather, clip, plan, multiply, update), `zero_grad()`,
+`clip_grad_norm_()`, state dicts, pickling, ZeRO-1's consolidation.
 What a step works on is gathered and checked in `cotangent.gather`; the clip is
 `cotangent.clip.clip_norm`; the kernel is `cotangent.singlepass`. Nothing is packed, copied
 or tracked (ZeRO-1's broadcast buckets aside: `cotangent.sharding`): after `zero_grad()` every

@@ -113,7 +113,7 @@ def gather_calls(opt: AdamW, shares: sharding.Shares | None
     if len(opt._checked) > 4 * len(state) + 64:
         opt._checked.clear()  # (entries of parameters long gone)
     for group in opt.param_groups:
-        refuse_missing_settings(group)
+        refuse_unread_group_entries(group)
         if group["capturable"] or group["differentiable"]:
             raise NotImplementedError(
                 "cotangent.AdamW supports capturable=False and differentiable=False only")
@@ -180,7 +180,7 @@ SETTINGS_READ = ("betas", "amsgrad", "lr", "weight_decay", "eps", "maximize", "f
                  "capturable", "differentiable", "fused", "decoupled_weight_decay")
 
 
-def refuse_missing_settings(group: dict) -> None:
+def refuse_unread_group_entries(group: dict) -> None:
     """Native's KeyError for a setting deleted from a param group (the first it would read),
     and a ``"params"`` entry of another type than list or tuple (a list subclass may iterate
     or index otherwise than its storage, which the C++ readers read), raised here before
